@@ -1,0 +1,50 @@
+# The two commands of the README: `make demo` and `make test`. Everything they need is installed here.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TOOLS   := .cache/debian
+# Debian's prometheus packages, unpacked (not installed: installing would start their services).
+PROMETHEUS   := $(TOOLS)/usr/bin/prometheus
+ALERTMANAGER := $(TOOLS)/usr/bin/prometheus-alertmanager
+export VRAMWATCH_TOOLS_DIR := $(abspath $(TOOLS))/usr/bin
+
+.PHONY: demo test venv tools lint docs check-generated gpu-test clean
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,dashboards,report]'
+	touch $@
+
+tools: $(PROMETHEUS) $(ALERTMANAGER)
+$(PROMETHEUS) $(ALERTMANAGER):
+	mkdir -p $(TOOLS)/debs
+	apt-get update -qq
+	cd $(TOOLS)/debs && apt-get download prometheus prometheus-alertmanager
+	for f in $(TOOLS)/debs/*.deb; do dpkg-deb -x $$f $(TOOLS); done
+	touch $(PROMETHEUS) $(ALERTMANAGER)
+
+demo: venv
+	$(BIN)/vramwatch demo $(DEMO_ARGS)
+
+test: venv tools
+	$(BIN)/ruff check vramwatch tests
+	$(BIN)/python -m vramwatch docs --check
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check vramwatch tests
+
+docs: venv
+	$(BIN)/python -m vramwatch docs
+
+check-generated: venv
+	$(BIN)/python -m vramwatch docs --check
+
+gpu-test: venv
+	$(BIN)/pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) .cache

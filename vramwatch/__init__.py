@@ -1,0 +1,93 @@
+"""vramwatch: the CUDA caching allocator and NVML as a Prometheus target, from inside a PyTorch job.
+
+    import vramwatch
+    vramwatch.start()          # once per process, every rank
+    for batch in loader:
+        ...
+        vramwatch.step()       # the heartbeat
+
+Importing vramwatch imports neither torch nor any training framework.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterable, Iterator, TypeVar
+
+from vramwatch._version import __version__
+from vramwatch.config import ConfigError, Settings
+
+__all__ = ["ConfigError", "Handle", "Settings", "__version__", "current", "start", "step", "stop", "track"]
+
+T = TypeVar("T")
+_lock = threading.Lock()
+_handle: Any = None
+log = logging.getLogger("vramwatch")
+
+
+def start(**settings: Any) -> "Handle":
+    """Start the exporter in this process (idempotent; safe in every rank).
+
+    Raises ``ConfigError`` for an unknown key or a bad value, naming the key and
+    its source. After it returns, nothing vramwatch does raises into the caller.
+    """
+    global _handle
+    from vramwatch import config
+    from vramwatch.runtime import Handle
+
+    resolved, sources = config.load(settings)  # the one place that may raise
+    with _lock:
+        if _handle is not None:
+            if settings and resolved != _handle.settings:
+                log.warning("vramwatch.start() called again with other settings; keeping the first")
+            return _handle
+        logging.getLogger("vramwatch").setLevel(resolved.log_level)
+        h = Handle(resolved, sources)
+        try:
+            h.start()
+        except Exception as e:  # noqa: BLE001 - a broken exporter must not stop the job
+            log.warning("vramwatch: could not start: %r", e)
+        _handle = h
+        return h
+
+
+def stop() -> None:
+    """Stop sampling and withdraw this process's series."""
+    global _handle
+    with _lock:
+        h, _handle = _handle, None
+    if h is not None:
+        try:
+            h.stop()
+        except Exception as e:  # noqa: BLE001
+            log.warning("vramwatch: stop failed: %r", e)
+
+
+def step(loss: Any = None, grad_norm: Any = None) -> None:
+    """Report one training step (the heartbeat). Costs about a microsecond; never raises."""
+    h = _handle
+    if h is not None:
+        try:
+            h.heartbeat.step(loss, grad_norm)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def track(iterable: Iterable[T]) -> Iterator[T]:
+    """Yield from ``iterable``, reporting a step after each item is processed."""
+    for item in iterable:
+        yield item
+        step()
+
+
+def current() -> "Handle | None":
+    return _handle
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Handle":
+        from vramwatch.runtime import Handle
+
+        return Handle
+    raise AttributeError(name)

@@ -1,0 +1,5 @@
+import sys
+
+from vramwatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""``vramwatch`` command line: parses, then dispatches to functions taking Settings.
+
+Subcommands: serve, demo, config, docs, and (from their own modules) alerts,
+dashboards, report. Every setting is also a flag (``--port``, ``--web.config.file``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+from typing import Any, Sequence
+
+from vramwatch import config
+from vramwatch.config import ConfigError, Settings
+
+# subcommand -> module providing add_arguments(parser) and run(args) -> int
+_PLUGINS = {
+    "alerts": ("vramwatch.alerts.cli", "print the alert rules (Prometheus rule file or PrometheusRule)"),
+    "dashboards": ("vramwatch.dashboards.cli", "write the Grafana dashboards as JSON"),
+    "report": ("vramwatch.report", "render the dashboards from a Prometheus into one HTML file"),
+}
+_FLAG_ALIASES = {"web_config_file": ["--web.config.file"]}
+
+
+def _add_settings_flags(p: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
+    g = p.add_argument_group("settings (override VRAMWATCH_* and the config file)")
+    for f in dataclasses.fields(Settings):
+        if only is not None and f.name not in only:
+            continue
+        flags = ["--" + f.name.replace("_", "-")] + _FLAG_ALIASES.get(f.name, [])
+        g.add_argument(*flags, dest="setting_" + f.name, default=None, metavar=type(f.default).__name__.upper(),
+                       help=f"{f.metadata.get('doc', '')} (default: {f.default!r})")
+
+
+def settings_from_args(args: argparse.Namespace, **fixed: Any) -> tuple[Settings, dict[str, str]]:
+    kwargs = {k[len("setting_"):]: v for k, v in vars(args).items() if k.startswith("setting_") and v is not None}
+    kwargs.update(fixed)
+    return config.load(kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vramwatch", description="PyTorch GPU memory telemetry for Prometheus.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the node's scrape server")
+    s.add_argument("--exit-when-idle", action="store_true",
+                   help="exit once no rank has published for --linger seconds (how ranks start it)")
+    _add_settings_flags(s)
+
+    d = sub.add_parser("demo", help="a short training job with the exporter (simulated GPU without CUDA)")
+    d.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until interrupted)")
+    d.add_argument("--ranks", type=int, default=2, help="simulated ranks (simulated GPU only)")
+    d.add_argument("--real", choices=("auto", "yes", "no"), default="auto",
+                   help="train on a real CUDA GPU (auto: when one is present)")
+    _add_settings_flags(d)
+
+    c = sub.add_parser("config", help="show each setting's value and where it came from")
+    _add_settings_flags(c)
+
+    doc = sub.add_parser("docs", help="regenerate the metric tables (README.md, docs/METRICS.md)")
+    doc.add_argument("--check", action="store_true", help="fail if they are out of date")
+
+    for name, (module, help_) in _PLUGINS.items():
+        sp = sub.add_parser(name, help=help_)
+        try:
+            importlib.import_module(module).add_arguments(sp)
+        except ImportError:
+            sp.set_defaults(_missing=module)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "serve":
+            from vramwatch.exporter.server import serve
+
+            settings, _ = settings_from_args(args)
+            logging.getLogger("vramwatch").setLevel(min(logging.INFO, logging.getLevelName(settings.log_level)))
+            return serve(settings, exit_when_idle=args.exit_when_idle)
+        if args.command == "demo":
+            from vramwatch.demo import run_demo
+
+            return run_demo(args)
+        if args.command == "config":
+            settings, sources = settings_from_args(args)
+            for f in dataclasses.fields(settings):
+                print(f"{f.name:24} {getattr(settings, f.name)!r:32} {sources[f.name]}")
+            return 0
+        if args.command == "docs":
+            from vramwatch.docs import regenerate
+
+            return regenerate(check=args.check)
+        if getattr(args, "_missing", None):
+            print(f"vramwatch {args.command}: needs {args._missing}, which is not installed", file=sys.stderr)
+            return 2
+        return importlib.import_module(_PLUGINS[args.command][0]).run(args)
+    except ConfigError as e:
+        print(f"vramwatch: {e}", file=sys.stderr)
+        return 2

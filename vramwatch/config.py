@@ -1,0 +1,248 @@
+"""One typed, frozen configuration with one precedence.
+
+Highest first: keyword arguments to ``start()`` (or CLI flags), ``VRAMWATCH_*``
+environment variables, the YAML file named by ``config_file`` /
+``VRAMWATCH_CONFIG_FILE``, then the defaults below. Every error names the key,
+the value and the source it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+ENV_PREFIX = "VRAMWATCH_"
+DEFAULT_PORT = 9488
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or invalid; raised by ``start()`` before the job runs."""
+
+
+def _port(v: int) -> None:
+    if not 1 <= v <= 65535:
+        raise ValueError("must be 1-65535")
+
+
+def _positive(v: float) -> None:
+    if not v > 0:
+        raise ValueError("must be > 0")
+
+
+def _non_negative(v: float) -> None:
+    if v < 0:
+        raise ValueError("must be >= 0")
+
+
+def _ratio(v: float) -> None:
+    if not 0 < v <= 1:
+        raise ValueError("must be in (0, 1]")
+
+
+def _host(v: str) -> None:
+    if not v:
+        raise ValueError("must not be empty")
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        if v != "localhost" and not all(part.isalnum() or "-" in part for part in v.split(".")):
+            raise ValueError("must be an IP address or host name") from None
+
+
+def _choice(*options: str) -> Callable[[str], None]:
+    def check(v: str) -> None:
+        if v not in options:
+            raise ValueError("must be one of " + ", ".join(options))
+
+    return check
+
+
+def _label_value(v: str) -> None:
+    if len(v) > 128:
+        raise ValueError("must be at most 128 characters")
+
+
+def _opt(default: Any, doc: str, check: Callable[[Any], None] | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "check": check})
+
+
+@dataclass(frozen=True)
+class Settings:
+    port: int = _opt(DEFAULT_PORT, "TCP port of the node's one scrape target.", _port)
+    host: str = _opt("127.0.0.1", "Address the server binds. Loopback by default: set 0.0.0.0 (with a "
+                     "NetworkPolicy or firewall) for a cluster scrape.", _host)
+    serve: str = _opt("auto", "auto: a rank starts the node's server when none runs; external: a sidecar "
+                      "or `vramwatch serve` runs it; off: publish nothing.", _choice("auto", "external", "off"))
+    spool_dir: str = _opt("", "Where ranks publish samples for the server (default "
+                          "/dev/shm/vramwatch-<port>, a tmpfs shared by the node's ranks).")
+    interval: float = _opt(1.0, "Seconds between allocator samples in each rank.", _positive)
+    largest_block_interval: float = _opt(30.0, "Seconds between allocator snapshots for the largest "
+                                         "free block (they walk every block; 0 turns them off).",
+                                         _non_negative)
+    nvml: bool = _opt(True, "Collect NVML device readings in the server.")
+    nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _positive)
+    nvml_slow_interval: float = _opt(10.0, "Seconds between slow NVML reads (energy, PCIe replays, "
+                                     "ECC, remapped rows, processes).", _positive)
+    gpus: str = _opt("all", "all: every GPU of the node; job: only GPUs a rank uses.", _choice("all", "job"))
+    xid: bool = _opt(True, "Watch Xid events on every GPU.")
+    processes: bool = _opt(True, "Count foreign compute processes on the job's GPUs.")
+    simulate: bool = _opt(False, "Use the simulated GPU instead of torch and NVML (tests, demo).")
+    hostname: str = _opt("", "hostname label (default: this host's name).", _label_value)
+    rank: int = _opt(-1, "Global rank (default: from RANK, SLURM_PROCID, ...).", None)
+    local_rank: int = _opt(-1, "Local rank (default: from LOCAL_RANK, SLURM_LOCALID, ...).", None)
+    world_size: int = _opt(-1, "World size (default: from WORLD_SIZE, SLURM_NTASKS, ...).", None)
+    max_ranks: int = _opt(64, "Most ranks one target serves; more are dropped (bounded cardinality).",
+                          _positive)
+    linger: float = _opt(10.0, "Seconds a rank-started server stays up after the last rank left.",
+                         _non_negative)
+    max_connections: int = _opt(8, "Concurrent HTTP requests served; more get 503.", _positive)
+    web_config_file: str = _opt("", "exporter-toolkit web config (TLS, basic auth).")
+    status_every: int = _opt(0, "Print a status line every N steps (0: off).", _non_negative)
+    status_all_ranks: bool = _opt(False, "Status line on every rank, not only rank 0.")
+    oom_snapshot_dir: str = _opt("", "Write a memory snapshot on OOM into this directory (empty: off).")
+    oom_history_entries: int = _opt(0, "Allocator history entries to keep for OOM snapshots "
+                                    "(0: no history, it costs).", _non_negative)
+    oom_snapshot_max_files: int = _opt(5, "Most OOM snapshots kept in the directory.", _positive)
+    oom_snapshot_max_bytes: int = _opt(1 << 30, "Most bytes of OOM snapshots kept in the directory.",
+                                       _positive)
+    reclaim_threshold: float = _opt(0.0, "Empty the cache between steps when reserved passes this share "
+                                    "of the memory limit (0: off).", _non_negative)
+    log_level: str = _opt("WARNING", "Logging level of the vramwatch logger.",
+                          _choice("DEBUG", "INFO", "WARNING", "ERROR"))
+    config_file: str = _opt("", "YAML file of settings (keys as here).")
+
+    def resolved_spool_dir(self) -> str:
+        if self.spool_dir:
+            return self.spool_dir
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+        return os.path.join(base, f"vramwatch-{self.port}")
+
+    def resolved_hostname(self) -> str:
+        return self.hostname or socket.gethostname()
+
+    def to_env(self) -> dict[str, str]:
+        """The settings that differ from the defaults, as VRAMWATCH_* variables."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v != f.default and f.name != "config_file":
+                out[ENV_PREFIX + f.name.upper()] = _to_text(v)
+        return out
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Settings)}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _to_text(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    f = FIELDS[name]
+    kind = type(f.default)
+
+    def fail(why: str) -> ConfigError:
+        return ConfigError(f"invalid setting {name}={raw!r} (from {source}): {why}")
+
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                value = raw
+            elif isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+                value = raw.strip().lower() in _TRUE
+            else:
+                raise fail("must be true or false")
+        elif kind is int:
+            if isinstance(raw, bool) or isinstance(raw, float) and not raw.is_integer():
+                raise fail("must be an integer")
+            value = int(raw.strip() if isinstance(raw, str) else raw)
+        elif kind is float:
+            if isinstance(raw, bool):
+                raise fail("must be a number")
+            value = float(raw.strip() if isinstance(raw, str) else raw)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise fail("must be a finite number")
+        else:
+            if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+                raise fail("must be a string")
+            value = str(raw)
+            if "\x00" in value:
+                raise fail("must not contain NUL")
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError):
+        raise fail(f"must be {'an integer' if kind is int else 'a number'}") from None
+    check = f.metadata.get("check")
+    if check is not None:
+        try:
+            check(value)
+        except ValueError as e:
+            raise fail(str(e)) from None
+    return value
+
+
+def _from_file(path: str, source: str) -> dict[str, Any]:
+    import yaml  # lazily: only when a file is named
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as e:
+        raise ConfigError(f"invalid setting config_file={path!r} (from {source}): {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid setting config_file={path!r} (from {source}): not YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid setting config_file={path!r} (from {source}): must hold a mapping")
+    return data
+
+
+def load(kwargs: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> tuple[Settings, dict[str, str]]:
+    """Resolve settings; returns them and, per key, the source it came from."""
+    kwargs = dict(kwargs or {})
+    env = os.environ if env is None else env
+    layers: list[tuple[str, dict[str, Any]]] = []
+
+    for key in kwargs:
+        if key not in FIELDS:
+            raise ConfigError(f"unknown setting {key!r} (from argument)")
+    env_values: dict[str, Any] = {}
+    for var, raw in env.items():
+        if var.startswith(ENV_PREFIX):
+            key = var[len(ENV_PREFIX):].lower()
+            if key not in FIELDS:
+                raise ConfigError(f"unknown setting {key!r} (from {var})")
+            env_values[key] = raw
+
+    path, path_source = "", ""
+    if "config_file" in kwargs and kwargs["config_file"]:
+        path, path_source = str(kwargs["config_file"]), "argument"
+    elif env_values.get("config_file"):
+        path, path_source = env_values["config_file"], ENV_PREFIX + "CONFIG_FILE"
+    if path:
+        file_source = f"file {path}"
+        file_values = _from_file(path, path_source)
+        for key in file_values:
+            if not isinstance(key, str) or key not in FIELDS or key == "config_file":
+                raise ConfigError(f"unknown setting {key!r} (from {file_source})")
+        layers.append((file_source, file_values))
+    layers.append(("env", env_values))
+    layers.append(("argument", kwargs))
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {name: "default" for name in FIELDS}
+    for source, layer in layers:
+        for key, raw in layer.items():
+            label = ENV_PREFIX + key.upper() if source == "env" else source
+            values[key] = _coerce(key, raw, label)
+            sources[key] = label
+    return Settings(**values), sources

@@ -1,0 +1,104 @@
+"""``vramwatch demo``: a short training job with the exporter attached.
+
+On a machine with a CUDA GPU it trains a small MLP there; otherwise it runs
+the simulated GPU's scenario with several ranks, all served by one target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+from vramwatch import cli
+from vramwatch.sim.state import SimNode, state_path
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    real = args.real == "yes" or (args.real == "auto" and _has_cuda())
+    settings, _ = cli.settings_from_args(args, simulate=not real)
+    end = time.time() + args.duration if args.duration > 0 else float("inf")
+    url = f"http://{settings.host if settings.host != '0.0.0.0' else '127.0.0.1'}:{settings.port}/metrics"
+    if real:
+        return _real(settings, end, url)
+    return _simulated(settings, args.ranks, end, url)
+
+
+def _real(settings, end: float, url: str) -> int:
+    import torch
+
+    import vramwatch
+
+    vramwatch.start(**{k: getattr(settings, k) for k in ("port", "host", "interval")})
+    print(f"vramwatch demo: training an MLP on {torch.cuda.get_device_name(0)}; scrape {url}", flush=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(256, 4096, device="cuda")
+    step = 0
+    try:
+        while time.time() < end:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            vramwatch.step(loss=loss.detach())
+            if step % 500 == 0:
+                print(f"step {step}", flush=True)
+    except KeyboardInterrupt:
+        pass
+    vramwatch.stop()
+    return 0
+
+
+def _simulated(settings, ranks: int, end: float, url: str) -> int:
+    from vramwatch.sim.scenario import CYCLE, PHASES, drive_node
+
+    spool_dir = settings.resolved_spool_dir()
+    os.makedirs(spool_dir, mode=0o700, exist_ok=True)
+    node = SimNode.default(ranks)
+    node.save(state_path(spool_dir))
+    t0 = time.time()
+    env = dict(os.environ)
+    env.update(settings.to_env())
+    env["VRAMWATCH_SIMULATE"] = "true"
+    env["WORLD_SIZE"] = str(ranks)
+    procs = []
+    for r in range(ranks):
+        e = dict(env, RANK=str(r), LOCAL_RANK=str(r), CUDA_VISIBLE_DEVICES=str(r))
+        cmd = [sys.executable, "-m", "vramwatch.sim.scenario", "--t0", str(t0)]
+        if r == ranks - 1:
+            cmd.append("--stall")
+        procs.append(subprocess.Popen(cmd, env=e))
+    phases = ", ".join(f"{n} at {s:.0f}s" for s, n in PHASES)
+    print(f"vramwatch demo: {ranks} simulated ranks on {ranks} simulated GPUs, one target: {url}", flush=True)
+    print(f"  scenario ({CYCLE:.0f}s cycle, repeating): {phases}; the last rank stalls", flush=True)
+    print("  Ctrl-C to stop" + (f", or it ends in {end - t0:.0f}s" if end != float("inf") else ""), flush=True)
+    stalled = {ranks - 1}
+    try:
+        while time.time() < end and all(p.poll() is None for p in procs):
+            drive_node(node, time.time() - t0, stalled)
+            node.save(state_path(spool_dir))
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    print("vramwatch demo: done", flush=True)
+    return 0

@@ -1,0 +1,76 @@
+"""Generated documentation: the metric tables come from the contract, never typed twice."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from vramwatch import contract
+
+BEGIN = "<!-- BEGIN GENERATED METRICS (vramwatch docs) -->"
+END = "<!-- END GENERATED METRICS -->"
+_SECTIONS = (
+    ("allocator", "Allocator (in each rank, per CUDA device it initialised)"),
+    ("heartbeat", "Heartbeat (per rank)"),
+    ("nvml", "Device (NVML, in the server, per GPU)"),
+    ("processes", "Processes on the GPU"),
+    ("xid", "Xid events"),
+    ("self", "Self-health"),
+)
+
+
+def metric_table(with_absent: bool = False) -> str:
+    lines = []
+    for collector, title in _SECTIONS:
+        rows = [m for m in contract.METRICS if m.collector == collector]
+        if not rows:
+            continue
+        lines.append(f"**{title}**\n")
+        head = "| name | type | labels | meaning |" + (" absent when |" if with_absent else "")
+        lines.append(head)
+        lines.append("|---" * (5 if with_absent else 4) + "|")
+        for m in rows:
+            labels = ", ".join(f"`{x}`" for x in m.labels) or "—"
+            row = f"| `{m.name}` | {m.type} | {labels} | {m.help} |"
+            if with_absent:
+                row += f" {m.absent_when or '—'} |"
+            lines.append(row)
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def metrics_doc() -> str:
+    return ("# Metrics\n\nGenerated from `vramwatch/contract.py` by `vramwatch docs`; do not edit by hand.\n"
+            "Units are Prometheus base units (bytes, seconds, watts, joules, celsius, hertz, ratios 0..1).\n"
+            "Info families are gauges of value 1 whose labels carry the information.\n\n"
+            + metric_table(with_absent=True))
+
+
+def _splice(text: str, table: str) -> str:
+    if BEGIN not in text or END not in text:
+        raise ValueError("README.md lacks the generated-metrics markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{table}{END}{tail}"
+
+
+def regenerate(check: bool = False, root: str | None = None) -> int:
+    root = root or os.getcwd()
+    targets = {
+        os.path.join(root, "README.md"): lambda old: _splice(old, metric_table()),
+        os.path.join(root, "docs", "METRICS.md"): lambda old: metrics_doc(),
+    }
+    stale = []
+    for path, render in targets.items():
+        old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+        new = render(old)
+        if new != old:
+            stale.append(path)
+            if not check:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w", encoding="utf-8") as fh:
+                    fh.write(new)
+    if check and stale:
+        print("out of date (run `vramwatch docs`): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,226 @@
+"""In-rank allocator sampler: the caching allocator's stats, read without touching CUDA state.
+
+Rules (see the reference notes on torch and NVML): read nothing until
+``torch.cuda.is_initialized()``; then only devices that hold a primary context;
+always with an explicit index; never ``mem_get_info``, ``set_device``,
+``synchronize`` or ``reset_peak_memory_stats``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Protocol
+
+# Contract name -> path into the nested memory_stats dict. The one place the
+# allocator's key names appear; metric names never derive from them.
+GAUGE_KEYS: dict[str, tuple[str, ...]] = {
+    "torch_cuda_memory_allocated_bytes": ("allocated_bytes", "all", "current"),
+    "torch_cuda_memory_reserved_bytes": ("reserved_bytes", "all", "current"),
+    "torch_cuda_memory_active_bytes": ("active_bytes", "all", "current"),
+    "torch_cuda_memory_inactive_split_bytes": ("inactive_split_bytes", "all", "current"),
+    "torch_cuda_memory_requested_bytes": ("requested_bytes", "all", "current"),
+    "torch_cuda_memory_peak_allocated_bytes": ("allocated_bytes", "all", "peak"),
+    "torch_cuda_memory_peak_reserved_bytes": ("reserved_bytes", "all", "peak"),
+    "torch_cuda_memory_segments": ("segment", "all", "current"),
+}
+COUNTER_KEYS: dict[str, tuple[str, ...]] = {
+    "torch_cuda_memory_alloc_retries_total": ("num_alloc_retries",),
+    "torch_cuda_memory_ooms_total": ("num_ooms",),
+    "torch_cuda_memory_device_allocs_total": ("num_device_alloc",),
+    "torch_cuda_memory_device_frees_total": ("num_device_free",),
+}
+
+
+class AllocatorSource(Protocol):
+    """What the sampler needs from torch (or from the simulated GPU)."""
+
+    def devices(self) -> list[int]: ...
+    def stats(self, device: int) -> dict[str, Any]: ...
+    def uuid(self, device: int) -> str: ...
+    def limit_bytes(self, device: int) -> int: ...
+    def backend(self) -> str: ...
+    def snapshot(self) -> list[dict[str, Any]]: ...
+
+
+def _get(stats: dict[str, Any], path: tuple[str, ...]) -> Any:
+    node: Any = stats
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def alloc_conf(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The allocator settings a user can set, as bounded label values."""
+    env = os.environ if env is None else env
+    raw = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
+    conf: dict[str, str] = {}
+    for part in raw.split(","):
+        if ":" in part:
+            k, v = part.split(":", 1)
+            conf[k.strip()] = v.strip()
+    expandable = conf.get("expandable_segments", "false").lower() in ("true", "1")
+    return {
+        "expandable_segments": "true" if expandable else "false",
+        "garbage_collection_threshold": _bounded(conf.get("garbage_collection_threshold", "")),
+        "max_split_size_mb": _bounded(conf.get("max_split_size_mb", "")),
+    }
+
+
+def _bounded(v: str) -> str:
+    # config values are short numbers; anything else is cut so it cannot bloat a label
+    return v[:16]
+
+
+def segment_summary(segments: list[dict[str, Any]]) -> dict[int, dict[str, int]]:
+    """Per device: segment count and largest free block, from memory_snapshot()."""
+    out: dict[int, dict[str, int]] = {}
+    for seg in segments:
+        d = out.setdefault(int(seg.get("device", 0)), {"segments": 0, "largest_free": 0})
+        d["segments"] += 1
+        for block in seg.get("blocks", ()):
+            if block.get("state") == "inactive":
+                d["largest_free"] = max(d["largest_free"], int(block.get("size", 0)))
+    return out
+
+
+class AllocatorSampler:
+    """Turns one read of the allocator into per-device contract values.
+
+    Keeps the small state a window high-water mark needs: the job's own peak
+    is never reset, so the window peak is the allocator's peak when it rose in
+    the window (exact), else the largest current value seen (a lower bound).
+    """
+
+    def __init__(self, source: AllocatorSource, largest_block_interval: float) -> None:
+        self.source = source
+        self.largest_block_interval = largest_block_interval
+        self._last_peak: dict[int, float] = {}
+        self._uuids: dict[int, str] = {}
+        self._limits: dict[int, int] = {}
+        self._segments: dict[int, dict[str, int]] = {}
+        self._next_snapshot = 0.0
+        self._backend: str | None = None
+        self.extra: dict[int, dict[str, float]] = {}  # filled by integrations (OOM, reclaims)
+
+    def read(self, now: float | None = None) -> list[dict[str, Any]]:
+        now = time.monotonic() if now is None else now
+        devices = self.source.devices()
+        if not devices:
+            return []
+        if self._backend is None:
+            self._backend = self.source.backend()
+        native = self._backend == "native"
+        if native and self.largest_block_interval > 0 and now >= self._next_snapshot:
+            self._next_snapshot = now + self.largest_block_interval
+            self._segments = segment_summary(self.source.snapshot())
+        out = []
+        for dev in devices:
+            stats = self.source.stats(dev)
+            if not stats:
+                continue
+            values: dict[str, float] = {}
+            for name, path in GAUGE_KEYS.items():
+                v = _get(stats, path)
+                if v is not None:
+                    values[name] = float(v)
+            for name, path in COUNTER_KEYS.items():
+                v = _get(stats, path)
+                if v is not None:
+                    values[name] = float(v)
+            if not native:
+                # cudaMallocAsync reports only allocated/active/reserved; its zeros are not readings
+                values = {k: v for k, v in values.items() if k in (
+                    "torch_cuda_memory_allocated_bytes", "torch_cuda_memory_reserved_bytes",
+                    "torch_cuda_memory_active_bytes", "torch_cuda_memory_peak_allocated_bytes",
+                    "torch_cuda_memory_peak_reserved_bytes", "torch_cuda_memory_ooms_total")}
+            allocated = values.get("torch_cuda_memory_allocated_bytes", 0.0)
+            reserved = values.get("torch_cuda_memory_reserved_bytes", 0.0)
+            values["torch_cuda_memory_fragmentation_ratio"] = (
+                (reserved - allocated) / reserved if reserved > 0 else 0.0)
+            values["torch_cuda_memory_step_peak_allocated_bytes"] = self._window_peak(
+                dev, allocated, values.get("torch_cuda_memory_peak_allocated_bytes", allocated))
+            seg = self._segments.get(dev)
+            if seg is not None:
+                values["torch_cuda_memory_largest_free_block_bytes"] = float(seg["largest_free"])
+                if values.get("torch_cuda_memory_segments", 0) == 0 and seg["segments"]:
+                    values["torch_cuda_memory_segments"] = float(seg["segments"])  # expandable segments
+            if dev not in self._limits:
+                self._limits[dev] = self.source.limit_bytes(dev)
+            values["torch_cuda_memory_limit_bytes"] = float(self._limits[dev])
+            values.update(self.extra.get(dev, {}))
+            if dev not in self._uuids:
+                self._uuids[dev] = self.source.uuid(dev)
+            out.append({"device": dev, "uuid": self._uuids[dev], "values": values})
+        return out
+
+    def refresh_limits(self) -> None:
+        """Forget cached budgets (set_per_process_memory_fraction may have changed them)."""
+        self._limits.clear()
+
+    def _window_peak(self, dev: int, current: float, peak: float) -> float:
+        last = self._last_peak.get(dev)
+        self._last_peak[dev] = peak
+        if last is None or peak > last:
+            return peak
+        return current  # peak did not rise (or the job reset it): the current value bounds it
+
+    def info(self) -> dict[str, str]:
+        labels = {"backend": self._backend or "unknown"}
+        labels.update(alloc_conf())
+        return labels
+
+
+class TorchSource:
+    """The real allocator. Imports torch lazily and only if the job already did."""
+
+    def __init__(self) -> None:
+        import sys
+
+        self._torch = sys.modules.get("torch")
+        self._count: int | None = None
+
+    def _ready(self) -> bool:
+        if self._torch is None:
+            import sys
+
+            self._torch = sys.modules.get("torch")  # never import torch for the job
+        return self._torch is not None and self._torch.cuda.is_initialized()
+
+    def devices(self) -> list[int]:
+        if not self._ready():
+            return []
+        torch = self._torch
+        if self._count is None:
+            self._count = torch.cuda.device_count()
+        has_ctx = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        if has_ctx is None:
+            return []
+        return [i for i in range(self._count) if has_ctx(i)]
+
+    def stats(self, device: int) -> dict[str, Any]:
+        fn = getattr(self._torch._C, "_cuda_memoryStats", None)
+        return fn(device) if fn is not None else self._torch.cuda.memory_stats_as_nested_dict(device)
+
+    def uuid(self, device: int) -> str:
+        props = self._torch.cuda.get_device_properties(device)
+        raw = str(getattr(props, "uuid", ""))
+        return raw if raw.startswith(("GPU-", "MIG-")) else "GPU-" + raw
+
+    def limit_bytes(self, device: int) -> int:
+        torch = self._torch
+        total = torch.cuda.get_device_properties(device).total_memory
+        frac_fn = getattr(torch._C, "_cuda_getMemoryFraction", None)
+        frac = frac_fn(device) if frac_fn is not None else 1.0
+        return int(total * frac)
+
+    def backend(self) -> str:
+        return self._torch.cuda.get_allocator_backend()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        try:
+            return self._torch.cuda.memory_snapshot(include_traces=False)
+        except TypeError:  # torch < 2.11 has no include_traces
+            return self._torch.cuda.memory_snapshot()

@@ -1,0 +1,199 @@
+"""What ``vramwatch.start()`` sets up in a training process.
+
+One daemon thread samples the allocator and the heartbeat every
+``interval`` seconds and publishes one file into the spool; the node's HTTP
+server lives in another process (started here if none runs), so a wedged
+training thread, even one holding the GIL, never stops a scrape. After
+``start()`` returns nothing raises into the job: failures are logged once
+and published as ``vramwatch_collector_up`` 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from vramwatch.config import Settings
+from vramwatch.exporter import spool
+from vramwatch.exporter.allocator import AllocatorSampler, AllocatorSource, TorchSource
+from vramwatch.exporter.heartbeat import Heartbeat
+from vramwatch.launcher import RankIdentity, identify
+
+log = logging.getLogger("vramwatch")
+
+_SPAWN_BACKOFF_MAX = 60.0
+
+
+class _OnceLog:
+    """Log each distinct problem once, then only count it."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def __call__(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self.seen:
+            self.seen.add(key)
+            log.warning(msg, *args)
+
+
+class Handle:
+    """A running exporter in this process; returned by ``vramwatch.start()``."""
+
+    def __init__(self, settings: Settings, sources: dict[str, str]) -> None:
+        self.settings = settings
+        self.sources = sources
+        self.identity: RankIdentity = identify(settings.rank, settings.local_rank, settings.world_size)
+        self.heartbeat = Heartbeat()
+        self.spool_dir = settings.resolved_spool_dir()
+        self.hostname = settings.resolved_hostname()
+        self.sim = None
+        self.source: AllocatorSource
+        if settings.simulate:
+            from vramwatch.sim.allocator import SimAllocator
+            from vramwatch.sim.state import load_or_create
+
+            self.sim = SimAllocator(load_or_create(self.spool_dir))
+            self.source = self.sim
+        else:
+            self.source = TorchSource()
+        self.sampler = AllocatorSampler(self.source, settings.largest_block_interval)
+        self.extra: dict[str, Any] = {}  # other sample sections (OOM snapshot info, ...)
+        self._collectors = {"allocator": {"up": 1, "errors": 0, "duration": 0.0}}
+        self._oncelog = _OnceLog()
+        self._stop = threading.Event()
+        self._publisher: spool.RankPublisher | None = None
+        self._server_proc: subprocess.Popen | None = None
+        self._next_server_check = 0.0
+        self._spawn_backoff = 2.0
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    @property
+    def url(self) -> str:
+        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.settings.port}/metrics"
+
+    # --- lifecycle ---
+    def start(self) -> None:
+        if self.settings.serve == "off":
+            return
+        try:
+            self._publisher = spool.RankPublisher(self.spool_dir, self.identity.rank)
+        except OSError as e:
+            self._oncelog("spool", "vramwatch: cannot publish into %s (%s); exporting nothing",
+                          self.spool_dir, e)
+            return
+        self.tick()  # the server sees this rank at once
+        self._thread = threading.Thread(target=self._run, name="vramwatch-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=max(2.0, self.settings.interval * 2))
+        if self._publisher is not None and os.getpid() == self._pid:
+            self._publisher.close()
+        self._publisher = None
+
+    def step(self, loss: Any = None, grad_norm: Any = None) -> None:
+        self.heartbeat.step(loss, grad_norm)
+
+    # --- the sampler thread ---
+    def _run(self) -> None:
+        interval = self.settings.interval
+        next_t = time.monotonic() + interval
+        while not self._stop.wait(max(0.0, next_t - time.monotonic())):
+            self.tick()
+            next_t += interval
+            now = time.monotonic()
+            if next_t < now:  # we were wedged: don't burst to catch up
+                next_t = now + interval
+
+    def tick(self) -> None:
+        """One sample and publish. Never raises."""
+        try:
+            sample = self._sample()
+            if self._publisher is not None:
+                self._publisher.publish(sample)
+        except Exception as e:  # noqa: BLE001 - nothing escapes into the job
+            self._oncelog("publish:" + type(e).__name__, "vramwatch: publishing failed: %r", e)
+        try:
+            self._ensure_server()
+        except Exception as e:  # noqa: BLE001
+            self._oncelog("spawn:" + type(e).__name__, "vramwatch: cannot start the server: %r", e)
+
+    def _sample(self) -> dict[str, Any]:
+        col = self._collectors["allocator"]
+        t0 = time.perf_counter()
+        devices: list[dict[str, Any]] = []
+        try:
+            devices = self.sampler.read()
+            col["up"] = 1
+        except Exception as e:  # noqa: BLE001
+            col["up"] = 0
+            col["errors"] += 1
+            self._oncelog("allocator:" + type(e).__name__, "vramwatch: reading the allocator failed: %r", e)
+        col["duration"] = time.perf_counter() - t0
+        ident = self.identity
+        sample: dict[str, Any] = {
+            "v": 1,
+            "time": time.time(),
+            "pid": os.getpid(),
+            "rank": ident.rank,
+            "local_rank": ident.local_rank,
+            "world_size": ident.world_size,
+            "hostname": self.hostname,
+            "devices": devices,
+            "allocator_info": self.sampler.info() if devices else None,
+            "heartbeat": self.heartbeat.snapshot(),
+            "collectors": self._collectors,
+        }
+        sample.update(self.extra)
+        return sample
+
+    def _ensure_server(self) -> None:
+        if self.settings.serve != "auto":
+            return
+        now = time.monotonic()
+        if now < self._next_server_check:
+            return
+        proc = self._server_proc
+        if proc is not None and proc.poll() is None:
+            self._next_server_check = now + 5.0
+            return
+        if spool.server_running(self.spool_dir):
+            self._server_proc = None
+            self._spawn_backoff = 2.0
+            self._next_server_check = now + 5.0
+            return
+        if proc is not None:  # ours exited and no server runs: back off before the next try
+            self._oncelog("server-exit", "vramwatch: the server exited with %s; see %s",
+                          proc.returncode, os.path.join(self.spool_dir, "server.log"))
+            self._spawn_backoff = min(self._spawn_backoff * 2, _SPAWN_BACKOFF_MAX)
+        self._server_proc = spawn_server(self.settings, self.spool_dir)
+        self._next_server_check = now + self._spawn_backoff
+
+
+def spawn_server(settings: Settings, spool_dir: str) -> subprocess.Popen:
+    """Start ``vramwatch serve`` for the node, in its own session, exiting once the ranks are gone."""
+    env = dict(os.environ)
+    env.update(settings.to_env())
+    env["VRAMWATCH_SPOOL_DIR"] = spool_dir
+    env.pop("VRAMWATCH_CONFIG_FILE", None)  # already resolved into the variables above
+    logf = open(os.path.join(spool_dir, "server.log"), "ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "vramwatch", "serve", "--exit-when-idle"],
+            env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+            start_new_session=True, close_fds=True,
+        )
+    finally:
+        logf.close()

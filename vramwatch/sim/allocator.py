@@ -1,0 +1,216 @@
+"""A simulated caching allocator that reports the real ``memory_stats()`` shape (122 keys)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from vramwatch.sim.state import SimNode
+
+MIB = 1 << 20
+_POOLS = ("all", "large_pool", "small_pool")
+_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+          "active_bytes", "inactive_split_bytes", "requested_bytes")
+
+
+class SimOutOfMemoryError(RuntimeError):
+    """What torch.cuda.OutOfMemoryError is to the real allocator."""
+
+
+class _Stat:
+    __slots__ = ("current", "peak", "allocated", "freed")
+
+    def __init__(self) -> None:
+        self.current = self.peak = self.allocated = self.freed = 0
+
+    def add(self, n: int) -> None:
+        if n >= 0:
+            self.current += n
+            self.allocated += n
+            self.peak = max(self.peak, self.current)
+        else:
+            self.current += n
+            self.freed -= n
+
+    def as_dict(self) -> dict[str, int]:
+        return {"current": self.current, "peak": self.peak, "allocated": self.allocated, "freed": self.freed}
+
+
+class _Device:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.fraction = 1.0
+        self.stats = {name: _Stat() for name in _STATS}
+        self.counters = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0,
+                         "num_device_alloc": 0, "num_device_free": 0}
+
+    def v(self, name: str) -> int:
+        return self.stats[name].current
+
+
+class SimAllocator:
+    """One rank's allocator over the simulated node's GPUs, addressed by CUDA index.
+
+    The model is byte-level, not block-level: allocated, reserved and
+    inactive-split bytes move as a caching allocator's would, with a retry
+    (cache flush) before an OOM.
+    """
+
+    def __init__(self, node: SimNode, visible: str | None = None) -> None:
+        self.node = node
+        self.physical = _visible(node, os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible)
+        self._devices: dict[int, _Device] = {}
+        self.oom_observers: list[Callable[[int, int, int, int], None]] = []
+        self.backend_name = "native"  # or "cudaMallocAsync", to simulate that backend
+
+    # --- the AllocatorSource protocol, as the sampler reads it ---
+    def devices(self) -> list[int]:
+        return sorted(self._devices)
+
+    def stats(self, device: int) -> dict[str, Any]:
+        d = self._devices.get(device)
+        if d is None:
+            return {}
+        out: dict[str, Any] = {}
+        for name, stat in d.stats.items():
+            pools = {p: {"current": 0, "peak": 0, "allocated": 0, "freed": 0} for p in _POOLS}
+            pools["all"] = stat.as_dict()
+            pools["large_pool"] = stat.as_dict()
+            out[name] = pools
+        out.update(d.counters)
+        out["max_split_size"] = -1
+        for name in ("oversize_allocations", "oversize_segments"):
+            out[name] = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
+        return out
+
+    def backend(self) -> str:
+        return self.backend_name
+
+    def uuid(self, device: int) -> str:
+        return self.node.gpus[self.physical[device]].uuid
+
+    def limit_bytes(self, device: int) -> int:
+        d = self._dev(device)
+        return int(d.total * d.fraction)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        segs = []
+        for idx, d in self._devices.items():
+            free = d.v("reserved_bytes") - d.v("allocated_bytes")
+            split = min(d.v("inactive_split_bytes"), free)
+            blocks = [{"size": d.v("allocated_bytes"), "state": "active_allocated"}]
+            if split:
+                blocks.append({"size": split, "state": "inactive"})  # the largest of the split pieces
+            if free - split:
+                segs.append({"device": idx, "total_size": free - split,
+                             "blocks": [{"size": free - split, "state": "inactive"}]})
+            segs.append({"device": idx, "total_size": d.v("allocated_bytes") + split, "blocks": blocks})
+        return segs
+
+    # --- driving it ---
+    def init(self, device: int = 0) -> None:
+        """What creating the first tensor on a device does: the device becomes visible to the sampler."""
+        self._dev(device)
+
+    def set_memory_fraction(self, fraction: float, device: int = 0) -> None:
+        self._dev(device).fraction = fraction
+
+    def allocate(self, nbytes: int, device: int = 0) -> None:
+        d = self._dev(device)
+        nbytes = int(nbytes)
+        cached_free = d.v("reserved_bytes") - d.v("allocated_bytes") - d.v("inactive_split_bytes")
+        if cached_free < nbytes:
+            grow = _round_segment(nbytes - max(cached_free, 0))
+            limit = d.total * d.fraction
+            if d.v("reserved_bytes") + grow > limit:
+                # cudaMalloc would fail: free the cache and retry, as the real allocator does
+                d.counters["num_alloc_retries"] += 1
+                d.counters["num_sync_all_streams"] += 1
+                self._release_cache(d)
+                cached_free = d.v("reserved_bytes") - d.v("allocated_bytes") - d.v("inactive_split_bytes")
+                grow = _round_segment(max(nbytes - max(cached_free, 0), 0)) if cached_free < nbytes else 0
+                if d.v("reserved_bytes") + grow > limit:
+                    d.counters["num_ooms"] += 1
+                    free = int(limit - d.v("reserved_bytes"))
+                    for obs in list(self.oom_observers):
+                        obs(device, nbytes, int(limit), free)
+                    raise SimOutOfMemoryError(
+                        f"CUDA out of memory (simulated). Tried to allocate {nbytes / MIB:.2f} MiB")
+            if grow:
+                d.stats["reserved_bytes"].add(grow)
+                d.stats["segment"].add(1)
+                d.counters["num_device_alloc"] += 1
+        d.stats["allocated_bytes"].add(nbytes)
+        d.stats["active_bytes"].add(nbytes)
+        d.stats["requested_bytes"].add(nbytes)
+        d.stats["allocation"].add(1)
+        d.stats["active"].add(1)
+
+    def free(self, nbytes: int, device: int = 0) -> None:
+        d = self._dev(device)
+        nbytes = min(int(nbytes), d.v("allocated_bytes"))
+        for name in ("allocated_bytes", "active_bytes", "requested_bytes"):
+            d.stats[name].add(-nbytes)
+        if d.v("allocation") > 0:
+            d.stats["allocation"].add(-1)
+            d.stats["active"].add(-1)
+
+    def fragment(self, nbytes: int, device: int = 0) -> None:
+        """Free ``nbytes`` as scattered pieces of split segments: cached but unusable for big requests."""
+        d = self._dev(device)
+        nbytes = min(int(nbytes), d.v("allocated_bytes"))
+        self.free(nbytes, device)
+        d.stats["inactive_split_bytes"].add(nbytes)
+        d.stats["inactive_split"].add(1)
+
+    def empty_cache(self, device: int = 0) -> None:
+        self._release_cache(self._dev(device))
+
+    def _release_cache(self, d: _Device) -> None:
+        keep = d.v("allocated_bytes") + d.v("inactive_split_bytes")  # split pieces cannot be released
+        release = d.v("reserved_bytes") - keep
+        if release > 0:
+            d.stats["reserved_bytes"].add(-release)
+            d.counters["num_device_free"] += 1
+            if d.v("segment") > 1:
+                d.stats["segment"].add(-1)
+
+    def reserved(self, device: int = 0) -> int:
+        return self._dev(device).v("reserved_bytes")
+
+    def allocated(self, device: int = 0) -> int:
+        return self._dev(device).v("allocated_bytes")
+
+    def _dev(self, device: int) -> _Device:
+        d = self._devices.get(device)
+        if d is None:
+            if not 0 <= device < len(self.physical):
+                raise ValueError(f"CUDA device {device} is not visible (simulated)")
+            d = self._devices[device] = _Device(self.node.gpus[self.physical[device]].total_bytes)
+        return d
+
+
+def _round_segment(n: int) -> int:
+    # large-pool segments come in 2 MiB multiples, at least 20 MiB (kLargeBuffer)
+    n = max(n, 20 * MIB)
+    return (n + 2 * MIB - 1) // (2 * MIB) * (2 * MIB)
+
+
+def _visible(node: SimNode, cvd: str | None) -> list[int]:
+    """CUDA index -> node GPU index, as CUDA_VISIBLE_DEVICES maps them (ints or GPU- UUIDs)."""
+    if cvd is None or cvd.strip() == "":
+        return list(range(len(node.gpus))) if cvd is None else []
+    out = []
+    for part in cvd.split(","):
+        part = part.strip()
+        if part.isdigit():
+            i = int(part)
+            if i >= len(node.gpus):
+                break  # CUDA stops at the first invalid entry
+            out.append(i)
+        else:
+            match = [g.index for g in node.gpus if g.uuid.startswith(part)]
+            if not match:
+                break
+            out.append(match[0])
+    return out

@@ -1,0 +1,103 @@
+"""The demo's story, on the simulated GPU: what the field notes describe, in two minutes.
+
+One cycle of ``CYCLE`` seconds, the same clock for every rank and the node:
+warm-up fills memory; fine-tuning fragments the cache (reserved climbs above
+allocated); pressure near the budget brings cudaMalloc retries and a caught
+OOM; then the last rank stalls with utilisation pinned and power falling (the
+busy-looking hang); then it recovers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import vramwatch
+from vramwatch.sim.allocator import SimOutOfMemoryError
+from vramwatch.sim.state import SimNode
+
+GIB = 1 << 30
+CYCLE = 120.0
+PHASES = ((0.0, "warmup"), (20.0, "finetune"), (70.0, "pressure"), (80.0, "stall"), (95.0, "recover"))
+
+
+def phase(t: float) -> str:
+    t = t % CYCLE
+    name = PHASES[0][1]
+    for start, n in PHASES:
+        if t >= start:
+            name = n
+    return name
+
+
+def drive_node(node: SimNode, t: float, stalled_gpus: set[int]) -> None:
+    """Device readings for time ``t``: busy GPUs draw power; a stalled one reads 100% at low power."""
+    p = phase(t)
+    for g in node.gpus:
+        wobble = 0.03 * math.sin(t / 3.0 + g.index)
+        if g.index in stalled_gpus and p == "stall":
+            g.utilization, g.power_w, g.sm_clock_mhz = 1.0, max(95.0, g.power_w * 0.85), 1980.0
+        else:
+            g.utilization = min(1.0, 0.93 + wobble)
+            g.power_w = 540.0 + 60.0 * wobble
+        g.memory_utilization = 0.6 * g.utilization
+        g.temperature_c = min(78.0, g.temperature_c + 0.2) if g.utilization > 0.5 else max(35.0, g.temperature_c - 0.5)
+        g.energy_mj += g.power_w * 1000.0  # one second of draw
+        g.throttle_mask = 0x4 if g.power_w > 590 else 0
+
+
+def run_rank(t0: float, duration: float, stall_me: bool, fill_gib: float, steps_per_second: float) -> None:
+    h = vramwatch.start(simulate=True)
+    sim = h.sim
+    assert sim is not None
+    sim.init(0)
+    limit = sim.limit_bytes(0)
+    held = 0
+    period = 1.0 / steps_per_second
+    end = time.time() + duration if duration > 0 else float("inf")
+    step = 0
+    while time.time() < end:
+        t = time.time() - t0
+        p = phase(t)
+        if p == "stall" and stall_me:
+            time.sleep(0.2)  # no steps: the heartbeat ages
+            continue
+        if p == "warmup" and held < fill_gib * GIB:
+            chunk = int(fill_gib * GIB / (20 * steps_per_second))
+            sim.allocate(chunk)
+            held += chunk
+        act = int(0.5 * GIB)
+        try:
+            sim.allocate(act)
+            if p == "pressure":
+                sim.allocate(int(limit * 0.08))  # a long sequence: a big request near the budget
+        except SimOutOfMemoryError:
+            pass  # the job catches it and retries the step, as in the field notes
+        sim.free(sim.allocated() - held)
+        if p == "finetune" and step % 10 == 0:
+            sim.fragment(int(0.05 * GIB))  # scattered pieces left in split segments
+            sim.allocate(int(0.05 * GIB))  # ... and the allocator grows the cache for the next request
+            held = sim.allocated()
+        if p == "recover" and step % 50 == 0:
+            sim.empty_cache()
+        step += 1
+        vramwatch.step(loss=0.7 + 1.5 * math.exp(-step / 500.0))
+        time.sleep(period)
+    vramwatch.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="vramwatch-sim-scenario")
+    ap.add_argument("--t0", type=float, required=True)
+    ap.add_argument("--duration", type=float, default=0.0)
+    ap.add_argument("--stall", action="store_true")
+    ap.add_argument("--fill-gib", type=float, default=60.0)
+    ap.add_argument("--steps-per-second", type=float, default=10.0)
+    a = ap.parse_args(argv)
+    run_rank(a.t0, a.duration, a.stall, a.fill_gib, a.steps_per_second)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
