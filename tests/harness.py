@@ -17,8 +17,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -115,7 +116,7 @@ class Exporter:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 15.0) -> "Exporter":
+    def start(self, timeout: float = 15.0) -> Exporter:
         self.proc = subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=self.env,
                                      stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
         wait_until(lambda: self.proc.poll() is None and http_get(self.url + "/-/healthy", 1)[0] == 200,
@@ -203,7 +204,7 @@ class Prometheus:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "Prometheus":
+    def start(self, timeout: float = 30.0) -> Prometheus:
         self.proc = subprocess.Popen(
             [tool("prometheus"), f"--config.file={self.config}", f"--storage.tsdb.path={self.dir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
@@ -232,8 +233,11 @@ class Prometheus:
         return data["data"]["result"]
 
     def wait_for(self, expr: str, timeout: float = 30.0, check: Callable[[list], bool] = bool) -> list:
-        return wait_until(lambda: (lambda r: r if check(r) else None)(self.query(expr)), timeout,
-                          f"Prometheus query {expr!r}", interval=0.5)
+        def attempt():
+            r = self.query(expr)
+            return (r,) if check(r) else None  # a tuple is truthy even when r is []
+
+        return wait_until(attempt, timeout, f"Prometheus query {expr!r}", interval=0.5)[0]
 
     def stop(self) -> None:
         if self.proc is not None:

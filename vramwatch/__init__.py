@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vramwatch._version import __version__
 from vramwatch.config import ConfigError, Settings
+
+if TYPE_CHECKING:
+    from vramwatch.runtime import Handle
 
 __all__ = ["ConfigError", "Handle", "Settings", "__version__", "current", "start", "step", "stop", "track"]
 
@@ -26,7 +30,7 @@ _handle: Any = None
 log = logging.getLogger("vramwatch")
 
 
-def start(**settings: Any) -> "Handle":
+def start(**settings: Any) -> Handle:
     """Start the exporter in this process (idempotent; safe in every rank).
 
     Raises ``ConfigError`` for an unknown key or a bad value, naming the key and
@@ -81,7 +85,7 @@ def track(iterable: Iterable[T]) -> Iterator[T]:
         step()
 
 
-def current() -> "Handle | None":
+def current() -> Handle | None:
     return _handle
 
 

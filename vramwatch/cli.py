@@ -11,7 +11,8 @@ import dataclasses
 import importlib
 import logging
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from vramwatch import config
 from vramwatch.config import ConfigError, Settings

@@ -12,8 +12,9 @@ import dataclasses
 import ipaddress
 import os
 import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 ENV_PREFIX = "VRAMWATCH_"
 DEFAULT_PORT = 9488
@@ -206,7 +207,9 @@ def _from_file(path: str, source: str) -> dict[str, Any]:
     return data
 
 
-def load(kwargs: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> tuple[Settings, dict[str, str]]:
+def load(
+    kwargs: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> tuple[Settings, dict[str, str]]:
     """Resolve settings; returns them and, per key, the source it came from."""
     kwargs = dict(kwargs or {})
     env = os.environ if env is None else env

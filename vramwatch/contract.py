@@ -8,8 +8,8 @@ not listed. Names never derive from ``memory_stats()`` keys.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from prometheus_client.core import (
     CounterMetricFamily,

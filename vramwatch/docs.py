@@ -9,6 +9,8 @@ from vramwatch import contract
 
 BEGIN = "<!-- BEGIN GENERATED METRICS (vramwatch docs) -->"
 END = "<!-- END GENERATED METRICS -->"
+CONFIG_BEGIN = "<!-- BEGIN GENERATED SETTINGS (vramwatch docs) -->"
+CONFIG_END = "<!-- END GENERATED SETTINGS -->"
 _SECTIONS = (
     ("allocator", "Allocator (in each rank, per CUDA device it initialised)"),
     ("heartbeat", "Heartbeat (per rank)"),
@@ -39,6 +41,18 @@ def metric_table(with_absent: bool = False) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def settings_table() -> str:
+    import dataclasses
+
+    from vramwatch.config import ENV_PREFIX, Settings
+
+    lines = ["| key | environment | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(Settings):
+        default = f.default if f.default != "" else "(empty)"
+        lines.append(f"| `{f.name}` | `{ENV_PREFIX}{f.name.upper()}` | `{default}` | {f.metadata.get('doc', '')} |")
+    return "\n".join(lines) + "\n"
+
+
 def metrics_doc() -> str:
     return ("# Metrics\n\nGenerated from `vramwatch/contract.py` by `vramwatch docs`; do not edit by hand.\n"
             "Units are Prometheus base units (bytes, seconds, watts, joules, celsius, hertz, ratios 0..1).\n"
@@ -46,18 +60,22 @@ def metrics_doc() -> str:
             + metric_table(with_absent=True))
 
 
-def _splice(text: str, table: str) -> str:
-    if BEGIN not in text or END not in text:
-        raise ValueError("README.md lacks the generated-metrics markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table}{END}{tail}"
+def _splice(text: str, table: str, begin: str = BEGIN, end: str = END) -> str:
+    if begin not in text or end not in text:
+        raise ValueError(f"README.md lacks the markers {begin} ... {end}")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{table}{end}{tail}"
+
+
+def _readme(old: str) -> str:
+    return _splice(_splice(old, metric_table()), settings_table(), CONFIG_BEGIN, CONFIG_END)
 
 
 def regenerate(check: bool = False, root: str | None = None) -> int:
     root = root or os.getcwd()
     targets = {
-        os.path.join(root, "README.md"): lambda old: _splice(old, metric_table()),
+        os.path.join(root, "README.md"): _readme,
         os.path.join(root, "docs", "METRICS.md"): lambda old: metrics_doc(),
     }
     stale = []

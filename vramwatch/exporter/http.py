@@ -13,8 +13,8 @@ import logging
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder

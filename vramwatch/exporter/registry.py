@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric

@@ -49,7 +49,7 @@ class SimNode:
     context_bytes: int = 527 * MIB  # what a CUDA context costs a rank (measured on an H200)
 
     @classmethod
-    def default(cls, count: int = 1) -> "SimNode":
+    def default(cls, count: int = 1) -> SimNode:
         return cls([SimGpu(i, _uuid(i), pci_bus_id=f"00000000:{0x18 + i:02X}:00.0") for i in range(count)])
 
     # --- persistence: atomic replace, so readers never see half a file ---
@@ -60,7 +60,7 @@ class SimNode:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str) -> "SimNode":
+    def load(cls, path: str) -> SimNode:
         with open(path, encoding="utf-8") as fh:
             raw = json.load(fh)
         raw["gpus"] = [SimGpu(**g) for g in raw["gpus"]]

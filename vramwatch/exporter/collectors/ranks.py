@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
@@ -54,7 +54,7 @@ def families(ctx: ScrapeContext) -> Iterable[Metric]:
         buckets, counts = hb.get("buckets") or [], hb.get("counts") or []
         if buckets and len(counts) == len(buckets) + 1:
             cum, acc = [], 0
-            for le, c in zip(list(buckets) + [float("inf")], counts):
+            for le, c in zip(list(buckets) + [float("inf")], counts, strict=True):
                 acc += c
                 cum.append((_le(le), acc))
             hist.add_metric(rl, cum, float(hb.get("sum", 0.0)))
