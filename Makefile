@@ -8,7 +8,7 @@ PROMETHEUS   := $(TOOLS)/usr/bin/prometheus
 ALERTMANAGER := $(TOOLS)/usr/bin/prometheus-alertmanager
 export VRAMWATCH_TOOLS_DIR := $(abspath $(TOOLS))/usr/bin
 
-.PHONY: demo test venv tools lint docs check-generated gpu-test clean
+.PHONY: demo test venv tools lint docs generate check-generated gpu-test clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -40,8 +40,16 @@ lint: venv
 docs: venv
 	$(BIN)/python -m vramwatch docs
 
+# Regenerate everything under deploy/ and the docs from the Python definitions.
+generate: venv
+	$(BIN)/python -m vramwatch docs
+	$(BIN)/python -m vramwatch alerts --write deploy
+	$(BIN)/python -m vramwatch dashboards --write deploy
+
 check-generated: venv
 	$(BIN)/python -m vramwatch docs --check
+	$(BIN)/python -m vramwatch alerts --check deploy
+	$(BIN)/python -m vramwatch dashboards --check deploy
 
 gpu-test: venv
 	$(BIN)/pytest -q -m gpu

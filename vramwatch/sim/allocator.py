@@ -63,12 +63,20 @@ class SimAllocator:
         self._devices: dict[int, _Device] = {}
         self.oom_observers: list[Callable[[int, int, int, int], None]] = []
         self.backend_name = "native"  # or "cudaMallocAsync", to simulate that backend
+        # names of AllocatorSource methods that raise, to inject faults into the sampler
+        self.faults: set[str] = set()
+
+    def _fault(self, name: str) -> None:
+        if name in self.faults or "*" in self.faults:
+            raise RuntimeError(f"injected allocator fault in {name}()")
 
     # --- the AllocatorSource protocol, as the sampler reads it ---
     def devices(self) -> list[int]:
+        self._fault("devices")
         return sorted(self._devices)
 
     def stats(self, device: int) -> dict[str, Any]:
+        self._fault("stats")
         d = self._devices.get(device)
         if d is None:
             return {}
@@ -85,16 +93,20 @@ class SimAllocator:
         return out
 
     def backend(self) -> str:
+        self._fault("backend")
         return self.backend_name
 
     def uuid(self, device: int) -> str:
+        self._fault("uuid")
         return self.node.gpus[self.physical[device]].uuid
 
     def limit_bytes(self, device: int) -> int:
+        self._fault("limit_bytes")
         d = self._dev(device)
         return int(d.total * d.fraction)
 
     def snapshot(self) -> list[dict[str, Any]]:
+        self._fault("snapshot")
         segs = []
         for idx, d in self._devices.items():
             free = d.v("reserved_bytes") - d.v("allocated_bytes")
