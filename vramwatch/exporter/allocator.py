@@ -99,7 +99,6 @@ class AllocatorSampler:
         self.largest_block_interval = largest_block_interval
         self._last_peak: dict[int, float] = {}
         self._uuids: dict[int, str] = {}
-        self._limits: dict[int, int] = {}
         self._segments: dict[int, dict[str, int]] = {}
         self._next_snapshot = 0.0
         self._backend: str | None = None
@@ -135,7 +134,7 @@ class AllocatorSampler:
                 values = {k: v for k, v in values.items() if k in (
                     "torch_cuda_memory_allocated_bytes", "torch_cuda_memory_reserved_bytes",
                     "torch_cuda_memory_active_bytes", "torch_cuda_memory_peak_allocated_bytes",
-                    "torch_cuda_memory_peak_reserved_bytes", "torch_cuda_memory_ooms_total")}
+                    "torch_cuda_memory_peak_reserved_bytes")}
             allocated = values.get("torch_cuda_memory_allocated_bytes", 0.0)
             reserved = values.get("torch_cuda_memory_reserved_bytes", 0.0)
             values["torch_cuda_memory_fragmentation_ratio"] = (
@@ -147,18 +146,13 @@ class AllocatorSampler:
                 values["torch_cuda_memory_largest_free_block_bytes"] = float(seg["largest_free"])
                 if values.get("torch_cuda_memory_segments", 0) == 0 and seg["segments"]:
                     values["torch_cuda_memory_segments"] = float(seg["segments"])  # expandable segments
-            if dev not in self._limits:
-                self._limits[dev] = self.source.limit_bytes(dev)
-            values["torch_cuda_memory_limit_bytes"] = float(self._limits[dev])
+            # read every time: set_per_process_memory_fraction may change it mid-run (a cheap C getter)
+            values["torch_cuda_memory_limit_bytes"] = float(self.source.limit_bytes(dev))
             values.update(self.extra.get(dev, {}))
             if dev not in self._uuids:
                 self._uuids[dev] = self.source.uuid(dev)
             out.append({"device": dev, "uuid": self._uuids[dev], "values": values})
         return out
-
-    def refresh_limits(self) -> None:
-        """Forget cached budgets (set_per_process_memory_fraction may have changed them)."""
-        self._limits.clear()
 
     def _window_peak(self, dev: int, current: float, peak: float) -> float:
         last = self._last_peak.get(dev)
@@ -181,6 +175,7 @@ class TorchSource:
 
         self._torch = sys.modules.get("torch")
         self._count: int | None = None
+        self._totals: dict[int, int] = {}
 
     def _ready(self) -> bool:
         if self._torch is None:
@@ -211,7 +206,9 @@ class TorchSource:
 
     def limit_bytes(self, device: int) -> int:
         torch = self._torch
-        total = torch.cuda.get_device_properties(device).total_memory
+        total = self._totals.get(device)
+        if total is None:
+            total = self._totals[device] = torch.cuda.get_device_properties(device).total_memory
         frac_fn = getattr(torch._C, "_cuda_getMemoryFraction", None)
         frac = frac_fn(device) if frac_fn is not None else 1.0
         return int(total * frac)

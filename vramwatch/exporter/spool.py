@@ -54,8 +54,7 @@ def hold_lock(path: str) -> int | None:
 
 
 def server_running(spool_dir: str) -> bool:
-    return not _try_lock(os.path.join(spool_dir, SERVER_LOCK)) if os.path.exists(
-        os.path.join(spool_dir, SERVER_LOCK)) else False
+    return not _try_lock(os.path.join(spool_dir, SERVER_LOCK))
 
 
 class RankPublisher:
@@ -69,8 +68,22 @@ class RankPublisher:
         self.lock_path = os.path.join(spool_dir, stem + ".lock")
         self._tmp = self.path + ".tmp"
         self._lock_fd = hold_lock(self.lock_path)
+        # a forked child (a DataLoader worker) must not keep the parent's lock alive after the
+        # parent dies: flock is shared by every copy of the descriptor, so the child drops its copy
+        os.register_at_fork(after_in_child=self._drop_in_child)
+
+    def _drop_in_child(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                os.close(self._lock_fd)
+            except OSError:
+                pass
+            self._lock_fd = None
+        self.path = self.lock_path = self._tmp = os.devnull  # the child publishes nothing
 
     def publish(self, sample: dict[str, Any]) -> None:
+        if self._lock_fd is None:
+            return
         data = json.dumps(sample, separators=(",", ":"), allow_nan=False).encode()
         fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -80,6 +93,8 @@ class RankPublisher:
         os.replace(self._tmp, self.path)  # readers see the old or the new sample, never half
 
     def close(self) -> None:
+        if self._lock_fd is None:
+            return
         for p in (self.path, self._tmp, self.lock_path):
             try:
                 os.unlink(p)

@@ -133,15 +133,14 @@ class SimAllocator:
         nbytes = int(nbytes)
         cached_free = d.v("reserved_bytes") - d.v("allocated_bytes") - d.v("inactive_split_bytes")
         if cached_free < nbytes:
-            grow = _round_segment(nbytes - max(cached_free, 0))
+            # no cached block fits: the allocator asks the driver for a new segment of the full size
+            grow = _round_segment(nbytes)
             limit = d.total * d.fraction
             if d.v("reserved_bytes") + grow > limit:
                 # cudaMalloc would fail: free the cache and retry, as the real allocator does
                 d.counters["num_alloc_retries"] += 1
                 d.counters["num_sync_all_streams"] += 1
                 self._release_cache(d)
-                cached_free = d.v("reserved_bytes") - d.v("allocated_bytes") - d.v("inactive_split_bytes")
-                grow = _round_segment(max(nbytes - max(cached_free, 0), 0)) if cached_free < nbytes else 0
                 if d.v("reserved_bytes") + grow > limit:
                     d.counters["num_ooms"] += 1
                     free = int(limit - d.v("reserved_bytes"))
@@ -149,10 +148,9 @@ class SimAllocator:
                         obs(device, nbytes, int(limit), free)
                     raise SimOutOfMemoryError(
                         f"CUDA out of memory (simulated). Tried to allocate {nbytes / MIB:.2f} MiB")
-            if grow:
-                d.stats["reserved_bytes"].add(grow)
-                d.stats["segment"].add(1)
-                d.counters["num_device_alloc"] += 1
+            d.stats["reserved_bytes"].add(grow)
+            d.stats["segment"].add(1)
+            d.counters["num_device_alloc"] += 1
         d.stats["allocated_bytes"].add(nbytes)
         d.stats["active_bytes"].add(nbytes)
         d.stats["requested_bytes"].add(nbytes)
@@ -204,7 +202,7 @@ class SimAllocator:
 
 
 def _round_segment(n: int) -> int:
-    # large-pool segments come in 2 MiB multiples, at least 20 MiB (kLargeBuffer)
+    # large-pool segments come in 2 MiB multiples (kRoundLarge), at least 20 MiB (kLargeBuffer)
     n = max(n, 20 * MIB)
     return (n + 2 * MIB - 1) // (2 * MIB) * (2 * MIB)
 

@@ -1,0 +1,136 @@
+"""The public API: start/stop/step, idempotence, errors at start only, never raising afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import timeit
+
+import pytest
+
+import vramwatch
+from vramwatch.exporter import spool
+
+
+@pytest.fixture
+def started(tmp_path):
+    handles = []
+
+    def start(**kw):
+        kw.setdefault("spool_dir", str(tmp_path / "spool"))
+        kw.setdefault("serve", "external")
+        kw.setdefault("simulate", True)
+        kw.setdefault("interval", 0.05)
+        h = vramwatch.start(**kw)
+        handles.append(h)
+        return h
+
+    yield start
+    vramwatch.stop()
+
+
+def _sample(h):
+    (s,) = spool.read_samples(h.spool_dir, 64)
+    return s.data
+
+
+def test_start_is_idempotent_and_publishes(started):
+    h = started(rank=3, local_rank=1, world_size=8)
+    assert vramwatch.start() is h
+    assert vramwatch.current() is h
+    d = _sample(h)
+    assert (d["rank"], d["local_rank"], d["world_size"]) == (3, 1, 8)
+    assert d["devices"] == []  # nothing initialised yet: nothing read
+
+
+def test_bad_config_raises_before_the_job_runs(tmp_path, monkeypatch):
+    with pytest.raises(vramwatch.ConfigError, match="port"):
+        vramwatch.start(port=123456)
+    monkeypatch.setenv("VRAMWATCH_INTERVAL", "soon")
+    with pytest.raises(vramwatch.ConfigError, match=r"from VRAMWATCH_INTERVAL"):
+        vramwatch.start(spool_dir=str(tmp_path))
+    assert vramwatch.current() is None
+
+
+def test_step_counts_and_sample_carries_heartbeat(started):
+    h = started()
+    for i in range(10):
+        vramwatch.step(loss=1.0 / (i + 1))
+    h.tick()
+    hb = _sample(h)["heartbeat"]
+    assert hb["steps"] == 10 and hb["loss"] == pytest.approx(0.1)
+    assert sum(hb["counts"]) == 9  # durations between consecutive steps
+
+
+def test_track_reports_a_step_per_item(started):
+    h = started()
+    assert list(vramwatch.track(range(5))) == [0, 1, 2, 3, 4]
+    assert h.heartbeat.steps == 5
+
+
+def test_nothing_raises_after_start_even_when_everything_breaks(started, tmp_path):
+    h = started()
+    h.sim.init(0)
+    h.sim.faults.add("*")
+    h.tick()
+    d = _sample(h)
+    assert d["collectors"]["allocator"]["up"] == 0 and d["collectors"]["allocator"]["errors"] >= 1
+    h.heartbeat.loss = object()  # something that is not a number
+    vramwatch.step(loss=float("nan"))
+    h.tick()
+    assert _sample(h)["heartbeat"]["loss"] is None
+    # the spool vanishing under us is logged, not raised
+    for name in os.listdir(h.spool_dir):
+        os.unlink(os.path.join(h.spool_dir, name))
+    os.rmdir(h.spool_dir)
+    h.tick()
+    vramwatch.step()
+
+
+def test_stop_withdraws_the_series(started):
+    h = started()
+    assert spool.read_samples(h.spool_dir, 64)
+    vramwatch.stop()
+    assert spool.read_samples(h.spool_dir, 64) == []
+    assert vramwatch.current() is None
+    vramwatch.step()  # after stop: a no-op
+
+
+def test_step_costs_microseconds(started):
+    started()
+    n = 200_000
+    best = min(timeit.repeat(vramwatch.step, number=n, repeat=5)) / n
+    # the target is <= 5 us on the training machine (benchmarks/RESULTS.md); CI machines are slower
+    assert best < 5e-6 * 4, f"step() took {best * 1e6:.2f} us"
+
+
+def test_import_does_not_import_torch_or_frameworks():
+    code = ("import sys, vramwatch, vramwatch.cli, vramwatch.exporter.server; "
+            "print(sorted(m for m in ('torch','transformers','lightning','pytorch_lightning','grafana_foundation_sdk',"
+            "'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.replace("'", '"')) == []
+
+
+def test_rank_starts_the_server_and_it_leaves_after_the_ranks(tmp_path):
+    from harness import free_port, http_get, wait_until
+
+    port = free_port()
+    code = (
+        "import time, vramwatch\n"
+        f"h = vramwatch.start(port={port}, spool_dir={str(tmp_path / 's')!r}, simulate=True, interval=0.1, linger=1)\n"
+        "h.sim.init(0); h.sim.allocate(1 << 30)\n"
+        "for _ in range(60):\n    vramwatch.step(); time.sleep(0.05)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        body = wait_until(lambda: (lambda r: r[0] == 200 and b"torch_cuda_memory_allocated_bytes{" in r[1] and r)(
+            http_get(f"http://127.0.0.1:{port}/metrics", 1)), 15, "the rank-started server")
+        assert b'rank="0"' in body[1]
+        proc.wait(timeout=30)
+        wait_until(lambda: not spool.server_running(str(tmp_path / "s")), 15, "the server to leave")
+    finally:
+        proc.kill()

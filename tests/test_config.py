@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import pytest
+
+from vramwatch import config
+from vramwatch.config import ConfigError, Settings
+
+
+def test_defaults():
+    s, src = config.load({}, {})
+    assert s == Settings()
+    assert s.port == 9488 and s.host == "127.0.0.1"
+    assert set(src.values()) == {"default"}
+
+
+def test_precedence_argument_over_env_over_file_over_default(tmp_path):
+    f = tmp_path / "vw.yml"
+    f.write_text("port: 9001\ninterval: 3\nlinger: 4\nnvml: false\n")
+    env = {"VRAMWATCH_CONFIG_FILE": str(f), "VRAMWATCH_PORT": "9002", "VRAMWATCH_INTERVAL": "2.5"}
+    s, src = config.load({"port": 9003}, env)
+    assert (s.port, s.interval, s.linger, s.nvml) == (9003, 2.5, 4.0, False)
+    assert src["port"] == "argument"
+    assert src["interval"] == "VRAMWATCH_INTERVAL"
+    assert src["linger"] == f"file {f}"
+    assert src["max_ranks"] == "default"
+
+
+@pytest.mark.parametrize(
+    "kwargs,env,message",
+    [
+        ({}, {"VRAMWATCH_PORT": "70000"}, "invalid setting port='70000' (from VRAMWATCH_PORT): must be 1-65535"),
+        ({"port": 0}, {}, "invalid setting port=0 (from argument): must be 1-65535"),
+        ({"interval": -1}, {}, "interval=-1 (from argument): must be > 0"),
+        ({"interval": "fast"}, {}, "interval='fast' (from argument): must be a number"),
+        ({"nvml": "maybe"}, {}, "nvml='maybe' (from argument): must be true or false"),
+        ({"serve": "sometimes"}, {}, "must be one of auto, external, off"),
+        ({"port": True}, {}, "must be an integer"),
+        ({"bogus": 1}, {}, "unknown setting 'bogus' (from argument)"),
+        ({}, {"VRAMWATCH_BOGUS": "1"}, "unknown setting 'bogus' (from VRAMWATCH_BOGUS)"),
+        ({"interval": float("nan")}, {}, "must be a finite number"),
+    ],
+)
+def test_errors_name_key_value_and_source(kwargs, env, message):
+    with pytest.raises(ConfigError) as e:
+        config.load(kwargs, env)
+    assert message in str(e.value)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    f = tmp_path / "bad.yml"
+    f.write_text("port: 80000\n")
+    with pytest.raises(ConfigError, match=r"port=80000 \(from file .*bad.yml\): must be 1-65535"):
+        config.load({"config_file": str(f)}, {})
+    f.write_text("nope: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown setting 'nope' \(from file"):
+        config.load({"config_file": str(f)}, {})
+    f.write_text("[1, 2]\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        config.load({"config_file": str(f)}, {})
+    f.write_text("a: [\n")
+    with pytest.raises(ConfigError, match="not YAML"):
+        config.load({"config_file": str(f)}, {})
+    with pytest.raises(ConfigError, match=r"config_file='.*missing.yml' \(from VRAMWATCH_CONFIG_FILE\)"):
+        config.load({}, {"VRAMWATCH_CONFIG_FILE": str(tmp_path / "missing.yml")})
+
+
+def test_to_env_round_trips():
+    s, _ = config.load({"port": 9100, "nvml": False, "interval": 0.5, "hostname": "n1"}, {})
+    again, _ = config.load({}, s.to_env())
+    assert again == s
+
+
+def test_spool_dir_default_is_per_port(monkeypatch):
+    s, _ = config.load({"port": 9123}, {})
+    assert s.resolved_spool_dir().endswith("vramwatch-9123")
