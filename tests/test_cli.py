@@ -35,7 +35,7 @@ def test_serve_reports_a_busy_port(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         r = _run("serve", "--port", str(port), "--spool-dir", str(tmp_path), "--simulate", "true")
-    assert r.returncode == 1 and "cannot listen on 127.0.0.1:%d" % port in r.stderr
+    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
 
 
 def test_config_shows_values_and_sources(tmp_path):
