@@ -6,7 +6,7 @@ TOOLS   := .cache/debian
 # Debian's prometheus packages, unpacked (not installed: installing would start their services).
 PROMETHEUS   := $(TOOLS)/usr/bin/prometheus
 ALERTMANAGER := $(TOOLS)/usr/bin/prometheus-alertmanager
-export VRAMWATCH_TOOLS_DIR := $(abspath $(TOOLS))/usr/bin
+export TEST_TOOLS_DIR := $(abspath $(TOOLS))/usr/bin
 
 .PHONY: demo test venv tools lint docs generate check-generated gpu-test clean
 

@@ -33,8 +33,8 @@ def tool(name: str) -> str:
     In CI (CI=true) a missing binary fails the test: `make test` installs them.
     """
     candidates = []
-    if os.environ.get("VRAMWATCH_TOOLS_DIR"):
-        candidates.append(Path(os.environ["VRAMWATCH_TOOLS_DIR"]) / name)
+    if os.environ.get("TEST_TOOLS_DIR"):
+        candidates.append(Path(os.environ["TEST_TOOLS_DIR"]) / name)
     candidates.append(ROOT / ".cache" / "debian" / "usr" / "bin" / name)
     for c in candidates:
         if c.exists():
