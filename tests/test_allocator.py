@@ -195,3 +195,26 @@ def test_torch_source_never_imports_torch(monkeypatch):
     src = TorchSource()
     assert src.devices() == []
     assert "torch" not in sys.modules
+
+
+def test_snapshot_cost_is_bounded(monkeypatch):
+    import vramwatch.exporter.allocator as alloc
+
+    sim = SimAllocator(SimNode.default(1), visible="0")
+    sim.init(0)
+    calls = []
+    real = sim.snapshot
+
+    def slow_snapshot():
+        calls.append(1)
+        return real()
+
+    sim.snapshot = slow_snapshot
+    clock = iter([0.0, 0.5])  # perf_counter before/after: a 0.5 s snapshot
+    monkeypatch.setattr(alloc.time, "perf_counter", lambda: next(clock, 1.0))
+    sampler = AllocatorSampler(sim, largest_block_interval=30)
+    sampler.read(now=0.0)
+    sampler.read(now=100.0)  # past the 30 s interval, but a 0.5 s snapshot may run only every 5000 s
+    assert len(calls) == 1
+    sampler.read(now=5001.0)
+    assert len(calls) == 2
