@@ -18,7 +18,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test,dashboards,report]'
 	touch $@
 
-tools: $(PROMETHEUS) $(ALERTMANAGER)
+# Debian's alertmanager reads its default notification templates from this fixed path (no flag moves it).
+AM_TEMPLATES := /usr/share/prometheus/alertmanager/default.tmpl
+
+tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES)
+$(AM_TEMPLATES): $(ALERTMANAGER)
+	mkdir -p $(dir $@) && cp $(TOOLS)/usr/share/prometheus/alertmanager/*.tmpl $(dir $@)
 $(PROMETHEUS) $(ALERTMANAGER):
 	mkdir -p $(TOOLS)/debs
 	apt-get update -qq
@@ -26,8 +31,8 @@ $(PROMETHEUS) $(ALERTMANAGER):
 	for f in $(TOOLS)/debs/*.deb; do dpkg-deb -x $$f $(TOOLS); done
 	touch $(PROMETHEUS) $(ALERTMANAGER)
 
-demo: venv
-	$(BIN)/vramwatch demo $(DEMO_ARGS)
+demo: venv tools
+	$(BIN)/python scripts/demo_stack.py $(DEMO_ARGS)
 
 test: venv tools
 	$(BIN)/ruff check vramwatch tests
