@@ -1,15 +1,58 @@
-"""The simulated node: its GPUs and what a test or the demo does to them."""
+"""The simulated node: its GPUs and what a test or the demo does to them.
+
+The state is one JSON file, ``<spool>/sim-node.json``, shared by the simulated
+ranks (:mod:`vramwatch.sim.allocator`), the server's fake NVML
+(:mod:`vramwatch.sim.nvml`) and whoever drives the scenario. Every reading is
+in the units a person thinks in (watts, 0..1, MHz, bytes); the fake NVML turns
+them into NVML's own units (mW, mJ, %, MHz) on the way out.
+
+Driving it from a test or the demo::
+
+    from vramwatch.sim.state import edit
+
+    with edit(spool_dir) as node:          # load, change, save atomically
+        g = node.gpu(0)
+        g.power_w, g.utilization = 95.0, 1.0      # the busy-looking stall
+        g.throttle_mask = 0x4                      # NVML clocks-event bits (0x4: SW power cap)
+        node.inject_xid(0, 79)                     # one Xid event, delivered once by the event set
+        node.add_foreign(0, pid=4242, used_bytes=6 << 30)   # a second process on the card
+        node.inject_error("nvmlDeviceGetPowerUsage", 3)     # NVML_ERROR_NOT_SUPPORTED, every GPU
+        node.inject_error("*", 15, gpu=1)          # GPU_IS_LOST on every device call of GPU 1
+        g.lost = True                              # the same, the short way
+        node.nvml_missing = True                   # libnvidia-ml.so.1 "not found" at nvmlInit
+
+What each field means:
+
+- ``SimGpu``: ``power_w``/``power_limit_w`` (watts), ``utilization``/``memory_utilization`` (0..1),
+  ``temperature_c``, ``sm_clock_mhz``/``memory_clock_mhz``, ``throttle_mask`` (NVML bits),
+  ``energy_mj`` (the energy counter, mJ since "driver load"; :meth:`SimGpu.tick` advances it by the
+  power draw), ``ecc_corrected``/``ecc_uncorrected`` (volatile counts), ``remapped`` (rows:
+  correctable, uncorrectable, pending, failure), ``pcie_replays``, ``extra_used_bytes`` (device memory
+  held by something that is neither a rank nor a foreign process), ``driver_reserved_bytes`` (what NVML's
+  v2 memory call reports as reserved), ``lost`` (every device call raises GPU_IS_LOST), ``mig`` (MIG
+  mode on: utilisation and remapped rows become NOT_SUPPORTED, as on real MIG parents).
+- ``SimNode.errors``: NVML function name -> NVML error code, raised as a real ``pynvml.NVMLError``.
+  Keys: ``"nvmlDeviceGetPowerUsage"`` (every GPU), ``"nvmlDeviceGetPowerUsage:1"`` (GPU 1 only),
+  ``"*"`` / ``"*:1"`` (every per-device call), ``"nvmlInit"``, ``"nvmlEventSetWait"``, ...
+- ``SimNode.xids``: the event queue; an event set delivers the events injected after it registered.
+- ``SimNode.foreign``: compute processes that are not ranks (``{"gpu", "pid", "used_bytes"}``).
+  The ranks' own processes come from their spool samples: each rank's pid, with its reserved bytes plus
+  ``context_bytes`` (what a CUDA context costs), on every GPU it has a device on.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MIB = 1 << 20
 STATE_FILE = "sim-node.json"
+MAX_XIDS = 256  # the queue keeps the newest events only
 
 
 @dataclass
@@ -37,6 +80,10 @@ class SimGpu:
     lost: bool = False
     mig: bool = False
 
+    def tick(self, seconds: float) -> None:
+        """Advance the energy counter by ``seconds`` of the current power draw."""
+        self.energy_mj += self.power_w * 1000.0 * seconds
+
 
 @dataclass
 class SimNode:
@@ -47,6 +94,7 @@ class SimNode:
     errors: dict[str, int] = field(default_factory=dict)  # NVML function name (or "*") -> NVML error code
     nvml_missing: bool = False  # libnvidia-ml "not found"
     context_bytes: int = 527 * MIB  # what a CUDA context costs a rank (measured on an H200)
+    xid_seq: int = 0  # sequence number of the newest injected Xid (survives the queue's trimming)
 
     @classmethod
     def default(cls, count: int = 1) -> SimNode:
@@ -71,11 +119,42 @@ class SimNode:
         return self.gpus[index]
 
     def inject_xid(self, gpu: int, xid: int) -> None:
-        seq = (self.xids[-1]["seq"] + 1) if self.xids else 1
-        self.xids.append({"seq": seq, "gpu": gpu, "xid": int(xid), "time": time.time()})
+        """Queue one Xid event on GPU ``gpu``; event sets registered before this call see it once."""
+        last = max([self.xid_seq] + [int(x.get("seq", 0)) for x in self.xids])
+        self.xid_seq = last + 1
+        self.xids.append({"seq": self.xid_seq, "gpu": int(gpu), "xid": int(xid), "time": time.time()})
+        del self.xids[:-MAX_XIDS]
 
     def add_foreign(self, gpu: int, pid: int, used_bytes: int) -> None:
-        self.foreign.append({"gpu": gpu, "pid": pid, "used_bytes": int(used_bytes)})
+        self.foreign.append({"gpu": int(gpu), "pid": int(pid), "used_bytes": int(used_bytes)})
+
+    def clear_foreign(self, gpu: int | None = None) -> None:
+        self.foreign = [f for f in self.foreign if gpu is not None and f.get("gpu") != gpu]
+
+    def inject_error(self, function: str, code: int, gpu: int | None = None) -> None:
+        """Make NVML ``function`` (or ``"*"``: every per-device call) raise NVMLError(code)."""
+        self.errors[_error_key(function, gpu)] = int(code)
+
+    def clear_error(self, function: str | None = None, gpu: int | None = None) -> None:
+        """Stop injecting ``function``'s error (None: every injected error)."""
+        if function is None:
+            self.errors.clear()
+        else:
+            self.errors.pop(_error_key(function, gpu), None)
+
+    def error_for(self, function: str, gpu: int | None) -> int | None:
+        """The injected error code for one call, most specific key first."""
+        keys = [function]  # "*" is for per-device calls only
+        if gpu is not None:
+            keys = [f"{function}:{gpu}", function, f"*:{gpu}", "*"]
+        for k in keys:
+            if k in self.errors:
+                return int(self.errors[k])
+        return None
+
+
+def _error_key(function: str, gpu: int | None) -> str:
+    return function if gpu is None else f"{function}:{gpu}"
 
 
 def _uuid(i: int) -> str:
@@ -95,3 +174,11 @@ def load_or_create(spool_dir: str, count: int = 1) -> SimNode:
         os.makedirs(spool_dir, mode=0o700, exist_ok=True)
         node.save(path)
         return node
+
+
+@contextlib.contextmanager
+def edit(spool_dir: str, count: int = 1) -> Iterator[SimNode]:
+    """Load the node's state, let the caller change it, save it atomically."""
+    node = load_or_create(spool_dir, count)
+    yield node
+    node.save(state_path(spool_dir))

@@ -1,0 +1,296 @@
+"""One NVML session per server: which library, init with back-off, the GPUs it found.
+
+The NVML collector, the process counter and the Xid watcher share it, from
+their own threads (NVML is thread-safe and its calls release the GIL). It
+picks nvidia-ml-py's ``pynvml`` or, with ``simulate``, the fake over the
+simulated node. Init is retried with exponential back-off (1 s to 60 s) when
+the library or the driver is missing; every problem is logged once per kind.
+It never calls ``nvmlShutdown`` (NVML is refcounted and torch never shuts it
+down either) and never touches CUDA, so the server creates no CUDA context.
+
+Error handling follows the reference notes (torch-nvml.md B3/B4): an error is
+*unsupported* (remember it per GPU and field, skip it, ``up`` stays 1),
+*lost* (the GPU fell off the bus or needs a reset), *session* (NVML itself is
+gone: re-init), *quiet* (no data yet) or *transient* (timeout, unknown: the
+read failed, try again next time).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vramwatch.config import Settings
+
+log = logging.getLogger("vramwatch")
+
+# NVML return codes (nvml.h; the same numbers as pynvml.NVML_ERROR_*), so this module
+# works even when nvidia-ml-py cannot be imported.
+UNINITIALIZED = 1
+NOT_SUPPORTED = 3
+NO_PERMISSION = 4
+NOT_FOUND = 6
+DRIVER_NOT_LOADED = 9
+TIMEOUT = 10
+LIBRARY_NOT_FOUND = 12
+FUNCTION_NOT_FOUND = 13
+GPU_IS_LOST = 15
+RESET_REQUIRED = 16
+LIB_RM_VERSION_MISMATCH = 18
+NO_DATA = 21
+ARGUMENT_VERSION_MISMATCH = 25
+NOT_READY = 27
+UNKNOWN = 999
+
+NAMES = {UNINITIALIZED: "UNINITIALIZED", 2: "INVALID_ARGUMENT", NOT_SUPPORTED: "NOT_SUPPORTED",
+         NO_PERMISSION: "NO_PERMISSION", NOT_FOUND: "NOT_FOUND", DRIVER_NOT_LOADED: "DRIVER_NOT_LOADED",
+         TIMEOUT: "TIMEOUT", LIBRARY_NOT_FOUND: "LIBRARY_NOT_FOUND", FUNCTION_NOT_FOUND: "FUNCTION_NOT_FOUND",
+         GPU_IS_LOST: "GPU_IS_LOST", RESET_REQUIRED: "RESET_REQUIRED",
+         LIB_RM_VERSION_MISMATCH: "LIB_RM_VERSION_MISMATCH", NO_DATA: "NO_DATA",
+         ARGUMENT_VERSION_MISMATCH: "ARGUMENT_VERSION_MISMATCH", NOT_READY: "NOT_READY", UNKNOWN: "UNKNOWN"}
+
+UNSUPPORTED_CODES = frozenset({NOT_SUPPORTED, NO_PERMISSION, FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH})
+LOST_CODES = frozenset({GPU_IS_LOST, RESET_REQUIRED})
+SESSION_CODES = frozenset({UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, LIB_RM_VERSION_MISMATCH})
+QUIET_CODES = frozenset({NO_DATA, NOT_READY})
+
+BACKOFF_FIRST = 1.0
+BACKOFF_MAX = 60.0
+
+
+def error_code(e: BaseException) -> int | None:
+    """The NVML return code of an NVMLError (None for anything else)."""
+    if type(e).__name__ == "NVMLLibraryMismatchError":  # binding newer than the driver
+        return FUNCTION_NOT_FOUND
+    v = getattr(e, "value", None)
+    return v if isinstance(v, int) and type(e).__name__.startswith("NVMLError") else None
+
+
+def error_name(e: BaseException) -> str:
+    code = error_code(e)
+    if code is None:
+        return type(e).__name__
+    return NAMES.get(code, f"NVML_ERROR_{code}")
+
+
+def classify(e: BaseException) -> str:
+    """unsupported | lost | session | quiet | transient."""
+    code = error_code(e)
+    if code in UNSUPPORTED_CODES:
+        return "unsupported"
+    if code in LOST_CODES:
+        return "lost"
+    if code in SESSION_CODES:
+        return "session"
+    if code in QUIET_CODES:
+        return "quiet"
+    return "transient"
+
+
+def text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU as enumerated at init: identity and handle."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    mig_mode: str  # enabled | disabled | unsupported
+    handle: Any
+
+
+def load_module(settings: Settings) -> Any:
+    """nvidia-ml-py's pynvml, or the fake over the simulated node."""
+    if settings.simulate:
+        from vramwatch.sim.nvml import SimNvml
+
+        return SimNvml.from_spool(settings.resolved_spool_dir())
+    import pynvml
+
+    return pynvml
+
+
+class OnceLog:
+    """Log each distinct key once; later repeats are only counted by the caller."""
+
+    def __init__(self) -> None:
+        self._seen: set[Any] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, key: Any, level: int, msg: str, *args: Any) -> bool:
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+        log.log(level, msg, *args)
+        return True
+
+    def forget(self, prefix: str) -> None:
+        with self._lock:
+            self._seen = {k for k in self._seen if not (isinstance(k, tuple) and k and k[0] == prefix)}
+
+
+class NvmlSession:
+    """NVML for one server. ``ensure()`` is cheap once initialised; call it before each read."""
+
+    def __init__(self, settings: Settings, module: Any = None,
+                 loader: Callable[[Settings], Any] = load_module, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.nv: Any = module
+        self._loader = loader
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.ready = False
+        self.generation = 0  # bumped by every successful init: readers re-check what they remembered
+        self.devices: tuple[Device, ...] = ()
+        self.incomplete = False  # some GPU could not be identified at enumeration
+        self.driver_version = ""
+        self.init_failures = 0
+        self.last_error = ""
+        self.lost: frozenset[str] = frozenset()  # uuids currently lost (kept by the NVML collector)
+        self.ledger: Any = None  # the Xid ledger, shared with the NVML collector (see collectors/xid.py)
+        self.once = OnceLog()
+        self._next_try = 0.0
+        self._backoff = BACKOFF_FIRST
+
+    # --- init ---
+    def ensure(self) -> bool:
+        """True when NVML is initialised; else tries init, at most once per back-off period."""
+        if self.ready:
+            return True
+        with self._lock:
+            if self.ready:
+                return True
+            now = self._clock()
+            if now < self._next_try:
+                return False
+            try:
+                if self.nv is None:
+                    self.nv = self._loader(self.settings)
+                self.nv.nvmlInit()
+                self.driver_version = self._driver_version()
+                self._enumerate()
+            except ImportError as e:
+                self._init_failed(now, "import", f"nvidia-ml-py is not importable ({e})")
+                return False
+            except Exception as e:  # noqa: BLE001 - NVMLError of any kind, or a broken binding
+                self._init_failed(now, error_name(e), f"{error_name(e)}: {e}")
+                return False
+            self.ready = True
+            self.generation += 1
+            self._backoff = BACKOFF_FIRST
+            self.last_error = ""
+            log.info("vramwatch: NVML ready (driver %s): %d GPU(s) %s", self.driver_version or "?",
+                     len(self.devices), ", ".join(f"{d.index}:{d.uuid}" for d in self.devices))
+            return True
+
+    def _init_failed(self, now: float, kind: str, detail: str) -> None:
+        self.init_failures += 1
+        self.last_error = detail
+        self._next_try = now + self._backoff
+        self.once(("init", kind), logging.WARNING,
+                  "vramwatch: NVML unavailable (%s); device metrics are off, allocator metrics go on; "
+                  "retrying with back-off up to %.0f s", detail, BACKOFF_MAX)
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+
+    def mark_down(self, e: BaseException) -> None:
+        """NVML itself failed under a reader (uninitialised, driver gone): re-init on the next ensure()."""
+        with self._lock:
+            if not self.ready:
+                return
+            self.ready = False
+            self.last_error = error_name(e)
+            self._next_try = self._clock() + self._backoff
+            self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+        self.once(("down", error_name(e)), logging.WARNING,
+                  "vramwatch: NVML stopped answering (%s); re-initialising with back-off", error_name(e))
+
+    def next_try_in(self) -> float:
+        return max(0.0, self._next_try - self._clock())
+
+    def _driver_version(self) -> str:
+        try:
+            return text(self.nv.nvmlSystemGetDriverVersion())[:64]
+        except Exception:  # noqa: BLE001
+            return ""
+
+    def _enumerate(self) -> None:
+        nv = self.nv
+        devices = []
+        incomplete = False
+        for i in range(int(nv.nvmlDeviceGetCount())):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                uuid = text(nv.nvmlDeviceGetUUID(h))
+            except Exception as e:  # noqa: BLE001 - a GPU we cannot identify is skipped, retried later
+                if classify(e) == "session":
+                    raise
+                incomplete = True
+                self.once(("enumerate", i, error_name(e)), logging.WARNING,
+                          "vramwatch: NVML GPU %d cannot be identified (%s); skipping it for now", i, error_name(e))
+                continue
+            devices.append(Device(i, uuid[:96], self._soft(lambda h=h: text(nv.nvmlDeviceGetName(h)))[:96],
+                                  self._soft(lambda h=h: text(nv.nvmlDeviceGetPciInfo(h).busId))[:32],
+                                  self._mig_mode(h), h))
+        self.devices = tuple(devices)
+        self.incomplete = incomplete
+
+    def reenumerate(self) -> None:
+        """Retry identifying GPUs that failed at init (slow cadence)."""
+        with self._lock:
+            try:
+                self._enumerate()
+            except Exception as e:  # noqa: BLE001
+                if classify(e) == "session":
+                    self.mark_down(e)
+
+    @staticmethod
+    def _soft(fn: Callable[[], str]) -> str:
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001 - identity strings are nice to have
+            return ""
+
+    def _mig_mode(self, h: Any) -> str:
+        try:
+            current = self.nv.nvmlDeviceGetMigMode(h)[0]
+        except Exception:  # noqa: BLE001 - NOT_SUPPORTED on parts without MIG
+            return "unsupported"
+        return "enabled" if current else "disabled"
+
+    def set_lost(self, uuid: str, lost: bool) -> None:
+        with self._lock:  # replaced, never mutated: other threads iterate it
+            self.lost = self.lost | {uuid} if lost else self.lost - {uuid}
+
+    def watch_key(self) -> tuple[int, tuple[str, ...]]:
+        """Changes when NVML re-initialised or a GPU was lost or came back (event sets re-register)."""
+        lost = self.lost
+        return self.generation, tuple(d.uuid for d in self.devices if d.uuid not in lost)
+
+    def device(self, uuid: str) -> Device | None:
+        for d in self.devices:
+            if d.uuid == uuid:
+                return d
+        return None
+
+
+_SESSIONS: dict[tuple[bool, str], NvmlSession] = {}
+_SESSIONS_LOCK = threading.Lock()
+
+
+def session_for(settings: Settings) -> NvmlSession:
+    """The process's session for these settings' NVML (real or simulated spool)."""
+    key = (settings.simulate, settings.resolved_spool_dir() if settings.simulate else "")
+    with _SESSIONS_LOCK:
+        s = _SESSIONS.get(key)
+        if s is None:
+            s = _SESSIONS[key] = NvmlSession(settings)
+        return s

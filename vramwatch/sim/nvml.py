@@ -1,0 +1,341 @@
+"""A fake ``pynvml`` over the simulated node: the same function names, units and errors.
+
+The server uses it in place of nvidia-ml-py when ``simulate`` is set. Readings
+come from the node's state file (:mod:`vramwatch.sim.state`), converted to
+NVML's units (mW, mJ, %, MHz, bytes); errors are real ``pynvml.NVMLError``
+instances (so ``NVMLError_GpuIsLost`` and friends match), raised for the calls
+named in ``SimNode.errors``, for every call on a ``lost`` GPU, and at
+``nvmlInit`` when ``nvml_missing`` is set. Constants (``NVML_CLOCK_SM``,
+``nvmlMemory_v2``, ``NVML_ERROR_*``, ...) are nvidia-ml-py's own.
+
+The ranks' compute processes come from their spool samples: each rank pid
+holds its reserved bytes plus the node's ``context_bytes`` on every GPU it
+has a device on; ``SimNode.foreign`` adds the others. Device memory "used"
+is the sum of those, ``extra_used_bytes`` and the driver's reservation.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml
+
+from vramwatch.sim.state import SimNode, load_or_create, state_path
+
+# what an H200 on driver 580 reports for nvmlDeviceGetSupportedEventTypes (measured)
+SUPPORTED_EVENTS = 0xFF9F
+_NO_INSTANCE = 0xFFFFFFFF
+# alias -> the name injected errors are keyed by
+_CANON = {
+    "nvmlEventSetWait_v2": "nvmlEventSetWait",
+    "nvmlDeviceGetComputeRunningProcesses_v3": "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetPciInfo_v3": "nvmlDeviceGetPciInfo",
+    "nvmlInitWithFlags": "nvmlInit",
+}
+
+
+def _err(code: int) -> pynvml.NVMLError:
+    return pynvml.NVMLError(code)
+
+
+@dataclass(frozen=True)
+class SimHandle:
+    """What nvmlDeviceGetHandleBy* returns: a GPU index of the simulated node."""
+
+    index: int
+
+
+@dataclass
+class SimEventSet:
+    masks: dict[int, int] = field(default_factory=dict)  # gpu index -> registered event types
+    cursors: dict[int, int] = field(default_factory=dict)  # gpu index -> newest Xid seq already seen
+    freed: bool = False
+
+
+class SimNvml:
+    """A pynvml-compatible object; build it with :meth:`from_spool` or :meth:`from_node`."""
+
+    def __init__(self, node: Callable[[], SimNode], samples: Callable[[], list[Any]] | None = None,
+                 poll: float = 0.05) -> None:
+        self._node = node
+        self._samples = samples or (lambda: [])
+        self._poll = poll
+        self._inits = 0
+        self._lock = threading.Lock()
+
+    # --- construction ---
+    @classmethod
+    def from_spool(cls, spool_dir: str) -> SimNvml:
+        """The server's view: the node's state file and the ranks' samples in ``spool_dir``."""
+        return cls(_FileNode(spool_dir), _SpoolSamples(spool_dir))
+
+    @classmethod
+    def from_node(cls, node: SimNode, samples: Callable[[], list[Any]] | None = None, poll: float = 0.01) -> SimNvml:
+        """An in-memory node (unit tests): change ``node`` and the next call sees it."""
+        return cls(lambda: node, samples, poll)
+
+    def __getattr__(self, name: str) -> Any:
+        # constants and error classes are nvidia-ml-py's; a function we do not fake is an AttributeError
+        value = getattr(pynvml, name)
+        if callable(value) and not isinstance(value, type) and name.startswith("nvml"):
+            raise AttributeError(f"the simulated NVML has no {name}()")
+        return value
+
+    # --- plumbing ---
+    def _call(self, fn: str, handle: SimHandle | None = None) -> tuple[SimNode, Any]:
+        fn = _CANON.get(fn, fn)
+        if self._inits <= 0:
+            raise _err(pynvml.NVML_ERROR_UNINITIALIZED)
+        node = self._node()
+        if handle is None:
+            code = node.error_for(fn, None)
+            if code is not None:
+                raise _err(code)
+            return node, None
+        if not isinstance(handle, SimHandle) or not 0 <= handle.index < len(node.gpus):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        code = node.error_for(fn, handle.index)
+        if code is not None:
+            raise _err(code)
+        gpu = node.gpus[handle.index]
+        if gpu.lost:
+            raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return node, gpu
+
+    def _processes(self, node: SimNode, gpu: Any) -> list[tuple[int, int]]:
+        out = []
+        for s in self._samples():
+            data = getattr(s, "data", s)
+            pid = int(getattr(s, "pid", 0) or data.get("pid", 0))
+            for dev in data.get("devices") or ():
+                if dev.get("uuid") == gpu.uuid:
+                    reserved = (dev.get("values") or {}).get("torch_cuda_memory_reserved_bytes", 0)
+                    out.append((pid, int(reserved) + node.context_bytes))
+                    break
+        for f in node.foreign:
+            if int(f.get("gpu", -1)) == gpu.index:
+                out.append((int(f.get("pid", 0)), int(f.get("used_bytes", 0))))
+        return out
+
+    # --- library ---
+    def nvmlInit(self) -> None:
+        node = self._node()
+        if node.nvml_missing:
+            raise _err(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        code = node.error_for("nvmlInit", None)
+        if code is not None:
+            raise _err(code)
+        with self._lock:
+            self._inits += 1
+
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        self.nvmlInit()
+
+    def nvmlShutdown(self) -> None:
+        self._call("nvmlShutdown")
+        with self._lock:
+            self._inits -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        node, _ = self._call("nvmlSystemGetDriverVersion")
+        return node.driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        node, _ = self._call("nvmlDeviceGetCount")
+        return len(node.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> SimHandle:
+        self._call("nvmlDeviceGetHandleByIndex", SimHandle(int(index)))
+        return SimHandle(int(index))
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> SimHandle:
+        node, _ = self._call("nvmlDeviceGetHandleByUUID")
+        text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        for g in node.gpus:
+            if g.uuid == text:
+                self._call("nvmlDeviceGetHandleByUUID", SimHandle(g.index))
+                return SimHandle(g.index)
+        raise _err(pynvml.NVML_ERROR_NOT_FOUND)
+
+    # --- identity ---
+    def nvmlDeviceGetUUID(self, h: SimHandle) -> str:
+        return self._call("nvmlDeviceGetUUID", h)[1].uuid
+
+    def nvmlDeviceGetName(self, h: SimHandle) -> str:
+        return self._call("nvmlDeviceGetName", h)[1].name
+
+    def nvmlDeviceGetIndex(self, h: SimHandle) -> int:
+        return self._call("nvmlDeviceGetIndex", h)[1].index
+
+    def nvmlDeviceGetPciInfo(self, h: SimHandle) -> SimpleNamespace:
+        g = self._call("nvmlDeviceGetPciInfo", h)[1]
+        return SimpleNamespace(busId=g.pci_bus_id.encode(), busIdLegacy=g.pci_bus_id.encode())  # bytes, as ctypes
+
+    nvmlDeviceGetPciInfo_v3 = nvmlDeviceGetPciInfo
+
+    def nvmlDeviceGetMigMode(self, h: SimHandle) -> list[int]:
+        g = self._call("nvmlDeviceGetMigMode", h)[1]
+        return [1, 1] if g.mig else [0, 0]
+
+    # --- readings ---
+    def nvmlDeviceGetMemoryInfo(self, h: SimHandle, version: int | None = None) -> SimpleNamespace:
+        node, g = self._call("nvmlDeviceGetMemoryInfo", h)
+        in_use = sum(used for _, used in self._processes(node, g))
+        used = min(g.total_bytes, in_use + g.extra_used_bytes + g.driver_reserved_bytes)
+        free = g.total_bytes - used
+        if not version:
+            return SimpleNamespace(total=g.total_bytes, free=free, used=used)
+        # v2 reports the driver's reservation apart (measured: v2.used = v1.used - reserved)
+        return SimpleNamespace(version=version, total=g.total_bytes, reserved=g.driver_reserved_bytes,
+                               free=free, used=used - g.driver_reserved_bytes)
+
+    def nvmlDeviceGetPowerUsage(self, h: SimHandle) -> int:
+        return int(round(self._call("nvmlDeviceGetPowerUsage", h)[1].power_w * 1000))
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h: SimHandle) -> int:
+        return int(round(self._call("nvmlDeviceGetEnforcedPowerLimit", h)[1].power_limit_w * 1000))
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: SimHandle) -> int:
+        return int(self._call("nvmlDeviceGetTotalEnergyConsumption", h)[1].energy_mj)
+
+    def nvmlDeviceGetUtilizationRates(self, h: SimHandle) -> SimpleNamespace:
+        g = self._call("nvmlDeviceGetUtilizationRates", h)[1]
+        if g.mig:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return SimpleNamespace(gpu=int(round(g.utilization * 100)), memory=int(round(g.memory_utilization * 100)))
+
+    def nvmlDeviceGetTemperature(self, h: SimHandle, sensor: int) -> int:
+        return int(round(self._call("nvmlDeviceGetTemperature", h)[1].temperature_c))
+
+    def nvmlDeviceGetTemperatureV(self, h: SimHandle, sensor: int, version: int = 0) -> int:
+        return int(round(self._call("nvmlDeviceGetTemperatureV", h)[1].temperature_c))
+
+    def nvmlDeviceGetClockInfo(self, h: SimHandle, clock_type: int) -> int:
+        g = self._call("nvmlDeviceGetClockInfo", h)[1]
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return int(round(g.memory_clock_mhz))
+        return int(round(g.sm_clock_mhz))  # SM and graphics clocks are one on these parts
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: SimHandle) -> int:
+        return int(self._call("nvmlDeviceGetCurrentClocksEventReasons", h)[1].throttle_mask)
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: SimHandle) -> int:
+        return int(self._call("nvmlDeviceGetCurrentClocksThrottleReasons", h)[1].throttle_mask)
+
+    def nvmlDeviceGetTotalEccErrors(self, h: SimHandle, error_type: int, counter_type: int) -> int:
+        g = self._call("nvmlDeviceGetTotalEccErrors", h)[1]
+        if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+            return int(g.ecc_uncorrected)
+        return int(g.ecc_corrected)
+
+    def nvmlDeviceGetRemappedRows(self, h: SimHandle) -> tuple[int, int, int, int]:
+        g = self._call("nvmlDeviceGetRemappedRows", h)[1]
+        if g.mig:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        corr, unc, pending, failure = (list(g.remapped) + [0, 0, 0, 0])[:4]
+        return int(corr), int(unc), int(pending), int(failure)
+
+    def nvmlDeviceGetPcieReplayCounter(self, h: SimHandle) -> int:
+        return int(self._call("nvmlDeviceGetPcieReplayCounter", h)[1].pcie_replays)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: SimHandle) -> list[SimpleNamespace]:
+        node, g = self._call("nvmlDeviceGetComputeRunningProcesses", h)
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=_NO_INSTANCE,
+                                computeInstanceId=_NO_INSTANCE) for pid, used in self._processes(node, g)]
+
+    nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
+
+    # --- events ---
+    def nvmlDeviceGetSupportedEventTypes(self, h: SimHandle) -> int:
+        self._call("nvmlDeviceGetSupportedEventTypes", h)
+        return SUPPORTED_EVENTS
+
+    def nvmlEventSetCreate(self) -> SimEventSet:
+        self._call("nvmlEventSetCreate")
+        return SimEventSet()
+
+    def nvmlDeviceRegisterEvents(self, h: SimHandle, event_types: int, es: SimEventSet) -> None:
+        node, _ = self._call("nvmlDeviceRegisterEvents", h)
+        if es.freed:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if event_types & ~SUPPORTED_EVENTS:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        es.masks[h.index] = es.masks.get(h.index, 0) | int(event_types)
+        # "events that occurred before this call are not recorded"
+        es.cursors.setdefault(h.index, max([node.xid_seq] + [int(x.get("seq", 0)) for x in node.xids]))
+
+    def nvmlEventSetWait(self, es: SimEventSet, timeoutms: int) -> SimpleNamespace:
+        deadline = time.monotonic() + max(0, int(timeoutms)) / 1000.0
+        while True:
+            node, _ = self._call("nvmlEventSetWait")
+            if es.freed:
+                raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            for x in sorted(node.xids, key=lambda e: int(e.get("seq", 0))):
+                idx, seq = int(x.get("gpu", -1)), int(x.get("seq", 0))
+                if es.masks.get(idx, 0) & pynvml.nvmlEventTypeXidCriticalError and seq > es.cursors.get(idx, 0):
+                    es.cursors[idx] = seq
+                    return SimpleNamespace(device=SimHandle(idx), eventType=pynvml.nvmlEventTypeXidCriticalError,
+                                           eventData=int(x.get("xid", 999)), gpuInstanceId=_NO_INSTANCE,
+                                           computeInstanceId=_NO_INSTANCE)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _err(pynvml.NVML_ERROR_TIMEOUT)
+            time.sleep(min(self._poll, left))
+
+    nvmlEventSetWait_v2 = nvmlEventSetWait
+
+    def nvmlEventSetFree(self, es: SimEventSet) -> None:
+        self._call("nvmlEventSetFree")
+        es.freed = True
+
+
+class _FileNode:
+    """The node's state file, reloaded when it was replaced (saves are atomic renames)."""
+
+    def __init__(self, spool_dir: str) -> None:
+        self.spool_dir = spool_dir
+        self.path = state_path(spool_dir)
+        self._key: tuple[int, int, int] | None = None
+        self._node: SimNode | None = None
+
+    def __call__(self) -> SimNode:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            self._node = load_or_create(self.spool_dir)
+            return self._node
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._key or self._node is None:
+            try:
+                node = SimNode.load(self.path)
+            except (OSError, ValueError, TypeError, KeyError):
+                if self._node is None:
+                    raise
+                return self._node  # keep the last good state
+            self._node, self._key = node, key
+        return self._node
+
+
+class _SpoolSamples:
+    """The ranks' newest samples, read at most every ``ttl`` seconds."""
+
+    def __init__(self, spool_dir: str, ttl: float = 0.25) -> None:
+        self.spool_dir = spool_dir
+        self.ttl = ttl
+        self._at = -1e9
+        self._samples: list[Any] = []
+
+    def __call__(self) -> list[Any]:
+        now = time.monotonic()
+        if now - self._at >= self.ttl:
+            from vramwatch.exporter.spool import read_samples
+
+            self._samples = read_samples(self.spool_dir, 4096)
+            self._at = now
+        return self._samples
