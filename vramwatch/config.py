@@ -67,6 +67,13 @@ def _label_value(v: str) -> None:
         raise ValueError("must be at most 128 characters")
 
 
+def _web_config(v: str) -> None:
+    if v:  # the whole file, certificates included, so a bad one fails before the job runs
+        from vramwatch.exporter.webconfig import check_web_config
+
+        check_web_config(v)  # its ConfigError (a ValueError) names the field inside the file
+
+
 def _opt(default: Any, doc: str, check: Callable[[Any], None] | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, "check": check})
 
@@ -101,7 +108,8 @@ class Settings:
     linger: float = _opt(10.0, "Seconds a rank-started server stays up after the last rank left.",
                          _non_negative)
     max_connections: int = _opt(8, "Concurrent HTTP requests served; more get 503.", _positive)
-    web_config_file: str = _opt("", "exporter-toolkit web config (TLS, basic auth).")
+    web_config_file: str = _opt("", "exporter-toolkit web config (TLS, basic auth): see docs/security.md.",
+                                _web_config)
     status_every: int = _opt(0, "Print a status line every N steps (0: off).", _non_negative)
     status_all_ranks: bool = _opt(False, "Status line on every rank, not only rank 0.")
     oom_snapshot_dir: str = _opt("", "Write a memory snapshot on OOM into this directory (empty: off).")

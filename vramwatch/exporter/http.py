@@ -2,19 +2,26 @@
 
 Each connection gets a thread, but at most ``max_connections`` at once;
 beyond that a client gets a clean 503 at once. Sockets time out, so a slow
-client (slowloris) holds a slot for at most ``timeout`` seconds. Requests are
-one per connection (HTTP/1.0 semantics), so an idle keep-alive never pins a slot.
+client (slowloris) holds a slot for at most ``timeout`` seconds: the TLS
+handshake and the request head must arrive within one deadline, not one per
+read. The request line and headers together get a byte budget (431 beyond it).
+Requests are one per connection (HTTP/1.0 semantics), so an idle keep-alive
+never pins a slot. A failing collection answers 500, never a dropped socket.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socketserver import _SocketWriter  # type: ignore[attr-defined]
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
@@ -29,7 +36,40 @@ LANDING = b"""<!doctype html><html><head><title>vramwatch</title></head><body>
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\n"
          b"Content-Length: 17\r\nConnection: close\r\n\r\ntoo many requests")
 
+_TLS_HINT = b"Client sent an HTTP request to an HTTPS server.\n"
+_PLAIN_TO_TLS = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+                 b"Connection: close\r\n\r\n%s" % (len(_TLS_HINT), _TLS_HINT))
+MAX_REQUEST_HEAD = 16 * 1024  # request line + headers; a Prometheus scrape sends well under 1 KiB
+_DRAIN_BYTES = 64 * 1024
+
 Authorizer = Callable[[str | None], bool]  # Authorization header -> allowed
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+class _RequestReader(io.RawIOBase):
+    """The socket as the request parser reads it: one deadline for the whole head, and a byte budget."""
+
+    def __init__(self, sock: socket.socket, deadline: float, budget: int) -> None:
+        super().__init__()
+        self.sock, self.deadline, self.left = sock, deadline, budget
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # noqa: ANN001 - io signature
+        if self.left <= 0:
+            raise _HeadTooLarge
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("request deadline passed")
+        self.sock.settimeout(remaining)
+        with memoryview(b) as view:
+            n = self.sock.recv_into(view[: min(len(view), self.left)])
+        self.left -= n
+        return n
 
 
 class ExporterHTTPServer(ThreadingHTTPServer):
@@ -38,13 +78,13 @@ class ExporterHTTPServer(ThreadingHTTPServer):
     request_queue_size = 64
 
     def __init__(self, address: tuple[str, int], registry: CollectorRegistry, *, max_connections: int = 8,
-                 timeout: float = 10.0, ssl_context: ssl.SSLContext | None = None,
+                 timeout: float = 10.0, ssl_context: Any = None,
                  authorize: Authorizer | None = None, headers: dict[str, str] | None = None) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.registry = registry
         self.conn_timeout = timeout
-        self.ssl_context = ssl_context
+        self.ssl_context = ssl_context  # an ssl.SSLContext, or anything with its wrap_socket()
         self.authorize = authorize
         self.extra_headers = headers or {}
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -56,11 +96,14 @@ class ExporterHTTPServer(ThreadingHTTPServer):
             self.rejected += 1
             try:
                 request.settimeout(1.0)
-                if self.ssl_context is None:
+                if self.ssl_context is None:  # over TLS a 503 would need a handshake here: just close
                     request.sendall(_BUSY)
+                request.shutdown(socket.SHUT_WR)
+                request.setblocking(False)
+                request.recv(_DRAIN_BYTES)  # what already came, so the close sends no RST over the 503
             except OSError:
                 pass
-            self.shutdown_request(request)
+            self.close_request(request)  # no draining: the accept loop must not wait on anyone
             return
         try:
             super().process_request(request, client_address)
@@ -70,15 +113,37 @@ class ExporterHTTPServer(ThreadingHTTPServer):
 
     def process_request_thread(self, request, client_address):  # noqa: ANN001
         try:
-            request.settimeout(self.conn_timeout)
+            deadline = time.monotonic() + self.conn_timeout
             if self.ssl_context is not None:
-                request = self.ssl_context.wrap_socket(request, server_side=True)
-            self.finish_request(request, client_address)
+                request.settimeout(max(0.1, self.conn_timeout / 2))
+                request = self.ssl_context.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+                try:
+                    request.do_handshake()
+                except ssl.SSLError as e:
+                    if getattr(e, "reason", "") == "HTTP_REQUEST":  # plain HTTP to the TLS port: say so
+                        socket.socket.sendall(request, _PLAIN_TO_TLS)
+                    raise
+            _Handler(request, client_address, self, deadline)
         except Exception:  # noqa: BLE001 - handshake failures, resets: the client's problem
             pass
         finally:
             self.shutdown_request(request)
             self._slots.release()
+
+    def shutdown_request(self, request):  # noqa: ANN001
+        """Close cleanly: send FIN, then read what the client still sends (briefly), so it gets no RST."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            request.settimeout(0.05)
+            left = _DRAIN_BYTES
+            while left > 0:
+                chunk = socket.socket.recv(request, min(left, 16384))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except Exception:  # noqa: BLE001 - timeouts, resets: the client's problem
+            pass
+        self.close_request(request)
 
     def handle_error(self, request, client_address):  # noqa: ANN001
         log.debug("vramwatch: request from %s failed", client_address, exc_info=True)
@@ -88,6 +153,44 @@ class _Handler(BaseHTTPRequestHandler):
     server: ExporterHTTPServer
     server_version = "vramwatch"
     sys_version = ""
+    default_request_version = "HTTP/1.0"  # every answer has a status line, even to garbage
+    error_message_format = "%(code)d %(message)s\n"
+    error_content_type = "text/plain; charset=utf-8"
+
+    def __init__(self, request, client_address, server, deadline: float) -> None:  # noqa: ANN001
+        self.deadline = deadline
+        super().__init__(request, client_address, server)
+
+    def version_string(self) -> str:
+        return self.server_version
+
+    def setup(self) -> None:
+        self.connection = self.request
+        self.command, self.request_version = None, "HTTP/1.0"  # send_error needs them before parsing
+        self.rfile = io.BufferedReader(_RequestReader(self.request, self.deadline, MAX_REQUEST_HEAD))
+        self.wfile = _SocketWriter(self.request)
+
+    def finish(self) -> None:
+        pass  # the server closes the socket
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        except _HeadTooLarge:
+            self.close_connection = True
+            self.send_error(431, "Request Header Fields Too Large")
+        except TimeoutError:
+            self.close_connection = True
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        # the client has the whole head now; the response may take the rest of the socket timeout
+        self.request.settimeout(self.server.conn_timeout)
+        super().send_response(code, message)
+
+    def end_headers(self) -> None:
+        for k, v in self.server.extra_headers.items():
+            self.send_header(k, v)
+        super().end_headers()
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
         log.debug("vramwatch http: " + format, *args)
@@ -110,7 +213,12 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             encoder, ctype = choose_encoder(self.headers.get("Accept"))
-            body = encoder(self.server.registry)
+            try:
+                body = encoder(self.server.registry)
+            except Exception:  # noqa: BLE001 - say so, never drop the connection silently
+                log.warning("vramwatch: rendering /metrics failed", exc_info=True)
+                self._reply(500, b"collection failed; see the server log\n", "text/plain", head=head)
+                return
             extra = {}
             if "gzip" in (self.headers.get("Accept-Encoding") or ""):
                 body = gzip.compress(body, compresslevel=1)
@@ -128,7 +236,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
-        for k, v in {**self.server.extra_headers, **(headers or {})}.items():
+        for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
         if not head:
