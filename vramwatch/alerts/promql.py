@@ -1,0 +1,85 @@
+"""Small helpers the rule modules share: selectors from the contract, templates, rule dicts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramwatch import contract
+from vramwatch.alerts.config import MonitoringConfig, format_duration, parse_duration
+
+CRITICAL = "critical"  # pages
+WARNING = "warning"  # a ticket, not a page
+
+# the labels a rank's allocator series carry beyond the target's own (contract.RANK_DEVICE)
+RANK_DEVICE = ",".join(contract.RANK_DEVICE)
+_HISTOGRAM_SUFFIXES = ("_sum", "_count", "_bucket")
+
+
+def metric(cfg: MonitoringConfig, name: str, *matchers: str) -> str:
+    """``name{selector,matchers}`` for a family of the contract (histogram series included)."""
+    base = name
+    for suffix in _HISTOGRAM_SUFFIXES:
+        if name.endswith(suffix) and name[: -len(suffix)] in contract.BY_NAME:
+            base = name[: -len(suffix)]
+    contract.spec(base)  # KeyError: not in the contract
+    parts = [m for m in (cfg.selector, *matchers) if m]
+    return name + ("{" + ", ".join(parts) + "}" if parts else "")
+
+
+def up(cfg: MonitoringConfig) -> str:
+    return "up{" + cfg.target_selector + "}"
+
+
+def regex(values: tuple[Any, ...]) -> str:
+    return "|".join(str(v) for v in values)
+
+
+def duration(text: str) -> str:
+    """A config duration as PromQL writes it (normalised, so scaled configs stay valid)."""
+    return format_duration(parse_duration(text))
+
+
+def num(value: float) -> str:
+    """A threshold as PromQL text: 0.85, 120, 4294967296."""
+    return repr(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def percent(ratio: float) -> str:
+    return f"{ratio * 100:g}%"
+
+
+def label(name: str) -> str:
+    return "{{ $labels." + name + " }}"
+
+
+VALUE = "{{ $value }}"
+VALUE_PERCENT = "{{ $value | humanizePercentage }}"
+VALUE_BYTES = "{{ $value | humanize1024 }}B"
+VALUE_DURATION = "{{ $value | humanizeDuration }}"
+VALUE_RATIO = '{{ $value | printf "%.1f" }}'
+VALUE_INT = '{{ $value | printf "%.0f" }}'
+
+# who a rank alert is about, and where the GPU is
+RANK_WHERE = "rank " + label("rank") + " (local rank " + label("local_rank") + ") on " + label("instance")
+GPU_WHERE = "GPU " + label("gpu") + " (" + label("uuid") + ") on " + label("instance")
+DEVICE_WHERE = RANK_WHERE + ", cuda:" + label("device") + " (" + label("uuid") + ")"
+
+
+def job_gpus(cfg: MonitoringConfig, expr: str, *labels: str) -> str:
+    """Keep a per-GPU expression only for GPUs a rank of the job holds (if the config says so).
+
+    ``labels``: the expression's labels beyond the GPU's own (e.g. ``reason``)."""
+    if not cfg.job_gpus_only:
+        return expr
+    ignore = ",".join(("gpu", *labels, *(x for x in contract.RANK_DEVICE if x != "uuid")))
+    return f"{expr}\nand ignoring({ignore})\n{metric(cfg, 'torch_cuda_memory_allocated_bytes')}"
+
+
+def alert(name: str, expr: str, severity: str, summary: str, description: str,
+          for_: str = "", labels: dict[str, str] | None = None) -> dict[str, Any]:
+    rule: dict[str, Any] = {"alert": name, "expr": expr}
+    if for_ and parse_duration(for_) > 0:
+        rule["for"] = duration(for_)
+    rule["labels"] = {"severity": severity, **(labels or {})}
+    rule["annotations"] = {"summary": summary, "description": description}
+    return rule
