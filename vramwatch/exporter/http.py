@@ -166,7 +166,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.connection = self.request
-        self.command, self.request_version = None, "HTTP/1.0"  # send_error needs them before parsing
+        self.command, self.request_version, self.requestline = None, "HTTP/1.0", ""  # send_error needs them
         self.rfile = io.BufferedReader(_RequestReader(self.request, self.deadline, MAX_REQUEST_HEAD))
         self.wfile = _SocketWriter(self.request)
 
