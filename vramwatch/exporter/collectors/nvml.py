@@ -206,6 +206,10 @@ class NvmlCollector(Collector):
             snap, ok = self._read()
             if snap is not None:
                 self.snapshot = snap
+                # power / free memory for the ranks' console status line (never raises)
+                from vramwatch.integrations.status import write_readings
+
+                write_readings(self.settings.resolved_spool_dir(), snap)
             self.health.up = 1 if ok else 0
             if not ok:
                 self.health.errors += 1
