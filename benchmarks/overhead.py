@@ -1,0 +1,721 @@
+"""What vramwatch costs a training job: direct CPU cost, step() cost, and paired step times.
+
+    python3 benchmarks/overhead.py --workloads direct,launch_bound --out overhead-part1.json
+    python3 benchmarks/overhead.py --workloads transformer,transformer_full --out overhead-part2.json
+    python3 benchmarks/overhead.py --merge overhead-part1.json overhead-part2.json --out overhead.json
+    python3 benchmarks/overhead.py --check overhead.json
+
+Every run is a fresh process: forked from a parent that imported torch (and
+transformers) but never initialised CUDA and never imported vramwatch
+(``--isolation fork``, the default), or a new interpreter (``--isolation exec``).
+Runs interleave A (without vramwatch) and B (with it), A B A B ...; the A/A
+null compares each baseline with the next. Each run warms up, synchronises,
+times N steps by wall clock ended by one synchronize, and reports the mean
+step time (the ratio basis) and the median per-step time. B runs start
+vramwatch at default settings (plus their own port and spool, and linger=0 so
+their server leaves with them) and are scraped at 1 Hz by a separate process;
+A runs are not scraped (nothing listens there). See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+WORKLOADS = ("direct", "launch_bound", "transformer", "transformer_full")
+PAIR_KEYS = ("median_ratio", "min_ratio", "max_ratio", "null_median_ratio", "null_min_ratio",
+             "null_max_ratio", "pairs", "step_times")
+TOP_KEYS = ("in_process_cpu_share", "step_call_us", "launch_bound", "transformer", "transformer_full", "metadata")
+TARGETS = {"in_process_cpu_share_max": 0.0005, "step_call_us_max": 5.0, "median_ratio_max": 1.005}
+
+SIZES = {
+    # ~2 ms launch-bound steps on an H200: ~110 small kernels per step
+    "full": dict(mlp_layers=16, mlp_width=512, mlp_batch=256,
+                 tf_layers=12, tf_embd=768, tf_heads=12, tf_vocab=50257, tf_seq=1024, tf_batch=32),
+    # CPU smoke tests
+    "tiny": dict(mlp_layers=2, mlp_width=32, mlp_batch=8,
+                 tf_layers=1, tf_embd=32, tf_heads=2, tf_vocab=128, tf_seq=16, tf_batch=2),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# inside a run (the child)
+# ----------------------------------------------------------------------------------------------
+def _noop() -> None:
+    pass
+
+
+def build_launch_bound(sz: dict, dev: Any) -> tuple[Any, dict]:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    w = sz["mlp_width"]
+    layers: list[nn.Module] = []
+    for _ in range(sz["mlp_layers"]):
+        layers += [nn.Linear(w, w), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(w, 1)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(sz["mlp_batch"], w, device=dev)
+    y = torch.randn(sz["mlp_batch"], 1, device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    n = sum(p.numel() for p in model.parameters())
+    return step, {"model": f"MLP {sz['mlp_layers']}x{w} + AdamW", "parameters": n, "batch": sz["mlp_batch"]}
+
+
+def _builtin_gpt(sz: dict, dev: Any) -> Any:
+    """A GPT-2-shaped causal LM in plain torch, for machines without transformers (CPU tests)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class MiniGPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            e = sz["tf_embd"]
+            self.tok = nn.Embedding(sz["tf_vocab"], e)
+            self.pos = nn.Embedding(sz["tf_seq"], e)
+            layer = nn.TransformerEncoderLayer(e, sz["tf_heads"], 4 * e, dropout=0.1, activation="gelu",
+                                               batch_first=True, norm_first=True)
+            self.blocks = nn.TransformerEncoder(layer, sz["tf_layers"], enable_nested_tensor=False)
+            self.norm = nn.LayerNorm(e)
+            self.head = nn.Linear(e, sz["tf_vocab"], bias=False)
+            self.head.weight = self.tok.weight
+
+        def forward(self, ids):
+            t = ids.shape[1]
+            x = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
+            mask = nn.Transformer.generate_square_subsequent_mask(t, device=ids.device)
+            x = self.blocks(x, mask=mask, is_causal=True)
+            logits = self.head(self.norm(x))
+            return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+    return MiniGPT().to(dev)
+
+
+def build_transformer(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any, dict]:
+    import torch
+
+    impl = model_impl
+    model = None
+    if impl in ("auto", "hf"):
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            cfg = GPT2Config(n_layer=sz["tf_layers"], n_embd=sz["tf_embd"], n_head=sz["tf_heads"],
+                             vocab_size=sz["tf_vocab"], n_positions=sz["tf_seq"])
+            try:
+                with torch.device(dev):  # random weights made on the device: no slow CPU init
+                    model = GPT2LMHeadModel(cfg)
+            except Exception:  # noqa: BLE001 - older stacks: build on the CPU, then move
+                model = GPT2LMHeadModel(cfg).to(dev)
+            impl = "transformers.GPT2LMHeadModel"
+        except ImportError:
+            if impl == "hf":
+                raise
+            impl = "builtin"
+    if model is None:
+        model = _builtin_gpt(sz, dev)
+        impl = "builtin MiniGPT (torch.nn.TransformerEncoder)"
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, sz["tf_vocab"], (sz["tf_batch"], sz["tf_seq"]), device=dev)
+    hf = impl.startswith("transformers")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss if hf else model(ids)
+        loss.backward()
+        opt.step()
+        return loss
+
+    n = sum(p.numel() for p in model.parameters())
+    return step, {"model": impl, "parameters": n, "batch": sz["tf_batch"], "seq": sz["tf_seq"],
+                  "precision": "fp32 weights, bf16 autocast", "optimizer": "AdamW"}
+
+
+def _timed(fn, sync, warmup_s: float, warmup_steps: int, run_s: float) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    n = 0
+    while n < warmup_steps or time.perf_counter() - t0 < warmup_s:
+        fn()
+        n += 1
+    sync()
+    steps: list[float] = []
+    wall0 = time.time()
+    start = last = time.perf_counter()
+    while True:
+        fn()
+        now = time.perf_counter()
+        steps.append(now - last)
+        last = now
+        if now - start >= run_s:
+            break
+    sync()
+    end = time.perf_counter()
+    return {"warmup_steps": n, "steps": len(steps), "wall_s": end - start,
+            "step_time_s": (end - start) / len(steps), "median_step_s": statistics.median(steps),
+            "window": [wall0, time.time()]}
+
+
+def child_main(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    dev = torch.device(spec["device"])
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    out: dict[str, Any] = {"kind": spec["kind"], "workload": spec["workload"], "pid": os.getpid()}
+    phases: dict[str, float] = {}
+    out["phases_s"] = phases
+    tp = time.perf_counter()
+    vw = None
+    handle = None
+    if spec.get("vramwatch") is not None:
+        import vramwatch
+
+        vw = vramwatch
+        handle = vramwatch.start(**spec["vramwatch"])
+        health = handle.url[: -len("/metrics")] + "/-/healthy"
+        out["server_up"] = common.wait_http(health, timeout=20.0)
+        if not out["server_up"]:  # a B run without its server is not the condition we claim to measure
+            raise RuntimeError("vramwatch's server did not answer within 20 s; server.log:\n"
+                               + _tail(os.path.join(handle.spool_dir, "server.log")))
+    phases["vramwatch_start"] = time.perf_counter() - tp
+    tp = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.init()
+    if spec["workload"] == "transformer":
+        step_fn, winfo = build_transformer(spec["sizes"], dev, spec.get("model", "auto"))
+    else:
+        step_fn, winfo = build_launch_bound(spec["sizes"], dev)
+    out["model"] = winfo
+    phases["build"] = time.perf_counter() - tp
+    sync = torch.cuda.synchronize if dev.type == "cuda" else _noop
+
+    if vw is not None:
+        vstep = vw.step
+        if spec.get("pass_loss", True):
+            def fn():
+                vstep(loss=step_fn())
+        else:
+            def fn():
+                step_fn()
+                vstep()
+    else:
+        fn = step_fn
+
+    run_s = spec["direct_s"] if spec.get("direct") else spec["run_s"]
+    before = common.thread_cpu_seconds("vramwatch")
+    server_pid = _server_pid(handle)
+    server_before = common.proc_cpu_seconds(server_pid) if server_pid else None
+    # the window starts after warmup: re-read the clocks there (cheap), inside _timed's sync
+    marks: dict[str, Any] = {}
+
+    def sync_and_mark() -> None:
+        sync()
+        if "t0" not in marks:
+            marks["t0"] = time.perf_counter()
+            marks["threads0"] = common.thread_cpu_seconds("vramwatch")
+            marks["server0"] = common.proc_cpu_seconds(server_pid) if server_pid else None
+
+    r = _timed(fn, sync_and_mark, spec["warmup_s"], spec["warmup_steps"], run_s)
+    t1 = time.perf_counter()
+    phases["warmup"] = marks["t0"] - tp - phases["build"]
+    threads1 = common.thread_cpu_seconds("vramwatch")
+    server1 = common.proc_cpu_seconds(server_pid) if server_pid else None
+    out.update(r)
+    if vw is not None:
+        delta = common.cpu_delta(marks["threads0"], threads1)
+        window = t1 - marks["t0"]
+        out["vramwatch_threads_cpu_s"] = delta
+        out["vramwatch_cpu_share"] = sum(delta.values()) / window if window > 0 else None
+        out["vramwatch_threads_cpu_s_incl_warmup"] = common.cpu_delta(before, threads1)
+        out["server_pid"] = server_pid
+        if server_before is not None and server1 is not None and marks.get("server0") is not None:
+            out["server_cpu_share"] = (server1 - marks["server0"]) / window if window > 0 else None
+        if spec.get("direct"):
+            out["step_call"] = _time_step_calls(vw, step_fn, spec["step_calls"], spec["step_repeats"])
+    if dev.type == "cuda":
+        out["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["device_name"] = torch.cuda.get_device_name(0)
+    out["torch"] = torch.__version__
+    out["torch_cuda"] = getattr(torch.version, "cuda", None)
+    out["threads"] = sorted({t for t in common.thread_cpu_seconds("")})
+    out["vramwatch_loaded"] = "vramwatch" in sys.modules
+    if vw is not None:
+        vw.stop()
+    return out
+
+
+def _server_pid(handle: Any) -> int | None:
+    if handle is None:
+        return None
+    try:
+        with open(os.path.join(handle.spool_dir, "server.json"), encoding="utf-8") as fh:
+            return int(json.load(fh)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _time_step_calls(vw: Any, step_fn: Any, number: int, repeats: int) -> dict[str, Any]:
+    import timeit
+
+    loss = step_fn()  # a real loss tensor, as a job would pass it
+
+    def per_call_us(stmt: str, g: dict) -> list[float]:
+        return [t / number * 1e6 for t in timeit.Timer(stmt, globals=g).repeat(repeat=repeats, number=number)]
+
+    plain = per_call_us("step()", {"step": vw.step})
+    with_loss = per_call_us("step(loss=loss)", {"step": vw.step, "loss": loss})
+    noop = per_call_us("f()", {"f": _noop})
+    return {"number": number, "repeats": repeats,
+            "step_us": plain, "median_us": statistics.median(plain), "min_us": min(plain),
+            "step_with_loss_us": with_loss, "with_loss_median_us": statistics.median(with_loss),
+            "noop_call_us": statistics.median(noop)}
+
+
+def _child_entry(spec: dict[str, Any]) -> int:
+    code = 1
+    try:
+        res = child_main(spec)
+        common.write_json(spec["result"], res)
+        code = 0
+    except BaseException:  # noqa: BLE001 - report whatever broke the run
+        try:
+            common.write_json(spec["result"], {"error": traceback.format_exc()})
+        except Exception:  # noqa: BLE001
+            pass
+    return code
+
+
+# ----------------------------------------------------------------------------------------------
+# the orchestrator (the parent)
+# ----------------------------------------------------------------------------------------------
+class Runner:
+    def __init__(self, args: argparse.Namespace, workdir: str) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.n = 0
+        self.scraper = common.Scraper(workdir, args.scrape_interval)
+        self.shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else workdir
+
+    def close(self) -> None:
+        self.scraper.close()
+
+    def run(self, workload: str, kind: str, vw: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        a = self.args
+        self.n += 1
+        result = os.path.join(self.workdir, f"run-{self.n:03d}.json")
+        logf = os.path.join(self.workdir, f"run-{self.n:03d}.log")
+        spec: dict[str, Any] = {
+            "workload": workload, "kind": kind, "device": a.device, "sizes": a.sizes, "model": a.model,
+            "warmup_s": a.warmup_seconds, "warmup_steps": a.warmup_steps, "run_s": a.run_seconds,
+            "result": result, "pass_loss": not a.no_loss, **extra,
+        }
+        spool = None
+        url = ""
+        if vw is not None:
+            port = common.free_port()
+            spool = tempfile.mkdtemp(prefix="vwbench-", dir=self.shm)
+            settings = {"port": port, "spool_dir": spool, "linger": 0.0}
+            if vw.get("oom_history_entries"):
+                settings["oom_snapshot_dir"] = os.path.join(self.workdir, f"oom-{self.n:03d}")
+            settings.update(vw)
+            spec["vramwatch"] = settings
+            url = f"http://127.0.0.1:{port}/metrics"
+            self.scraper.set_url(url)
+        t0 = time.monotonic()
+        timeout = a.run_timeout + (spec.get("direct_s", 0) or 0)
+        try:
+            code = self._spawn(spec, logf, timeout)
+        finally:
+            self.scraper.set_url("")
+        res: dict[str, Any]
+        try:
+            res = common.read_json(result)
+        except (OSError, ValueError):
+            res = {"error": f"no result (exit {code}); see log"}
+        if code != 0 and "error" not in res:
+            res["error"] = f"exit {code}"
+        if "error" in res:
+            res["log_tail"] = _tail(logf)
+        res["process_s"] = time.monotonic() - t0
+        if vw is not None:
+            if res.get("server_pid"):
+                common.stop_pid(int(res["server_pid"]))  # its server would otherwise linger a second
+            if res.get("window"):
+                res["scrapes"] = common.summarize_scrapes(self.scraper.records(url, *res["window"]))
+            shutil.rmtree(spool, ignore_errors=True)
+        return res
+
+    def _spawn(self, spec: dict[str, Any], logf: str, timeout: float) -> int:
+        if self.args.isolation == "exec":
+            import subprocess
+
+            with open(logf, "ab") as log:
+                try:
+                    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=common.child_env(),
+                                       timeout=timeout)
+                    return p.returncode
+                except subprocess.TimeoutExpired:
+                    return -9
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the run: a fresh process that has never seen vramwatch nor CUDA
+            code = 1
+            try:
+                fd = os.open(logf, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                code = _child_entry(spec)
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                return -9
+            time.sleep(0.02)
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - n))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def run_direct(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
+    common.progress(f"direct cost: launch-bound loop with vramwatch at defaults, {args.direct_seconds:.0f} s "
+                    f"window, scraped every {args.scrape_interval:g} s; then {args.step_repeats} x "
+                    f"{args.step_calls} step() calls")
+    res = runner.run("launch_bound", "B", {}, direct=True, direct_s=args.direct_seconds,
+                     step_calls=args.step_calls, step_repeats=args.step_repeats)
+    if "error" in res:
+        common.progress("direct cost run FAILED:\n" + res["error"] + res.get("log_tail", ""))
+        return {"direct": res}
+    share = res.get("vramwatch_cpu_share")
+    sc = res.get("step_call", {})
+    common.progress(f"direct cost: vramwatch threads {share * 100:.4f}% of a core over {res['wall_s']:.1f} s "
+                    f"({res.get('scrapes', {}).get('ok', 0)} scrapes ok); step() {sc.get('median_us', 0):.3f} us "
+                    f"median (with loss {sc.get('with_loss_median_us', 0):.3f} us, empty call "
+                    f"{sc.get('noop_call_us', 0):.3f} us)")
+    return {"in_process_cpu_share": share, "step_call_us": sc.get("median_us"), "direct": res}
+
+
+def run_pairs(runner: Runner, args: argparse.Namespace, workload: str,
+              variants: list[tuple[str, str, dict | None]], deadline: float) -> dict[str, Any]:
+    """variants: (name, kind, vramwatch settings or None); the first is the shared baseline (A)."""
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    tuple_s: list[float] = []
+    truncated = False
+    errors = 0
+    for i in range(args.pairs):
+        est = statistics.mean(tuple_s) if tuple_s else 0.0
+        if time.monotonic() + est > deadline:
+            truncated = True
+            common.progress(f"{workload}: deadline reached after {i} of {args.pairs} pairs; stopping")
+            break
+        t0 = time.monotonic()
+        row = []
+        for name, kind, vw in variants:
+            res = runner.run(workload, kind, vw)
+            runs[name].append(res)
+            if "error" in res:
+                errors += 1
+                common.progress(f"{workload} {name} run {i + 1} FAILED:\n{res['error']}{res.get('log_tail', '')}")
+            else:
+                row.append(f"{name} {res['step_time_s'] * 1000:.3f} ms x{res['steps']}")
+        tuple_s.append(time.monotonic() - t0)
+        left = (args.pairs - i - 1) * statistics.mean(tuple_s)
+        common.progress(f"{workload} pair {i + 1}/{args.pairs}: " + ", ".join(row) +
+                        f" ({tuple_s[-1]:.1f} s; ~{left:.0f} s left)")
+        if i == 0 and errors:
+            common.progress(f"{workload}: the first pair failed; skipping this workload")
+            break
+    return {"runs": runs, "truncated": truncated, "errors": errors}
+
+
+def summarize(workload: str, runs: dict[str, list[dict]], base: str, name: str, settings: dict | None,
+              truncated: bool, shared_with: list[str]) -> dict[str, Any]:
+    a, b = runs[base], runs[name]
+    ok = [i for i in range(min(len(a), len(b))) if "error" not in a[i] and "error" not in b[i]]
+    # the null needs consecutive baselines: use all good baselines in order
+    base_ok = [r["step_time_s"] for r in a if "error" not in r]
+    mean_a = [a[i]["step_time_s"] for i in ok]
+    mean_b = [b[i]["step_time_s"] for i in ok]
+    med_a = [a[i]["median_step_s"] for i in ok]
+    med_b = [b[i]["median_step_s"] for i in ok]
+    st = common.paired_stats(mean_a, mean_b)
+    st["null_ratios"] = common.paired_stats(base_ok, base_ok)["null_ratios"]
+    z = common.spread(st["null_ratios"])
+    st.update(null_median_ratio=z["median"], null_min_ratio=z["min"], null_max_ratio=z["max"])
+    med = common.paired_stats(med_a, med_b)
+    base_med_ok = [r["median_step_s"] for r in a if "error" not in r]
+    zm = common.spread(common.paired_stats(base_med_ok, base_med_ok)["null_ratios"])
+    first = next((r for r in b if "error" not in r), {})
+    out: dict[str, Any] = dict(st)
+    out.update({
+        "ratio_basis": "mean step time of each run: wall time of N steps ended by one synchronize, / N",
+        "step_times": {"without": mean_a, "with": mean_b},
+        "median_step_times": {"without": med_a, "with": med_b},
+        "median_basis": {k: med[k] for k in ("median_ratio", "min_ratio", "max_ratio")} | {
+            "null_median_ratio": zm["median"], "null_min_ratio": zm["min"], "null_max_ratio": zm["max"]},
+        "steps_per_run": {"without": [a[i]["steps"] for i in ok], "with": [b[i]["steps"] for i in ok]},
+        "vramwatch_cpu_share_per_run": [b[i].get("vramwatch_cpu_share") for i in ok],
+        "scrapes_per_run": [b[i].get("scrapes", {}).get("ok") for i in ok],
+        "model": first.get("model"),
+        "settings": {k: v for k, v in (settings or {}).items()},
+        "baseline": base, "baseline_shared_with": shared_with, "truncated": truncated,
+        "errors": sum(1 for r in a + b if "error" in r),
+        "within_null": (st["median_ratio"] is not None and st["null_min_ratio"] is not None
+                        and st["null_min_ratio"] <= st["median_ratio"] <= st["null_max_ratio"]),
+        "meets_target": (st["median_ratio"] is not None and st["median_ratio"] <= TARGETS["median_ratio_max"]),
+        "runs": {"without": a, "with": b},
+    })
+    if st["median_ratio"] is not None:
+        common.progress(f"{workload}: median ratio {st['median_ratio']:.4f} [{st['min_ratio']:.4f}, "
+                        f"{st['max_ratio']:.4f}] over {st['pairs']} pairs; A/A null {z['median']:.4f} "
+                        f"[{z['min']:.4f}, {z['max']:.4f}]" if z["median"] is not None else
+                        f"{workload}: median ratio {st['median_ratio']:.4f} over {st['pairs']} pairs; no null")
+    return out
+
+
+def _prewarm(args: argparse.Namespace, wanted: list[str]) -> None:
+    """Pay the imports once here; every forked run inherits them. Touches no CUDA and no vramwatch."""
+    import torch
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its first construction imports torch._dynamo
+    if any(w.startswith("transformer") for w in wanted) and args.model in ("auto", "hf"):
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401
+        except ImportError:
+            if args.model == "hf":
+                raise
+    assert "vramwatch" not in sys.modules, "the parent must not import vramwatch"
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    deadline = started + args.deadline if args.deadline else float("inf")
+    wanted = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in wanted:
+        if w not in WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    _prewarm(args, wanted)
+    workdir = tempfile.mkdtemp(prefix="vwbench-overhead-")
+    out: dict[str, Any] = {
+        "metadata": common.metadata(benchmark="overhead", device=args.device, isolation=args.isolation,
+                                    sizes=args.sizes, pairs_requested=args.pairs, run_seconds=args.run_seconds,
+                                    warmup_seconds=args.warmup_seconds, workloads=wanted),
+        "targets": TARGETS,
+        "notes": [
+            "A runs have no vramwatch (never imported) and are not scraped: nothing listens there.",
+            "B runs: vramwatch.start(port=<free>, spool_dir=<tmpfs>, linger=0) otherwise at defaults, "
+            "server spawned by the rank, scraped at 1 Hz by a separate process.",
+            "ratios are with/without of adjacent runs; the null is each baseline over the next baseline.",
+        ],
+    }
+    runner = Runner(args, workdir)
+
+    def save() -> None:
+        if args.out:
+            common.write_json(args.out, out)
+
+    try:
+        save()
+        if "direct" in wanted:
+            out.update(run_direct(runner, args))
+            save()
+        if "launch_bound" in wanted:
+            common.progress(f"launch_bound: {args.pairs} pairs of {args.run_seconds:g} s runs (A B A B ...)")
+            r = run_pairs(runner, args, "launch_bound", [("without", "A", None), ("with", "B", {})], deadline)
+            out["launch_bound"] = summarize("launch_bound", r["runs"], "without", "with", {}, r["truncated"], [])
+            save()
+        tf = [w for w in ("transformer", "transformer_full") if w in wanted]
+        if tf:
+            full = {"status_every": args.status_every, "oom_history_entries": args.oom_history_entries}
+            variants: list[tuple[str, str, dict | None]] = [("without", "A", None)]
+            if "transformer" in tf:
+                variants.append(("transformer", "B", {}))
+            if "transformer_full" in tf:
+                variants.append(("transformer_full", "C", full))
+            order = " ".join(k for _, k, _ in variants)
+            common.progress(f"transformer: {args.pairs} rounds of {order} ({args.run_seconds:g} s runs; "
+                            "one baseline shared by the variants)")
+            r = run_pairs(runner, args, "transformer", variants, deadline)
+            for name, _, vw in variants[1:]:
+                others = [n for n, _, _ in variants[1:] if n != name]
+                out[name] = summarize(name, r["runs"], "without", name, vw, r["truncated"], others)
+            save()
+    finally:
+        runner.close()
+        out["metadata"]["elapsed_s"] = time.monotonic() - started
+        first = next((x for w in ("launch_bound", "transformer") if isinstance(out.get(w), dict)
+                      for x in out[w].get("runs", {}).get("without", []) if "error" not in x), None)
+        if first:
+            out["metadata"].setdefault("torch", first.get("torch"))
+            out["metadata"].setdefault("torch_cuda", first.get("torch_cuda"))
+            out["metadata"]["device_name"] = first.get("device_name")
+        save()
+        if not args.keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            common.progress(f"run logs kept in {workdir}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# merge and check
+# ----------------------------------------------------------------------------------------------
+def merge(paths: list[str]) -> dict[str, Any]:
+    """Combine part files (one per device command) into the one file the issue asks for."""
+    out: dict[str, Any] = {}
+    parts = []
+    for p in paths:
+        data = common.read_json(p)
+        meta = data.get("metadata", {})
+        parts.append({"file": os.path.basename(p), "date": meta.get("date"),
+                      "workloads": meta.get("workloads"), "elapsed_s": meta.get("elapsed_s")})
+        for k, v in data.items():
+            if k == "metadata":
+                out.setdefault("metadata", dict(v))
+            elif k in ("notes", "targets"):
+                out.setdefault(k, v)
+            elif v is not None:
+                out[k] = v
+    out.setdefault("metadata", {})["parts"] = parts
+    return out
+
+
+def missing_keys(data: dict[str, Any]) -> list[str]:
+    miss = [k for k in TOP_KEYS if data.get(k) is None]
+    for w in ("launch_bound", "transformer", "transformer_full"):
+        obj = data.get(w)
+        if isinstance(obj, dict):
+            miss += [f"{w}.{k}" for k in PAIR_KEYS if obj.get(k) is None]
+    meta = data.get("metadata") or {}
+    miss += [f"metadata.{k}" for k in ("date", "gpu_name", "driver", "torch", "python", "vramwatch_commit")
+             if not meta.get(k)]
+    return miss
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks/overhead.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke tests: tiny sizes)")
+    p.add_argument("--workloads", default="direct,launch_bound,transformer,transformer_full",
+                   help="comma list of " + ", ".join(WORKLOADS))
+    p.add_argument("--quick", action="store_true", help="few pairs, short direct window: a check of the pipeline")
+    p.add_argument("--pairs", type=int, default=None, help="pairs of runs per workload (default 20; quick 4)")
+    p.add_argument("--run-seconds", type=float, default=3.0, help="timed seconds per run (default 3)")
+    p.add_argument("--warmup-seconds", type=float, default=1.0)
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--direct-seconds", type=float, default=None, help="direct-cost window (default 60; quick 10)")
+    p.add_argument("--step-calls", type=int, default=None, help="step() calls per repeat (default 1e6; quick 2e5)")
+    p.add_argument("--step-repeats", type=int, default=5)
+    p.add_argument("--size", choices=sorted(SIZES), default=None, help="model sizes (default: full; cpu: tiny)")
+    for k, v in SIZES["full"].items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"(full: {v})")
+    p.add_argument("--model", choices=("auto", "hf", "builtin"), default="auto",
+                   help="transformer implementation: transformers' GPT-2 (hf), a plain-torch one (builtin), "
+                        "or hf when importable (auto)")
+    p.add_argument("--no-loss", action="store_true", help="call step() without the loss tensor")
+    p.add_argument("--status-every", type=int, default=10, help="transformer_full: status line every N steps")
+    p.add_argument("--oom-history-entries", type=int, default=100000, help="transformer_full: allocator history")
+    p.add_argument("--scrape-interval", type=float, default=1.0)
+    p.add_argument("--isolation", choices=("fork", "exec"), default="fork")
+    p.add_argument("--run-timeout", type=float, default=180.0, help="kill a run after this many seconds")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="stop starting pairs once this many seconds have passed (0: no limit)")
+    p.add_argument("--keep-workdir", action="store_true", help="keep the per-run logs")
+    p.add_argument("--out", default="", help="JSON file to write (rewritten after every pair)")
+    p.add_argument("--merge", nargs="+", metavar="PART", help="merge part files into --out and exit")
+    p.add_argument("--check", metavar="FILE", help="exit 1 if FILE lacks a key the issue requires")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    size = args.size or ("tiny" if args.device == "cpu" else "full")
+    args.sizes = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in SIZES[size].items()}
+    if args.pairs is None:
+        args.pairs = 4 if args.quick else 20
+    if args.direct_seconds is None:
+        args.direct_seconds = 10.0 if args.quick else 60.0
+    if args.step_calls is None:
+        args.step_calls = 200_000 if args.quick else 1_000_000
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return _child_entry(json.loads(args.child))
+    if args.check:
+        miss = missing_keys(common.read_json(args.check))
+        if miss:
+            print("missing: " + ", ".join(miss))
+            return 1
+        print("ok")
+        return 0
+    if args.merge:
+        data = merge(args.merge)
+        if args.out:
+            common.write_json(args.out, data)
+        else:
+            print(json.dumps(data, indent=1))
+        miss = missing_keys(data)
+        if miss:
+            common.progress("merged file still lacks: " + ", ".join(miss))
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    pp = os.environ.get("PYTHONPATH", "")
+    if str(common.ROOT) not in pp.split(os.pathsep):  # the server a B run spawns must find vramwatch
+        os.environ["PYTHONPATH"] = str(common.ROOT) + (os.pathsep + pp if pp else "")
+    if str(common.ROOT) not in sys.path:
+        sys.path.insert(1, str(common.ROOT))  # B runs import vramwatch from the checkout
+    for k in [k for k in os.environ if k.startswith("VRAMWATCH_")]:
+        del os.environ[k]  # runs get their settings as arguments, nothing else
+    data = run_benchmark(args)
+    miss = missing_keys(data)
+    wanted = args.workloads.split(",")
+    if set(wanted) >= set(WORKLOADS) and miss:
+        common.progress("result lacks: " + ", ".join(miss))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
