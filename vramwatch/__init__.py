@@ -74,6 +74,9 @@ def step(loss: Any = None, grad_norm: Any = None) -> None:
     if h is not None:
         try:
             h.heartbeat.step(loss, grad_norm)
+            if h.step_hooks:  # status line / hygiene, only when enabled
+                for hook in h.step_hooks:
+                    hook()
         except Exception:  # noqa: BLE001
             pass
 

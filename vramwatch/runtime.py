@@ -63,6 +63,13 @@ class Handle:
             self.source = TorchSource()
         self.sampler = AllocatorSampler(self.source, settings.largest_block_interval)
         self.extra: dict[str, Any] = {}  # other sample sections (OOM snapshot info, ...)
+        # integrations (vramwatch.integrations.setup): OOM forensics, hygiene, status line
+        self.oom: Any = None
+        self.hygiene: Any = None
+        self.status: Any = None
+        self.step_hooks: tuple[Any, ...] = ()  # run by step() on the training thread; empty when all are off
+        self.sample_hooks: list[Any] = []  # run on the sampler thread with each read's devices
+        self._wake = threading.Event()  # set to publish before the next interval (an OOM)
         self._collectors = {"allocator": {"up": 1, "errors": 0, "duration": 0.0}}
         self._oncelog = _OnceLog()
         self._stop = threading.Event()
@@ -90,32 +97,67 @@ class Handle:
             self._oncelog("spool", "vramwatch: cannot publish into %s (%s); exporting nothing",
                           self.spool_dir, e)
             return
+        try:
+            from vramwatch.integrations import setup
+
+            setup(self)
+        except Exception as e:  # noqa: BLE001 - the exporter still runs without them
+            self._oncelog("integrations", "vramwatch: OOM forensics / status / hygiene unavailable: %r", e)
         self.tick()  # the server sees this rank at once
         self._thread = threading.Thread(target=self._run, name="vramwatch-sampler", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=max(2.0, self.settings.interval * 2))
+        try:
+            from vramwatch.integrations import teardown
+
+            teardown(self)
+        except Exception:  # noqa: BLE001
+            pass
         if self._publisher is not None and os.getpid() == self._pid:
             self._publisher.close()
         self._publisher = None
 
     def step(self, loss: Any = None, grad_norm: Any = None) -> None:
         self.heartbeat.step(loss, grad_norm)
+        for hook in self.step_hooks:
+            hook()
+
+    def wake(self) -> None:
+        """Publish a sample now rather than at the next interval (safe from any thread)."""
+        self._wake.set()
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import vramwatch
+
+        if vramwatch.current() is self:
+            vramwatch.stop()
+        else:
+            self.stop()
 
     # --- the sampler thread ---
     def _run(self) -> None:
         interval = self.settings.interval
         next_t = time.monotonic() + interval
-        while not self._stop.wait(max(0.0, next_t - time.monotonic())):
+        while True:
+            self._wake.wait(max(0.0, next_t - time.monotonic()))
+            if self._stop.is_set():
+                return
+            self._wake.clear()
             self.tick()
-            next_t += interval
             now = time.monotonic()
-            if next_t < now:  # we were wedged: don't burst to catch up
-                next_t = now + interval
+            if now >= next_t:  # a regular tick (a wake-up publishes early and keeps the cadence)
+                next_t += interval
+                if next_t < now:  # we were wedged: don't burst to catch up
+                    next_t = now + interval
 
     def tick(self) -> None:
         """One sample and publish. Never raises."""
@@ -142,6 +184,11 @@ class Handle:
             col["errors"] += 1
             self._oncelog("allocator:" + type(e).__name__, "vramwatch: reading the allocator failed: %r", e)
         col["duration"] = time.perf_counter() - t0
+        for hook in self.sample_hooks:
+            try:
+                hook(devices)
+            except Exception as e:  # noqa: BLE001
+                self._oncelog("hook:" + type(e).__name__, "vramwatch: %r failed: %r", hook, e)
         ident = self.identity
         sample: dict[str, Any] = {
             "v": 1,

@@ -95,7 +95,9 @@ class AllocatorSampler:
 
     Keeps the small state a window high-water mark needs: the job's own peak
     is never reset, so the window peak is the allocator's peak when it rose in
-    the window (exact), else the largest current value seen (a lower bound).
+    the window (exact), the peak since the job's own reset when the job reset it
+    during the window (a lower bound, exact for a job resetting every step),
+    else the current value (a lower bound).
     """
 
     def __init__(self, source: AllocatorSource, largest_block_interval: float) -> None:
@@ -166,8 +168,10 @@ class AllocatorSampler:
         last = self._last_peak.get(dev)
         self._last_peak[dev] = peak
         if last is None or peak > last:
-            return peak
-        return current  # peak did not rise (or the job reset it): the current value bounds it
+            return peak  # a new high inside the window: exact
+        if peak < last:
+            return max(peak, current)  # the job reset its peak in the window: the peak since then is in it
+        return current  # the peak did not move: the window's high is between current and it
 
     def info(self) -> dict[str, str]:
         labels = {"backend": self._backend or "unknown"}
