@@ -154,12 +154,18 @@ def _to_text(v: Any) -> str:
     return str(v)
 
 
+def _shown(v: Any) -> str:
+    """repr for messages, cut so one bad value cannot make a page-long line."""
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _coerce(name: str, raw: Any, source: str) -> Any:
     f = FIELDS[name]
     kind = type(f.default)
 
     def fail(why: str) -> ConfigError:
-        return ConfigError(f"invalid setting {name}={raw!r} (from {source}): {why}")
+        return ConfigError(f"invalid setting {name}={_shown(raw)} (from {source}): {why}")
 
     try:
         if kind is bool:
@@ -205,13 +211,17 @@ def _from_file(path: str, source: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
     except OSError as e:
-        raise ConfigError(f"invalid setting config_file={path!r} (from {source}): {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"invalid setting config_file={path!r} (from {source}): not YAML: {e}") from None
+        raise ConfigError(f"invalid setting config_file={_shown(path)} (from {source}): {e.strerror or e}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        why = " ".join(str(e).split())  # one line
+        raise ConfigError(f"invalid setting config_file={_shown(path)} (from {source}): not YAML: {why}") from None
+    except RecursionError:
+        why = "nested too deeply"
+        raise ConfigError(f"invalid setting config_file={_shown(path)} (from {source}): not YAML: {why}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"invalid setting config_file={path!r} (from {source}): must hold a mapping")
+        raise ConfigError(f"invalid setting config_file={_shown(path)} (from {source}): must hold a mapping")
     return data
 
 
@@ -225,13 +235,13 @@ def load(
 
     for key in kwargs:
         if key not in FIELDS:
-            raise ConfigError(f"unknown setting {key!r} (from argument)")
+            raise ConfigError(f"unknown setting {_shown(key)} (from argument)")
     env_values: dict[str, Any] = {}
     for var, raw in env.items():
         if var.startswith(ENV_PREFIX):
             key = var[len(ENV_PREFIX):].lower()
             if key not in FIELDS:
-                raise ConfigError(f"unknown setting {key!r} (from {var})")
+                raise ConfigError(f"unknown setting {_shown(key)} (from {var})")
             env_values[key] = raw
 
     path, path_source = "", ""
@@ -244,7 +254,7 @@ def load(
         file_values = _from_file(path, path_source)
         for key in file_values:
             if not isinstance(key, str) or key not in FIELDS or key == "config_file":
-                raise ConfigError(f"unknown setting {key!r} (from {file_source})")
+                raise ConfigError(f"unknown setting {_shown(key)} (from {file_source})")
         layers.append((file_source, file_values))
     layers.append(("env", env_values))
     layers.append(("argument", kwargs))

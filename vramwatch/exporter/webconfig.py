@@ -125,6 +125,8 @@ def _error(origin: str, field: str, value: Any, why: str, show: bool = True) -> 
         text = repr(value)
         shown = "=" + (text if len(text) <= 80 else text[:77] + "...")
     why = " ".join(str(why).split())  # one line, whatever YAML or OpenSSL said
+    if len(origin) > 120:
+        origin = "..." + origin[-117:]
     return ConfigError(f"invalid web config{where}{shown} (from file {origin}): {why}")
 
 
@@ -286,6 +288,8 @@ def parse_web_config(path: str) -> WebConfig:
         raise _error(path, "", None, f"cannot read the file: {e.strerror or e}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise _error(path, "", None, f"not YAML: {e}") from None
+    except RecursionError:
+        raise _error(path, "", None, "not YAML: nested too deeply") from None
     try:
         top = _mapping(data, "")
         _keys(top, _TOP_KEYS, "")
