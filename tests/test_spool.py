@@ -84,3 +84,18 @@ def test_forked_child_does_not_keep_a_dead_parent_alive(tmp_path):
         assert spool.read_samples(str(tmp_path), 64) == []
     finally:
         os.kill(child_pid, signal.SIGKILL)
+
+
+def test_a_torn_record_is_never_parsed(tmp_path):
+    pub = spool.RankPublisher(str(tmp_path), 0)
+    pub.publish({"time": 1.0, "pad": "x" * 100})
+    pub.publish({"time": 2.0})  # shorter than the first: the stale tail must be ignored
+    (s,) = spool.read_samples(str(tmp_path), 64)
+    assert s.data == {"time": 2.0}
+    with open(pub.path, "r+b") as fh:  # flip a payload byte: what a reader sees mid-write
+        fh.seek(spool._HEADER.size + 3)
+        fh.write(b"#")
+    assert spool.read_samples(str(tmp_path), 64) == []
+    pub.publish({"time": 3.0})
+    assert spool.read_samples(str(tmp_path), 64)[0].data == {"time": 3.0}
+    pub.close()

@@ -1,7 +1,8 @@
 """The spool: how ranks hand samples to the node's server without sharing its GIL.
 
 Each rank owns two files in the spool directory (a tmpfs by default):
-``rank-<rank>-<pid>.json``, replaced atomically on every publish, and
+``rank-<rank>-<pid>.json``, rewritten in place on every publish (a length +
+CRC header lets readers detect a write in progress), and
 ``rank-<rank>-<pid>.lock``, which the rank holds with ``flock`` for its whole
 life. The kernel drops the lock when the process dies, however it dies
 (SIGKILL included), so the reader can tell a wedged rank (lock held, sample
@@ -15,11 +16,15 @@ import fcntl
 import json
 import os
 import re
+import struct
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 SERVER_LOCK = "server.lock"
+_MAGIC = b"VWS1"
+_HEADER = struct.Struct("<4sII")  # magic, payload length, CRC32 of the payload
 _RANK_FILE = re.compile(r"^rank-(\d+)-(\d+)\.json$")
 
 
@@ -67,30 +72,36 @@ class RankPublisher:
         self.path = os.path.join(spool_dir, stem + ".json")
         self.lock_path = os.path.join(spool_dir, stem + ".lock")
         self._tmp = self.path + ".tmp"
+        self._fd: int | None = None
         self._lock_fd = hold_lock(self.lock_path)
         # a forked child (a DataLoader worker) must not keep the parent's lock alive after the
         # parent dies: flock is shared by every copy of the descriptor, so the child drops its copy
         os.register_at_fork(after_in_child=self._drop_in_child)
 
     def _drop_in_child(self) -> None:
-        if self._lock_fd is not None:
-            try:
-                os.close(self._lock_fd)
-            except OSError:
-                pass
-            self._lock_fd = None
+        for fd in (self._lock_fd, self._fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._lock_fd = self._fd = None
         self.path = self.lock_path = self._tmp = os.devnull  # the child publishes nothing
 
     def publish(self, sample: dict[str, Any]) -> None:
         if self._lock_fd is None:
             return
-        data = json.dumps(sample, separators=(",", ":"), allow_nan=False).encode()
-        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(self._tmp, self.path)  # readers see the old or the new sample, never half
+        payload = json.dumps(sample, separators=(",", ":"), allow_nan=False).encode()
+        # one pwrite into a file kept open: no open/rename per sample (a rename costs ~0.4 ms on
+        # some filesystems). A reader may catch a write half-done, so the header carries the
+        # length and a CRC, and the reader retries on a mismatch.
+        record = _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
+        if self._fd is None:
+            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.pwrite(self._fd, record, 0)
+            os.replace(self._tmp, self.path)  # appears complete, once
+        else:
+            os.pwrite(self._fd, record, 0)
 
     def close(self) -> None:
         if self._lock_fd is None:
@@ -100,6 +111,9 @@ class RankPublisher:
                 os.unlink(p)
             except OSError:
                 pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -133,17 +147,37 @@ def read_samples(spool_dir: str, max_ranks: int) -> list[RankSample]:
                 except OSError:
                     pass
             continue
+        data = _read_record(path)
+        if data is None:
+            continue
         try:
-            with open(path, "rb") as fh:
-                data = json.loads(fh.read())
             mtime = os.stat(path).st_mtime
-        except (OSError, ValueError):
+        except OSError:
             continue
         rank = int(m.group(1))
         s = RankSample(rank, int(m.group(2)), data, mtime)
         if rank not in best or s.data.get("time", 0) > best[rank].data.get("time", 0):
             best[rank] = s
     return [best[r] for r in sorted(best)[:max_ranks]]
+
+
+def _read_record(path: str, tries: int = 5) -> dict[str, Any] | None:
+    for _ in range(tries):
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+        except OSError:
+            return None
+        if len(raw) >= _HEADER.size:
+            magic, length, crc = _HEADER.unpack_from(raw)
+            payload = raw[_HEADER.size:_HEADER.size + length]
+            if magic == _MAGIC and len(payload) == length and zlib.crc32(payload) == crc:
+                try:
+                    return json.loads(payload)
+                except ValueError:
+                    return None
+        time.sleep(0.0005)  # a write in progress: it takes microseconds
+    return None
 
 
 def sample_age(sample: RankSample, now: float | None = None) -> float:
