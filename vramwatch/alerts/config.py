@@ -51,13 +51,17 @@ class MonitoringConfig:
     extra_labels: tuple[tuple[str, str], ...] = ()
 
     # --- added for the alert rules (issue 5) ---
-    # matchers selecting vramwatch's scrape targets in `up` (the exporter's own series need no mark;
-    # `up` exists for every target, so it needs one). Matches job="vramwatch" and a PodMonitor's
-    # "<namespace>/vramwatch".
+    # matchers selecting vramwatch's scrape targets in `up` (`up` exists for every target, so it needs
+    # one). Matches job="vramwatch" (static, compose, deploy/kubernetes' PodMonitor) and
+    # "<namespace>/vramwatch" (a PodMonitor without a job relabeling). Targets of other jobs count too
+    # once they served vramwatch_build_info within target_seen_window (e.g. annotation discovery).
     target_selector: str = 'job=~".*vramwatch.*"'
-    # labels that tell one training job apart across its nodes (the peers in the rank-skew rule);
-    # in Kubernetes add the job-name label your PodMonitor copies from the pod.
-    job_labels: tuple[str, ...] = ("job",)
+    target_seen_window: str = "1h"
+    # labels that tell one training job apart across its nodes (the peers in the rank-skew rule). A
+    # label a setup lacks is empty on every series, so the default covers static configs (job), the
+    # shipped PodMonitor (namespace + the pod's job-name labels) and annotation discovery (job_name).
+    job_labels: tuple[str, ...] = ("job", "namespace", "batch_kubernetes_io_job_name",
+                                   "training_kubeflow_org_job_name", "job_name")
     # device alerts about memory, throttling and foreign processes only for GPUs a rank of the job uses
     # (with `gpus: all` the server also reports the node's other GPUs). Xid and lost GPUs: every GPU.
     job_gpus_only: bool = True
@@ -78,8 +82,10 @@ class MonitoringConfig:
     gpu_lost_for: str = "1m"
     ecc_window: str = "15m"
     remapped_rows_for: str = "5m"
-    # throttle reasons (gpu_clock_throttle{reason}) worth a warning; sw_power_cap is normal under load
-    throttle_reasons: tuple[str, ...] = ("hw_slowdown", "hw_thermal", "sw_thermal", "power_brake")
+    # throttle reasons (gpu_clock_throttle{reason}, names from the NVML collector's THROTTLE_REASONS)
+    # worth a warning; sw_power_cap is normal under full load, gpu_idle is no trouble
+    throttle_reasons: tuple[str, ...] = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown",
+                                         "hw_power_brake_slowdown")
     throttle_for: str = "10m"
     foreign_process_for: str = "5m"
     # rank skew: a rank's reserved bytes above this many times the median of its job's ranks,

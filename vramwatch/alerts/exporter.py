@@ -8,6 +8,7 @@ from vramwatch.alerts.promql import (
     VALUE_DURATION,
     WARNING,
     alert,
+    duration,
     label,
     metric,
     num,
@@ -15,11 +16,18 @@ from vramwatch.alerts.promql import (
 )
 
 
+def target_down(cfg: MonitoringConfig) -> str:
+    """vramwatch targets failing their scrape: by job name, or by having served vramwatch recently."""
+    seen = metric(cfg, "vramwatch_build_info")
+    recent = f"up == 0 and on(job, instance) max_over_time({seen}[{duration(cfg.target_seen_window)}])"
+    return f"{up(cfg)} == 0\nor {recent}" if cfg.target_selector else recent
+
+
 def rules(cfg: MonitoringConfig) -> list[dict]:
     out = [
         alert(
             "VramwatchTargetDown",
-            f"{up(cfg)} == 0",
+            target_down(cfg),
             WARNING,
             "Prometheus cannot scrape a vramwatch target.",
             f"Prometheus has failed to scrape {label('instance')} (job {label('job')}) for more than "

@@ -35,6 +35,7 @@ def xid_events(cfg: MonitoringConfig, xid_matcher: str) -> str:
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
     critical = regex(cfg.xid_critical)
+    known = ", ".join(str(x) for x in cfg.xid_warning)
     xid_where = f"{GPU_WHERE} reported Xid {label('xid')}"
     events = f"(about {VALUE_INT} event(s) in the last {cfg.xid_window})"
     ecc = metric(cfg, "gpu_ecc_errors_total", 'type="uncorrected"')
@@ -54,15 +55,15 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             xid_events(cfg, f'xid!~"{critical}"'),
             WARNING,
             "A GPU reported an Xid error.",
-            f"{xid_where} {events}: usually an application fault (13, 31: illegal address or "
-            "instruction) or a maintenance event; the process that hit it must restart.",
+            f"{xid_where} {events}, which does not page: the known ones ({known}) are application faults "
+            "(the process that hit it must restart) or maintenance events (reset at the next drain).",
         ),
         alert(
             "GPULost",
             f"{metric(cfg, 'gpu_up')} == 0",
             CRITICAL,
             "NVML lost a GPU.",
-            f"{GPU_WHERE} stopped answering NVML (GPU_IS_LOST: fallen off the bus, Xid 79). "
+            f"{GPU_WHERE} stopped answering NVML (GPU_IS_LOST: fallen off the bus). "
             "The node needs a reboot; the job on it is lost.",
             cfg.gpu_lost_for,
         ),

@@ -45,7 +45,9 @@ def num(value: float) -> str:
 
 
 def percent(ratio: float) -> str:
-    return f"{ratio * 100:g}%"
+    """0.85 -> '85%', 0.355 -> '35.5%'."""
+    text = f"{ratio:.4%}"[:-1]
+    return (text.rstrip("0").rstrip(".") if "." in text else text) + "%"
 
 
 def label(name: str) -> str:
