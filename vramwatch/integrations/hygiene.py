@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -38,10 +39,13 @@ def _torch_empty_cache(devices: tuple[int, ...]) -> None:
 
 class Hygiene:
     def __init__(self, extra: dict[int, dict[str, float]], threshold: float,
-                 empty_cache: Callable[[tuple[int, ...]], None] = _torch_empty_cache) -> None:
+                 empty_cache: Callable[[tuple[int, ...]], None] = _torch_empty_cache, min_gap: float = 0.0) -> None:
         self.extra = extra
         self.threshold = threshold
         self.empty_cache = empty_cache
+        # a sample read before the last reclaim must not ask for another: at most one per sample interval
+        self.min_gap = min_gap
+        self._last_reclaim = float("-inf")
         self.pending: tuple[int, ...] = ()  # written by the sampler thread, cleared by the training thread
         self.reclaims = 0
         self._failed = False
@@ -55,8 +59,9 @@ class Hygiene:
                 for dev in devices:
                     sim.empty_cache(dev)
 
-            return cls(handle.sampler.extra, handle.settings.reclaim_threshold, empty)
-        return cls(handle.sampler.extra, handle.settings.reclaim_threshold)
+            return cls(handle.sampler.extra, handle.settings.reclaim_threshold, empty,
+                       min_gap=handle.settings.interval)
+        return cls(handle.sampler.extra, handle.settings.reclaim_threshold, min_gap=handle.settings.interval)
 
     def on_sample(self, devices: Iterable[dict[str, Any]]) -> None:
         """Sampler thread: decide which devices need a reclaim at the next step."""
@@ -73,6 +78,8 @@ class Hygiene:
                           - v.get("torch_cuda_memory_inactive_split_bytes", 0.0))
             if releasable >= MIN_RELEASABLE_RATIO * limit:
                 due.append(idx)
+        if due and time.monotonic() - self._last_reclaim < self.min_gap:
+            due = []  # these values may predate the last reclaim
         self.pending = tuple(due)
 
     def on_step(self) -> None:
@@ -80,6 +87,7 @@ class Hygiene:
         if not self.pending or self._failed:
             return
         devices, self.pending = self.pending, ()
+        self._last_reclaim = time.monotonic()
         try:
             self.empty_cache(devices)
         except Exception as e:  # noqa: BLE001
