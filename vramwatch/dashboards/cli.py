@@ -1,11 +1,15 @@
-"""``vramwatch dashboards``: print, write or check the generated Grafana dashboards."""
+"""``vramwatch dashboards``: print, write or check the generated Grafana dashboards.
+
+The SDK is imported only when the command runs: every ``vramwatch`` command line (the
+scrape server's too) builds this parser, and the server needs neither the SDK nor its import time.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from vramwatch.dashboards import build_all, render
+NEEDS = "grafana-foundation-sdk==0.0.21 (pip install 'vramwatch[dashboards]')"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,6 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        from vramwatch.dashboards import build_all, render
+    except ImportError as e:
+        print(f"vramwatch dashboards: needs {NEEDS}: {e}", file=sys.stderr)
+        return 2
     if args.write:
         for path in render.write(args.write):
             print(path)

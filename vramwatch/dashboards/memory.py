@@ -36,7 +36,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                        "and the per-process budget; allocator events; training progress.", cfg)
     d = d.annotation(
         dashboard.AnnotationQuery().name("OOMs").datasource(PROM).enable(True).icon_color("orange")
-        .expr(f"{m('torch_cuda_memory_last_oom_timestamp_seconds')}{s.device} > time() - 60").step("60s")
+        .expr(f"increase({m('torch_cuda_memory_ooms_total')}{s.device}[1m]) > 0").step("60s")
         .title_format("OOM in rank {{rank}}").text_format("cuda:{{device}} {{uuid}} on {{instance}}")
         .tag_keys("rank,instance"))
 

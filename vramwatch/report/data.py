@@ -1,0 +1,128 @@
+"""Run a dashboard's queries against Prometheus, as Grafana would for one time range."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from vramwatch.dashboards.walk import (
+    Annotation,
+    DashboardSpec,
+    PanelSpec,
+    Target,
+    TimeContext,
+    Variable,
+    format_values,
+    label_values_query,
+    substitute,
+)
+from vramwatch.report.prom import PromClient, PromError, Series
+
+_LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def legend(target: Target, labels: dict[str, str]) -> str:
+    """Grafana's legend: ``{{label}}`` replaced by the series' value, or the label set when unset."""
+    if target.legend:
+        return _LEGEND.sub(lambda mt: labels.get(mt.group(1), ""), target.legend).strip()
+    inner = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "__name__")
+    return labels.get("__name__", "") + ("{" + inner + "}" if inner else "")
+
+
+@dataclass
+class TargetResult:
+    target: Target
+    expr: str  # after substitution
+    series: list[Series] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class PanelResult:
+    panel: PanelSpec
+    results: list[TargetResult]
+
+    @property
+    def series_count(self) -> int:
+        return sum(len(r.series) for r in self.results)
+
+    @property
+    def point_count(self) -> int:
+        return sum(len(s.values) for r in self.results for s in r.series)
+
+    @property
+    def errors(self) -> list[str]:
+        return [f"{r.target.ref}: {r.error}" for r in self.results if r.error]
+
+
+@dataclass
+class AnnotationResult:
+    annotation: Annotation
+    events: list[tuple[float, float, str]]  # (start, end, title)
+    error: str = ""
+
+
+def variable_options(client: PromClient, var: Variable, values: dict[str, str], tc: TimeContext) -> list[str]:
+    """The values a query variable offers, given the variables before it (``label_values()`` queries)."""
+    selector, label = label_values_query(var.query)
+    series = client.series(substitute(selector, values, tc), tc.start, tc.end)
+    return sorted({s[label] for s in series if s.get(label)})
+
+
+def variable_values(spec: DashboardSpec, chosen: dict[str, list[str]], client: PromClient | None = None,
+                    tc: TimeContext | None = None, first: bool = False) -> dict[str, str]:
+    """Formatted values for every query variable: the chosen ones, else All.
+
+    ``first=True`` picks each variable's first offered value instead of All (needs a client),
+    so that every query also runs with concrete values, as a person who picked one job would.
+    """
+    values: dict[str, str] = {}
+    for v in spec.variables:
+        if v.type != "query":
+            continue
+        picked = chosen.get(v.name)
+        if picked is None and first:
+            assert client is not None and tc is not None
+            options = variable_options(client, v, values, tc)
+            picked = options[:1] or None
+        values[v.name] = format_values(picked, v.all_value)
+    return values
+
+
+def run_target(client: PromClient, target: Target, values: dict[str, str], tc: TimeContext) -> TargetResult:
+    expr = substitute(target.expr, values, tc)
+    res = TargetResult(target, expr)
+    try:
+        res.series = client.query(expr, tc.end) if target.instant else client.query_range(
+            expr, tc.start, tc.end, tc.step)
+    except PromError as e:
+        res.error = str(e)
+    return res
+
+
+def run_panel(client: PromClient, panel: PanelSpec, values: dict[str, str], tc: TimeContext) -> PanelResult:
+    return PanelResult(panel, [run_target(client, t, values, tc) for t in panel.targets])
+
+
+def run_annotation(client: PromClient, ann: Annotation, values: dict[str, str], tc: TimeContext) -> AnnotationResult:
+    """Events of an annotation query: one per run of consecutive points of a series."""
+    expr = substitute(ann.expr, values, tc)
+    step = tc.step
+    try:
+        series = client.query_range(expr, tc.start, tc.end, step)
+    except PromError as e:
+        return AnnotationResult(ann, [], str(e))
+    events = []
+    title_target = Target("", "", ann.title_format, False)
+    for s in series:
+        run_start = prev = None
+        for t in s.times:
+            if run_start is None:
+                run_start = prev = t
+            elif t - prev > step * 1.5:
+                events.append((run_start, prev, legend(title_target, s.labels)))
+                run_start = t
+            prev = t
+        if run_start is not None:
+            events.append((run_start, prev, legend(title_target, s.labels)))
+    return AnnotationResult(ann, events)
