@@ -290,6 +290,27 @@ def test_init_failure_is_logged_once_and_retried_with_backoff(tmp_path, caplog, 
     assert rig.session.ready and rig.nvml.health.up == 1 and rig.value("gpu_up") == 1.0
 
 
+def test_an_older_binding_without_a_function_or_keyword_falls_back(tmp_path):
+    rig = Rig(tmp_path, count=1)
+    fake = rig.nv.nv
+
+    def memory_v1_only(h, version=None):
+        if version is not None:
+            raise TypeError("nvmlDeviceGetMemoryInfo() got an unexpected keyword argument 'version'")
+        return SimNvml.nvmlDeviceGetMemoryInfo(fake, h)
+
+    def no_such_function(*a):
+        raise AttributeError("module 'pynvml' has no attribute 'nvmlDeviceGetTemperatureV'")
+
+    fake.nvmlDeviceGetMemoryInfo = memory_v1_only
+    fake.nvmlDeviceGetTemperatureV = no_such_function
+    for _ in range(3):
+        rig.poll(1.0)
+    assert rig.nvml.health.up == 1
+    assert rig.value("gpu_memory_used_bytes") is not None and rig.value("gpu_memory_reserved_bytes") is None
+    assert rig.value("gpu_temperature_celsius") == 35.0
+
+
 def test_missing_binding_is_an_unavailable_nvml_not_a_crash(tmp_path):
     settings = Settings(simulate=False, spool_dir=str(tmp_path))
 

@@ -79,6 +79,8 @@ def error_name(e: BaseException) -> str:
 
 def classify(e: BaseException) -> str:
     """unsupported | lost | session | quiet | transient."""
+    if isinstance(e, (AttributeError, TypeError, NotImplementedError)):
+        return "unsupported"  # the binding lacks the function or this signature (an older nvidia-ml-py)
     code = error_code(e)
     if code in UNSUPPORTED_CODES:
         return "unsupported"
