@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,dashboards,report]'
+	$(BIN)/pip install -q -e '.[test,dashboards,report,integrations]'
 	touch $@
 
 # Debian's alertmanager reads its default notification templates from this fixed path (no flag moves it).

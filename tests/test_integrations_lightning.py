@@ -1,0 +1,110 @@
+"""A real Lightning Trainer on CPU with a tiny randomly initialised module."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from harness import wait_until
+
+L = pytest.importorskip("lightning.pytorch")
+torch = pytest.importorskip("torch")
+
+import vramwatch  # noqa: E402
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.detach().item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+
+        self.log_dict(grad_norm(self, norm_type=2))  # grad_2.0_norm_total among them
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 8, generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def trainer(callbacks, max_steps=6):
+    return L.Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1,
+                     callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, deterministic=True)
+
+
+def series(exp, name, **labels):
+    return [v for lab, v in exp.metrics().get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
+
+
+class Probe(L.Callback):
+    def __init__(self, exp, at_step):
+        self.exp, self.at_step = exp, at_step
+        self.seen = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.at_step or self.seen is not None:
+            return
+        exp, n = self.exp, self.at_step
+        wait_until(lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)], 15,
+                   f"{n} optimiser steps in the scrape")
+        loss = float(outputs["loss"])
+        wait_until(lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss, rel=1e-5)], 10,
+                   "this step's loss")
+        gn = float(trainer.callback_metrics["grad_2.0_norm_total"])
+        wait_until(lambda: series(exp, "vramwatch_training_grad_norm", rank=0) == [pytest.approx(gn, rel=1e-5)], 10,
+                   "the logged grad norm")
+        self.seen = {"rank_info": [lab for lab, _ in exp.metrics().get("vramwatch_rank_info", [])]}
+
+
+def test_lightning_drives_the_heartbeat_per_optimiser_step(exporter):
+    from vramwatch.integrations.lightning import VramwatchCallback
+
+    exp = exporter().start()
+    probe = Probe(exp, at_step=4)
+    cb = VramwatchCallback(simulate=True, serve="external", spool_dir=exp.spool, port=exp.port, interval=0.05)
+    t = trainer([cb, probe])
+    t.fit(Tiny())
+    assert t.global_step == 6
+    assert probe.seen is not None, "the probe never ran"
+    (info,) = probe.seen["rank_info"]
+    assert info["rank"] == "0" and info["local_rank"] == "0" and info["world_size"] == "1"
+    assert vramwatch.current() is None  # stopped at teardown: it started the exporter
+    wait_until(lambda: series(exp, "vramwatch_training_steps_total") == [], 10, "the series to go")
+
+
+def test_the_callback_does_not_change_training(tmp_path):
+    from vramwatch.integrations.lightning import VramwatchCallback
+
+    a, b = Tiny(), Tiny()
+    trainer([VramwatchCallback(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05,
+                               status_every=2, reclaim_threshold=0.9)]).fit(a)
+    trainer([]).fit(b)
+    assert len(a.losses) == 12 and a.losses == b.losses
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_pytorch_lightning_name_gets_its_own_base_class():
+    pytest.importorskip("pytorch_lightning")
+    code = ("import pytorch_lightning, sys\n"
+            "from vramwatch.integrations.lightning import VramwatchCallback\n"
+            "assert issubclass(VramwatchCallback, pytorch_lightning.Callback), VramwatchCallback.__mro__\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -1,0 +1,76 @@
+"""Hugging Face ``Trainer`` callback.
+
+    from vramwatch.integrations.hf import VramwatchCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[VramwatchCallback()])
+
+At ``on_train_begin`` it starts the exporter (unless the script already did), labelled with the
+Trainer's process index, local process index and world size; ``on_step_end`` (once per optimiser
+step, after gradient accumulation) is the heartbeat; the loss and grad norm the Trainer logs
+(every ``logging_steps``) become ``vramwatch_training_loss`` / ``_grad_norm``. At ``on_train_end``
+it stops the exporter it started, so a finished run leaves no stale heartbeat behind.
+
+It only observes: it returns no control changes, and nothing it does raises into training.
+Keyword arguments are vramwatch settings, checked here (``ConfigError``) before training starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import TrainerCallback
+
+import vramwatch
+from vramwatch.integrations import framework_settings, start_for_framework
+
+__all__ = ["VramwatchCallback"]
+
+log = logging.getLogger("vramwatch")
+
+
+def _attr(obj: Any, name: str) -> int | None:
+    try:
+        v = getattr(obj, name)
+        return int(v) if v is not None else None
+    except Exception:  # noqa: BLE001 - a property that needs a distributed state we do not have
+        return None
+
+
+class VramwatchCallback(TrainerCallback):
+    def __init__(self, stop_on_end: bool = True, **settings: Any) -> None:
+        framework_settings(settings, None, None, None)  # raises ConfigError now, not mid-run
+        self.settings = settings
+        self.stop_on_end = stop_on_end
+        self.handle: Any = None
+        self._owned = False
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        try:
+            self.handle, self._owned = start_for_framework(
+                self.settings, _attr(args, "process_index"), _attr(args, "local_process_index"),
+                _attr(args, "world_size"))
+        except Exception as e:  # noqa: BLE001
+            log.warning("vramwatch: callback could not start: %r", e)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        vramwatch.step()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        h = self.handle
+        if h is None or not logs:
+            return
+        try:
+            if "loss" in logs:  # training logs only (evaluation logs carry eval_loss)
+                h.heartbeat.loss = logs["loss"]
+            if "grad_norm" in logs:
+                h.heartbeat.grad_norm = logs["grad_norm"]
+        except Exception:  # noqa: BLE001
+            pass
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._owned and self.stop_on_end:
+            self._owned = False
+            if vramwatch.current() is self.handle:
+                vramwatch.stop()
+        self.handle = None
