@@ -1,0 +1,300 @@
+"""Scrape latency, bytes and server CPU per scrape: vramwatch with 1 and 8 local ranks, and nvitop-exporter.
+
+    python3 benchmarks/scrape.py --out scrape.json                 # real GPU: ranks are torch processes
+    python3 benchmarks/scrape.py --simulate --ranks 1,2 --out s.json  # no GPU: simulated ranks, no nvitop
+
+One ``vramwatch serve`` (defaults: NVML collection on, 1 s sampling in the
+ranks) serves every rank through one port. On a GPU each rank is a process
+that starts vramwatch, puts a small tensor on cuda:0 (so 8 ranks fit on one
+card) and calls step() at 20 Hz. For each rank count the script measures the
+server's idle CPU, then ``--scrapes`` scrapes at ``--rate`` per second:
+latency from request to last byte (p50/p99), bytes (plain and gzip), and the
+server's CPU per scrape (utime+stime from /proc over the scrapes, divided by
+their number; ``net`` subtracts the idle rate). nvitop-exporter
+(``python3 -m nvitop_exporter``) is measured the same way in the same run,
+while the 8 ranks still hold their contexts, so both see the same processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+RANK_SCRIPT = r"""
+import os, sys, time
+import torch
+import vramwatch
+vramwatch.start()
+x = torch.ones(int(os.environ.get("BENCH_TENSOR_BYTES", "16777216")) // 4, device="cuda:0")
+print("ready", flush=True)
+while True:
+    vramwatch.step()
+    time.sleep(0.05)
+"""
+
+
+class Node:
+    """A vramwatch server plus its ranks, all our own processes, stopped by ``close()``."""
+
+    def __init__(self, simulate: bool, workdir: str, world_size: int = 8) -> None:
+        self.simulate = simulate
+        self.world_size = world_size
+        self.spool = os.path.join(workdir, "spool")
+        os.makedirs(self.spool, exist_ok=True)
+        self.port = common.free_port()
+        self.workdir = workdir
+        self.ranks: list[subprocess.Popen] = []
+        self.log = open(os.path.join(workdir, "processes.log"), "ab")
+        env = {"VRAMWATCH_PORT": str(self.port), "VRAMWATCH_SPOOL_DIR": self.spool}
+        if simulate:
+            sys.path.insert(0, str(common.ROOT))
+            from vramwatch.sim.state import SimNode, state_path  # the simulated node's file only
+
+            SimNode.default(1).save(state_path(self.spool))
+            env["VRAMWATCH_SIMULATE"] = "true"
+        self.env = common.child_env(**env)
+        self.server = subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=self.env,
+                                       stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)
+        if not common.wait_http(self.url("/-/healthy"), timeout=30):
+            raise RuntimeError("vramwatch serve did not come up; see " + self.log.name)
+
+    def url(self, path: str = "/metrics") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def add_ranks(self, n: int) -> None:
+        while len(self.ranks) < n:
+            r = len(self.ranks)
+            env = dict(self.env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.world_size),
+                       VRAMWATCH_SERVE="external")
+            if self.simulate:
+                cmd = [sys.executable, "-m", "vramwatch.sim.worker", "--duration", "3600", "--fill-gib", "1",
+                       "--activation-gib", "0.1"]
+            else:
+                cmd = [sys.executable, "-c", RANK_SCRIPT]
+            self.ranks.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
+                                               stderr=self.log))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for p in self.ranks:
+                if p.poll() is not None:
+                    raise RuntimeError(f"a rank exited with {p.returncode}; see {self.log.name}")
+            status, body, _ = common.http_get(self.url(), timeout=5)
+            if status == 200 and _ranks_with_devices(body.decode()) >= n:
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"{n} ranks did not all show allocator series within 120 s")
+
+    def close(self) -> None:
+        for p in self.ranks + [self.server]:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.ranks + [self.server]:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        self.log.close()
+
+
+def _ranks_with_devices(text: str) -> int:
+    m = common.parse_metrics(text)
+    return len({s[0].get("rank") for s in m.get("torch_cuda_memory_allocated_bytes", [])})
+
+
+def measure(url: str, pid: int, scrapes: int, rate: float, idle_s: float) -> dict[str, Any]:
+    """Idle CPU of the server, then ``scrapes`` scrapes at ``rate``/s: latency, bytes, CPU per scrape."""
+    c0, t0 = common.proc_cpu_seconds(pid), time.monotonic()
+    time.sleep(idle_s)
+    c1, t1 = common.proc_cpu_seconds(pid), time.monotonic()
+    idle_rate = (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None else None
+    status, gz, _ = common.http_get(url, gzip=True)
+    gz_bytes = len(gz) if status == 200 else None
+    if status == 200 and gz[:2] == b"\x1f\x8b":
+        plain_check = len(gzip.decompress(gz))
+    else:
+        plain_check = None
+        gz_bytes = None  # the server ignored Accept-Encoding
+    lat, sizes, errors = [], [], 0
+    period = 1.0 / rate
+    c2, t2 = common.proc_cpu_seconds(pid), time.monotonic()
+    nxt = t2
+    for _ in range(scrapes):
+        status, body, elapsed = common.http_get(url, timeout=10)
+        if status == 200:
+            lat.append(elapsed)
+            sizes.append(len(body))
+        else:
+            errors += 1
+        nxt += period
+        time.sleep(max(0.0, nxt - time.monotonic()))
+    c3, t3 = common.proc_cpu_seconds(pid), time.monotonic()
+    gross = (c3 - c2) / scrapes if c2 is not None and c3 is not None else None
+    net = None
+    if gross is not None and idle_rate is not None:
+        net = max(0.0, (c3 - c2) - idle_rate * (t3 - t2)) / scrapes
+    last_text = body.decode(errors="replace") if status == 200 else ""
+    series = sum(1 for line in last_text.splitlines() if line and not line.startswith("#"))
+    return {
+        "scrapes": scrapes, "rate_per_s": rate, "errors": errors,
+        "p50_ms": _ms(common.percentile(lat, 50)), "p99_ms": _ms(common.percentile(lat, 99)),
+        "max_ms": _ms(max(lat, default=None)), "mean_ms": _ms(sum(lat) / len(lat) if lat else None),
+        "bytes": int(sorted(sizes)[len(sizes) // 2]) if sizes else None,
+        "bytes_min": min(sizes, default=None), "bytes_max": max(sizes, default=None),
+        "bytes_gzip": gz_bytes, "bytes_gzip_plain": plain_check, "series": series,
+        "cpu_per_scrape_s": gross, "cpu_per_scrape_net_s": net,
+        "idle_cpu_share": idle_rate, "cpu_clock_resolution_s": 1.0 / common.CLK_TCK,
+        "window_s": t3 - t2, "pid": pid,
+    }
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1000.0
+
+
+def nvitop_available(python: str) -> str:
+    """'' if nvitop-exporter can be imported by ``python``, else why not."""
+    try:
+        p = subprocess.run([python, "-c", "import nvitop_exporter, nvitop; print(nvitop_exporter.__version__)"],
+                           capture_output=True, text=True, timeout=60, env=common.child_env())
+    except (OSError, subprocess.SubprocessError) as e:
+        return repr(e)
+    if p.returncode != 0:
+        return "nvitop-exporter not importable: " + (p.stderr.strip().splitlines() or ["?"])[-1]
+    return ""
+
+
+def run_nvitop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
+    python = args.nvitop_python or sys.executable
+    why = nvitop_available(python)
+    if why:
+        return {"skipped": why}
+    port = common.free_port()
+    log = open(os.path.join(workdir, "nvitop-exporter.log"), "ab")
+    cmd = [python, "-m", "nvitop_exporter", "--bind-address", "127.0.0.1", "--port", str(port),
+           "--interval", str(args.nvitop_interval), "--hostname", "bench"]
+    p = subprocess.Popen(cmd, env=common.child_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        if not common.wait_http(url, timeout=60):
+            return {"skipped": f"nvitop-exporter did not answer (exit {p.poll()}); see its log",
+                    "log_tail": _tail(log.name)}
+        time.sleep(2.0)  # a couple of its collection cycles
+        res = measure(url, p.pid, args.scrapes, args.rate, args.idle_seconds)
+        ver = subprocess.run([python, "-m", "nvitop_exporter", "--version"], capture_output=True, text=True,
+                             timeout=30, env=common.child_env())
+        res["version"] = ver.stdout.strip()
+        res["command"] = " ".join(cmd[1:])
+        return res
+    finally:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        log.close()
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    try:
+        return Path(path).read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks/scrape.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--simulate", action="store_true", help="simulated ranks and GPU (no NVML, no nvitop)")
+    p.add_argument("--device", default="cuda", help="cpu implies --simulate")
+    p.add_argument("--ranks", default="1,8", help="rank counts to measure, ascending (default 1,8)")
+    p.add_argument("--scrapes", type=int, default=150, help="scrapes per measurement (default 150)")
+    p.add_argument("--rate", type=float, default=10.0, help="scrapes per second (default 10)")
+    p.add_argument("--idle-seconds", type=float, default=5.0, help="idle window for the server's own CPU")
+    p.add_argument("--nvitop", choices=("auto", "off"), default="auto", help="measure nvitop-exporter too")
+    p.add_argument("--nvitop-python", default="", help="interpreter that can import nvitop_exporter")
+    p.add_argument("--nvitop-interval", type=float, default=1.0)
+    p.add_argument("--quick", action="store_true", help="60 scrapes, 2 s idle windows")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    if args.device == "cpu":
+        args.simulate = True
+    if args.quick:
+        args.scrapes, args.idle_seconds = min(args.scrapes, 60), min(args.idle_seconds, 2.0)
+    counts = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
+    workdir = tempfile.mkdtemp(prefix="vwbench-scrape-")
+    out: dict[str, Any] = {
+        "metadata": common.metadata(benchmark="scrape", simulate=args.simulate, scrapes=args.scrapes,
+                                    rate_per_s=args.rate, idle_seconds=args.idle_seconds),
+        "vramwatch": {},
+        "notes": ["latency: request sent to last byte received, one connection per scrape (urllib)",
+                  "cpu_per_scrape_s: server utime+stime over the scrapes / scrapes (10 ms /proc ticks); "
+                  "net subtracts the server's idle CPU rate measured just before"],
+    }
+
+    def save() -> None:
+        if args.out:
+            common.write_json(args.out, out)
+
+    node = None
+    try:
+        common.progress(f"starting vramwatch serve ({'simulated' if args.simulate else 'real'} GPU)")
+        node = Node(args.simulate, workdir, max(counts))
+        for n in counts:
+            common.progress(f"vramwatch: bringing up {n} rank(s)")
+            node.add_ranks(n)
+            time.sleep(1.5)  # a sample or two from every rank
+            res = measure(node.url(), node.server.pid, args.scrapes, args.rate, args.idle_seconds)
+            res["ranks"] = n
+            out["vramwatch"][str(n)] = res
+            common.progress(f"vramwatch, {n} rank(s): p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, "
+                            f"{res['bytes']} bytes ({res['series']} samples), CPU/scrape "
+                            f"{_fmt_ms(res['cpu_per_scrape_s'])} gross, {_fmt_ms(res['cpu_per_scrape_net_s'])} net")
+            save()
+        if args.nvitop == "off":
+            out["nvitop_exporter"] = {"skipped": "--nvitop off"}
+        elif args.simulate:
+            out["nvitop_exporter"] = {"skipped": "simulated GPU: nvitop-exporter needs a real NVML"}
+        else:
+            common.progress(f"nvitop-exporter, with the {len(node.ranks)} rank(s) still on the GPU")
+            out["nvitop_exporter"] = res = run_nvitop(args, workdir)
+            if "skipped" in res:
+                common.progress("nvitop-exporter skipped: " + res["skipped"])
+            else:
+                res["ranks_on_gpu"] = len(node.ranks)
+                common.progress(f"nvitop-exporter: p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, "
+                                f"{res['bytes']} bytes, CPU/scrape {_fmt_ms(res['cpu_per_scrape_s'])} gross, "
+                                f"{_fmt_ms(res['cpu_per_scrape_net_s'])} net")
+        save()
+    except Exception as e:
+        out["error"] = repr(e)
+        out["log_tail"] = _tail(os.path.join(workdir, "processes.log"))
+        save()
+        common.progress(f"FAILED: {e!r}\n{out['log_tail']}")
+        return 1
+    finally:
+        if node is not None:
+            node.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 1000:.2f} ms"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
