@@ -322,3 +322,62 @@ def test_a_sigkilled_rank_leaves_no_series_behind(server):
     finally:
         for p in ranks.values():
             stop_proc(p)
+
+
+# --- the OOM snapshot directory broken ---
+def _enospc_links(d: Path) -> None:
+    """Point the snapshot's next temporary names at /dev/full: the kernel itself answers ENOSPC."""
+    from vramwatch.integrations import oom
+
+    d.mkdir()
+    now = time.time()
+    for dt in range(-2, 30):
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now + dt))
+        name = f"{oom.PREFIX}rank0-{stamp}-{os.getpid()}-1{oom.SUFFIX}"
+        os.symlink("/dev/full", d / f".{name}.tmp")
+
+
+@pytest.mark.parametrize("case", ["unwritable", "reported-full", "enospc", "over-cap"])
+def test_a_broken_snapshot_directory_leaves_training_untouched(server, baseline, tmp_path, caplog, case):
+    from vramwatch.integrations import oom
+    from vramwatch.sim.allocator import SimOutOfMemoryError
+
+    snaps = tmp_path / "snaps"
+    extra = {}
+    if case == "unwritable":
+        (tmp_path / "a-file").write_text("")
+        snaps = tmp_path / "a-file" / "snaps"  # root ignores permission bits; a file in the path stops anyone
+    elif case == "enospc":
+        _enospc_links(snaps)
+    elif case == "over-cap":
+        extra["oom_snapshot_max_bytes"] = 64
+    h = vramwatch.start(simulate=True, serve="external", spool_dir=server.spool, port=server.port, interval=0.05,
+                        rank=0, local_rank=0, world_size=1, oom_snapshot_dir=str(snaps), **extra)
+    try:
+        if case == "reported-full":
+            h.oom.disk_usage = lambda d: type("U", (), {"total": 1 << 40, "free": 0})()
+        h.sim.init(0)
+        h.sim.set_memory_fraction(0.1)
+        ooms = 0
+
+        def on_step(loss: float) -> None:
+            nonlocal ooms
+            try:
+                h.sim.allocate(100 << 30)  # more than the budget: the job's own retry-smaller logic
+            except SimOutOfMemoryError:
+                ooms += 1
+            vramwatch.step(loss=loss)
+
+        assert train(on_step=on_step) == baseline
+        assert ooms == 60 and h.oom.count == 60 and h.oom.snapshots == 0
+        wait_until(lambda: any(v == 60 for _, v in server.metrics().get("torch_cuda_memory_ooms_total", [])), 10,
+                   "all 60 OOMs counted at the server")
+        assert not server.metrics().get("vramwatch_oom_snapshot_info")
+        left = [p for p in (os.listdir(snaps) if snaps.is_dir() else []) if not os.path.islink(snaps / p)]
+        assert not left, f"no snapshot, no partial file: {left}"
+        assert oom.snapshot_files(str(snaps)) == []
+        why = {"unwritable": "cannot write OOM snapshots", "reported-full": "nearly full",
+               "enospc": "No space left on device", "over-cap": "larger than"}[case]
+        assert why in caplog.text
+    finally:
+        vramwatch.stop()
