@@ -21,7 +21,14 @@ $(VENV)/.installed: pyproject.toml
 # Debian's alertmanager reads its default notification templates from this fixed path (no flag moves it).
 AM_TEMPLATES := /usr/share/prometheus/alertmanager/default.tmpl
 
-tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES)
+# Headless Chromium for the report test (Debian's package; it starts no service, so it is installed).
+CHROMIUM := $(TOOLS)/.chromium-installed
+
+tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM)
+$(CHROMIUM):
+	command -v chromium >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
+	mkdir -p $(dir $@) && touch $@
 $(AM_TEMPLATES): $(ALERTMANAGER)
 	mkdir -p $(dir $@) && cp $(TOOLS)/usr/share/prometheus/alertmanager/*.tmpl $(dir $@)
 $(PROMETHEUS) $(ALERTMANAGER):

@@ -1,13 +1,156 @@
-"""``vramwatch report``: the dashboards rendered from a Prometheus into one self-contained HTML file."""
+"""``vramwatch report``: the dashboards rendered from a Prometheus into one self-contained HTML file.
+
+    vramwatch report --prometheus http://localhost:9090 --last 6h --out report.html
+    vramwatch report --prometheus URL --start 2026-12-01T08:00:00Z --end 2026-12-01T20:00:00Z \\
+        --var job=train-llama --var rank=0,1
+
+It walks the same dashboard models the Grafana JSON is generated from, runs each panel's
+queries through Prometheus's HTTP API (``query_range`` for time series, ``query`` at the end of
+the range for tables and stats), and draws one PNG per panel with matplotlib, embedded in the
+page. Needs the ``dashboards`` and ``report`` extras; imports them only when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
+import sys
+import time
+from datetime import UTC, datetime
+
+NEEDS = "grafana-foundation-sdk==0.0.21 and matplotlib (pip install 'vramwatch[dashboards,report]')"
+_DUR = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_duration(text: str) -> float:
+    parts = _DUR.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise argparse.ArgumentTypeError(f"not a duration (like 90s, 30m, 6h, 2d): {text!r}")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds, RFC 3339 / ISO 8601 (naive times are UTC), or ``now``."""
+    if text == "now":
+        return time.time()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a time (unix seconds or 2026-12-01T08:00:00Z): {text!r}") from None
+    return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prometheus", required=True, help="Prometheus base URL")
+    p.add_argument("--prometheus", required=True, metavar="URL",
+                   help="Prometheus base URL (http://user:password@host:9090 for basic auth)")
+    p.add_argument("--start", type=parse_time, help="range start: unix seconds or RFC 3339 (default: end - last)")
+    p.add_argument("--end", type=parse_time, help="range end (default: now)")
+    p.add_argument("--last", type=parse_duration, default=None, metavar="DURATION",
+                   help="range length when --start is not given (default: 1h)")
+    p.add_argument("--step", type=parse_duration, default=None, metavar="DURATION",
+                   help="query_range step (default: range / 300, at least the scrape interval)")
+    p.add_argument("--scrape-interval", type=parse_duration, default=15.0, metavar="DURATION",
+                   help="the targets' scrape interval, for $__rate_interval as Grafana computes it (default: 15s)")
+    p.add_argument("--var", action="append", default=[], metavar="NAME=V1[,V2]",
+                   help="a dashboard variable (job, host, gpu, rank); default: All")
+    p.add_argument("--dashboard", action="append", default=[], metavar="UID", help="only these dashboards")
+    p.add_argument("--out", default="report.html", help="HTML file to write (default: report.html)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per Prometheus request")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any query failed or returned nothing")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _say(args: argparse.Namespace, msg: str) -> None:
+    if not args.quiet:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("vramwatch report: not implemented yet")
+    try:
+        from vramwatch import __version__
+        from vramwatch.dashboards import build_all
+        from vramwatch.dashboards.walk import TimeContext, spec
+        from vramwatch.report import charts, html
+        from vramwatch.report.data import run_annotation, run_panel, variable_values
+        from vramwatch.report.prom import PromClient, PromError
+    except ImportError as e:
+        print(f"vramwatch report: needs {NEEDS}: {e}", file=sys.stderr)
+        return 2
+
+    end = args.end if args.end is not None else time.time()
+    start = args.start if args.start is not None else end - (args.last or 3600.0)
+    if args.start is not None and args.last is not None:
+        print("vramwatch report: give --start or --last, not both", file=sys.stderr)
+        return 2
+    if start >= end:
+        print("vramwatch report: the range start must be before its end", file=sys.stderr)
+        return 2
+    step = args.step or max(args.scrape_interval, round((end - start) / 300.0))
+    tc = TimeContext(start=start, end=end, step=step, scrape_interval=args.scrape_interval)
+
+    chosen: dict[str, list[str]] = {}
+    for item in args.var:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            print(f"vramwatch report: --var wants NAME=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        chosen[name] = [v for v in value.split(",") if v]
+
+    specs = [spec(m) for m in build_all()]
+    if args.dashboard:
+        unknown = set(args.dashboard) - {s.uid for s in specs}
+        if unknown:
+            print(f"vramwatch report: no dashboard {sorted(unknown)}; known: {[s.uid for s in specs]}",
+                  file=sys.stderr)
+            return 2
+        specs = [s for s in specs if s.uid in args.dashboard]
+    known = {v.name for s in specs for v in s.variables if v.type == "query"}
+    if set(chosen) - known:
+        print(f"vramwatch report: unknown variable {sorted(set(chosen) - known)}; known: {sorted(known)}",
+              file=sys.stderr)
+        return 2
+
+    client = PromClient(args.prometheus, timeout=args.timeout)
+    try:
+        client.query("vector(1)", end)
+    except PromError as e:
+        print(f"vramwatch report: {e}", file=sys.stderr)
+        return 1
+    when = f"{datetime.fromtimestamp(start, tz=UTC):%Y-%m-%d %H:%M:%S} to " \
+           f"{datetime.fromtimestamp(end, tz=UTC):%Y-%m-%d %H:%M:%S} UTC"
+    _say(args, f"vramwatch report: {args.prometheus}, {when}, step {step:g}s")
+
+    rendered, charts_n, empty, failed = [], 0, 0, 0
+    for i, d in enumerate(specs, start=1):
+        values = variable_values(d, chosen)
+        _say(args, f"[{i}/{len(specs)}] {d.title}: {len(d.panels)} panels")
+        anns = [run_annotation(client, a, values, tc) for a in d.annotations]
+        for a in anns:
+            if a.error:
+                _say(args, f"  annotation {a.annotation.name}: {a.error}")
+        rows = []
+        for row in d.rows:
+            panels = []
+            for p in row.panels:
+                res = run_panel(client, p, values, tc)
+                c = charts.chart(res, tc, anns)
+                charts_n += 1
+                empty += not res.series_count
+                failed += bool(res.errors)
+                panels.append(html.RenderedPanel(p, c, [r.expr for r in res.results]))
+                _say(args, f"  {row.title} / {p.title}: {res.series_count} series"
+                           + (f" ({c.note})" if c.note else ""))
+            rows.append((row.title, panels))
+        rendered.append((d, rows))
+    shown_vars = {name: ",".join(chosen[name]) if name in chosen else "All" for name in sorted(known)}
+    text = html.page(args.prometheus, tc, shown_vars, rendered, __version__)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    _say(args, f"wrote {args.out}: {charts_n} charts, {len(text.encode()) / 1e6:.1f} MB"
+               f" ({empty} without data, {failed} with failed queries)")
+    return 1 if args.strict and (empty or failed) else 0

@@ -1,0 +1,313 @@
+"""`vramwatch report`: one chart per panel drawn from what Prometheus returned, checked in headless Chromium."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("grafana_foundation_sdk")
+pytest.importorskip("matplotlib")
+
+import live_scenario  # noqa: E402
+from harness import tool  # noqa: E402
+
+from vramwatch.dashboards import build_all  # noqa: E402
+from vramwatch.dashboards.walk import TimeContext, spec  # noqa: E402
+from vramwatch.report import charts  # noqa: E402
+from vramwatch.report.data import legend, run_panel, variable_values  # noqa: E402
+from vramwatch.report.prom import PromClient  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = [spec(m) for m in build_all()]
+PANELS = sum(len(d.panels) for d in SPECS)
+IMG = re.compile(r'<figure class="panel (\w+)" id="([\w-]+)" data-panel-id="(\d+)" data-type="\w+" '
+                 r'data-series="(\d+)" data-points="(\d+)"><img src="data:image/png;base64,([A-Za-z0-9+/=]+)" '
+                 r'width="(\d+)" height="(\d+)"')
+
+
+# --- a fake Prometheus: every query gets its own, known answer ---
+
+def _answer(expr: str, n: int) -> list[float]:
+    seed = hashlib.sha256(expr.encode()).digest()
+    return [float(seed[i % 32] + i) for i in range(n)]
+
+
+def _labels(expr: str) -> list[dict[str, str]]:
+    # two series per query, with the labels the panels' legends and tables use
+    return [{"job": "vramwatch", "instance": "node-a:9400", "gpu": str(i), "uuid": f"GPU-{i}", "rank": str(i),
+             "local_rank": str(i), "xid": str(79 + i), "reason": f"reason{i}", "type": f"type{i}", "kind": f"kind{i}",
+             "device": "0", "alertname": f"Alert{i}", "severity": "warning"} for i in range(2)]
+
+
+class FakeProm(BaseHTTPRequestHandler):
+    empty: set[str] = set()  # exprs answered with no series
+    seen: list[str] = []
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def do_GET(self):
+        u = urllib.parse.urlsplit(self.path)
+        q = dict(urllib.parse.parse_qsl(u.query))
+        expr = q.get("query", q.get("match[]", ""))
+        FakeProm.seen.append(expr)
+        if "syntax error" in expr:
+            return self._send(400, {"status": "error", "errorType": "bad_data", "error": "parse error"})
+        empty = any(e in expr for e in FakeProm.empty)
+        if u.path == "/api/v1/query_range":
+            start, end, step = float(q["start"]), float(q["end"]), float(q["step"])
+            n = int((end - start) // step) + 1
+            vals = _answer(expr, n)
+            res = [] if empty else [{"metric": lab, "values": [[start + k * step, str(v + 1000 * j)]
+                                                                for k, v in enumerate(vals)]}
+                                    for j, lab in enumerate(_labels(expr))]
+            return self._send(200, {"status": "success", "data": {"resultType": "matrix", "result": res}})
+        if u.path == "/api/v1/query":
+            v = _answer(expr, 1)[0]
+            res = [] if empty else [{"metric": lab, "value": [float(q["time"]), str(v + j)]}
+                                    for j, lab in enumerate(_labels(expr))]
+            return self._send(200, {"status": "success", "data": {"resultType": "vector", "result": res}})
+        if u.path == "/api/v1/series":
+            return self._send(200, {"status": "success", "data": _labels(expr)})
+        self._send(404, {"status": "error", "error": "not found"})
+
+    def _send(self, code, doc):
+        body = json.dumps(doc).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def fake_prom():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeProm)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    FakeProm.empty, FakeProm.seen = set(), []
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _report(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vramwatch", "report", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", png[16:24])
+
+
+def _figures(html_text: str) -> list[tuple]:
+    import base64
+
+    return [(t, fid, int(pid), int(series), int(points), base64.b64decode(b64), int(w), int(h))
+            for t, fid, pid, series, points, b64, w, h in IMG.findall(html_text)]
+
+
+# --- charts are drawn from the returned data ---
+
+def _lines(fig) -> dict[str, list[float]]:
+    out = {}
+    for ax in fig.axes:
+        for ln in ax.get_lines():
+            if not ln.get_label().startswith("_"):  # threshold and event lines are unlabelled
+                out[ln.get_label()] = [float(v) for v in ln.get_ydata()]
+        for cont in ax.containers:  # bars
+            out[cont.get_label()] = [float(r.get_height()) for r in cont]
+    return out
+
+
+def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
+    client = PromClient(fake_prom)
+    tc = TimeContext(start=1_800_000_000, end=1_800_000_600, step=60, scrape_interval=15)
+    checked = 0
+    for d in SPECS:
+        values = variable_values(d, {})
+        for p in d.panels:
+            res = run_panel(client, p, values, tc)
+            assert res.series_count == 2 * len(p.targets) and not res.errors, p.title
+            fig = charts.draw(res, tc)
+            if p.type == "timeseries":
+                drawn = _lines(fig)
+                for r in res.results:
+                    for s in r.series:
+                        assert drawn[legend(r.target, s.labels)] == s.values, (p.title, r.target.ref)
+                        assert len(s.values) == 11
+            elif p.type == "table":
+                header, rows, nums = charts.table_rows(res)
+                cells = {c for row in rows for c in row}
+                for r in res.results:
+                    col = p.columns.get(r.target.ref, "Value")
+                    if col in p.hidden:
+                        continue
+                    unit = p.column_units.get(col, p.axis.unit)
+                    for s in r.series:
+                        assert charts.fmt(s.values[-1], unit) in cells, (p.title, r.target.ref)
+                assert not set(header) & p.hidden
+            elif p.type in ("stat", "bargauge"):
+                texts = {t.get_text().strip() for ax in fig.axes for t in ax.texts}
+                v = res.results[0].series[0].values[-1]
+                assert charts.fmt(v, p.axis.unit) in texts, p.title
+            checked += 1
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+    assert checked == PANELS
+    # the queries ran with the template variables substituted (All, Grafana's interval variables)
+    ran = [e for e in FakeProm.seen if e != "vector(1)"]
+    assert ran and not [e for e in ran if "$" in e]
+    assert any('job=~".*"' in e for e in ran) and any("[75s]" in e for e in ran)  # rate interval 60 + 15
+
+
+def test_table_sorts_merges_and_formats():
+    from vramwatch.dashboards.walk import Target
+    from vramwatch.report.data import PanelResult, TargetResult
+    from vramwatch.report.prom import Series
+
+    (d,) = [x for x in SPECS if x.uid == "vramwatch-fleet"]
+    (p,) = [x for x in d.panels if x.title == "GPUs by memory pressure"]
+    lab = [{"job": "j", "instance": "h", "gpu": g, "uuid": f"U{g}"} for g in "012"]
+    a = TargetResult(Target("A", "", "", True), "", [Series(lab[i], [0], [v]) for i, v in enumerate([0.5, 0.97, 0.9])])
+    b = TargetResult(Target("B", "", "", True), "", [Series(lab[1], [0], [0.99])])
+    header, rows, nums = charts.table_rows(PanelResult(p, [a, b]))
+    assert header == ["job", "instance", "gpu", "uuid", "used / total", "reserved / limit"]
+    assert [r[2] for r in rows] == ["1", "2", "0"]  # the fullest first
+    assert rows[0][4:] == ["97%", "99%"] and rows[2][5] == ""  # merged on the label set
+    assert charts._threshold_color(0.97, p.axis) == charts.COLORS["red"]
+    assert charts._threshold_color(0.9, p.axis) == charts.COLORS["orange"]
+    assert charts._threshold_color(0.5, p.axis) == ""
+
+
+@pytest.mark.parametrize("v,unit,text", [(3 * 2**30, "bytes", "3 GiB"), (0.853, "percentunit", "85.3%"),
+                                         (612.0, "watt", "612 W"), (1.98e9, "hertz", "1.98 GHz"),
+                                         (0.0042, "s", "4.2 ms"), (300.0, "s", "5 min"), (71.5, "celsius", "71.5 °C"),
+                                         (1_800_000_000_000, "dateTimeAsIso", "2027-01-15 08:00:00")])
+def test_units_read_like_grafana(v, unit, text):
+    assert charts.fmt(v, unit) == text
+
+
+def test_cli_writes_one_chart_per_panel_self_contained(fake_prom, tmp_path):
+    out = tmp_path / "r.html"
+    r = _report("--prometheus", fake_prom, "--last", "30m", "--out", str(out), "--var", "rank=0,1")
+    assert r.returncode == 0, r.stderr
+    html_text = out.read_text()
+    figs = _figures(html_text)
+    assert len(figs) == PANELS == html_text.count("<img ")
+    assert len({f[1] for f in figs}) == PANELS  # one per panel, each once
+    for _type, fid, _pid, series, points, png, w, h in figs:
+        assert series > 0 and points > 0, fid
+        assert _png_size(png) == (w, h), fid
+    sections = re.findall(r'<section class="row"><h3>([^<]*)</h3>', html_text)
+    assert sections == [r.title for d in SPECS for r in d.rows]  # one section per dashboard row
+    assert not re.search(r'(src|href)="(?!data:|#)', html_text)  # nothing fetched from outside
+    assert "<script" not in html_text and "<link" not in html_text
+    assert 'rank=~"(0|1)"' in "".join(FakeProm.seen)  # --var reached the queries
+    assert "rank = 0,1" in html_text
+    # progress on stderr: one line per dashboard and per panel
+    assert r.stderr.count("series") == PANELS and "[3/3]" in r.stderr and f"{PANELS} charts" in r.stderr
+
+
+def test_cli_errors(fake_prom, tmp_path):
+    r = _report("--prometheus", f"http://127.0.0.1:{_closed_port()}", "--out", str(tmp_path / "x.html"))
+    assert r.returncode == 1 and "did not answer" in r.stderr and not (tmp_path / "x.html").exists()
+    r = _report("--prometheus", fake_prom, "--var", "nope=1", "--out", str(tmp_path / "x.html"))
+    assert r.returncode == 2 and "unknown variable ['nope']" in r.stderr
+    r = _report("--prometheus", fake_prom, "--start", "2026-12-01T10:00:00Z", "--end", "2026-12-01T09:00:00Z")
+    assert r.returncode == 2 and "before its end" in r.stderr
+    # --strict: a panel without data fails the run, but the page is still written and says so
+    FakeProm.empty = {"gpu_up"}
+    out = tmp_path / "strict.html"
+    r = _report("--prometheus", fake_prom, "--strict", "--dashboard", "vramwatch-gpu-health", "--out", str(out))
+    assert r.returncode == 1, r.stderr
+    assert "GPU answering: 0 series (no data)" in r.stderr and "(no data)" in out.read_text()
+
+
+def _closed_port() -> int:
+    from harness import free_port
+
+    return free_port()
+
+
+# --- the real thing: a report of a live run, opened in headless Chromium ---
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    lv = live_scenario.start(tmp_path_factory.mktemp("report-live"))
+    yield lv
+    live_scenario.stop(lv)
+
+
+# After the load event (which waits for every image), record what the browser decoded. A control
+# figure with a corrupt PNG proves the check sees a broken image (naturalWidth 0).
+CHECK_SCRIPT = """<figure class="panel control" id="control"><img src="data:image/png;base64,iVBORw0KGgoAAAA"></figure>
+<script>
+window.addEventListener('load', () => {
+  const r = [...document.querySelectorAll('figure.panel img')].map(img =>
+    [img.closest('figure').id, img.complete ? img.naturalWidth : -1, img.complete ? img.naturalHeight : -1]);
+  const pre = document.createElement('pre'); pre.id = 'render-check';
+  pre.textContent = JSON.stringify(r); document.body.appendChild(pre);
+});
+</script>"""
+
+
+def _chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    exe = tool("chromium")
+    profile = cwd / f"chromium-profile-{time.monotonic_ns()}"
+    profile.mkdir()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--disable-dev-shm-usage", "--hide-scrollbars", f"--user-data-dir={profile}"]
+    return subprocess.run([exe, *flags, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_live_report_renders_in_headless_chromium(live, tmp_path):
+    out = tmp_path / "report.html"
+    r = _report("--prometheus", live.prometheus.url, "--start", str(live.t0 - 2), "--end", str(time.time()),
+                "--step", "1s", "--scrape-interval", "1s", "--strict", "--out", str(out))
+    assert r.returncode == 0, r.stderr  # --strict: every query answered with data
+    html_text = out.read_text()
+    figs = _figures(html_text)
+    assert len(figs) == PANELS
+    assert all(f[3] > 0 and f[4] > 0 for f in figs), [f[1] for f in figs if not f[3]]
+
+    # every chart decodes in a real browser, at the size the page says
+    checked = tmp_path / "check.html"
+    checked.write_text(html_text.replace("</body>", CHECK_SCRIPT + "</body>"))
+    dom = _chromium("--virtual-time-budget=15000", "--dump-dom", checked.as_uri(), cwd=tmp_path)
+    m = re.search(r'<pre id="render-check">(.*?)</pre>', dom.stdout, re.S)
+    assert m, f"no render check in the DOM: {dom.stderr[-2000:]}"
+    rendered = {fid: (w, h) for fid, w, h in json.loads(m.group(1))}
+    assert rendered.pop("control") == (0, 0)
+    assert rendered == {f[1]: (f[6], f[7]) for f in figs}
+
+    # a screenshot of the page as a person sees it
+    shot = tmp_path / "report.png"
+    res = _chromium("--window-size=1400,2200", f"--screenshot={shot}", out.as_uri(), cwd=tmp_path)
+    assert shot.exists(), res.stderr[-2000:]
+    import matplotlib.image as mpimg
+
+    pixels = mpimg.imread(shot)
+    assert pixels.shape[:2] == (2200, 1400)
+    assert pixels[300:2200].std() > 0.05  # charts, not a blank page
+    docs = ROOT / "docs" / "img" / "report.png"
+    if os.environ.get("VRAMWATCH_UPDATE_SCREENSHOT") or not docs.exists():
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, docs)
