@@ -83,11 +83,26 @@ def parse(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def kind(labels: dict[str, str]) -> str:
-    if "rank" in labels:
+    if labels.get("rank"):  # the server's own collectors carry rank=""
         return "per_rank"
     if "uuid" in labels or "gpu" in labels:
         return "per_gpu"
     return "per_target"
+
+
+def by_family_and_kind(text: str) -> Counter[tuple[str, str]]:
+    return Counter((name, kind(labels)) for name, labels in parse(text))
+
+
+def predict(small: Counter[tuple[str, str]], ranks_gpus_small: tuple[int, int],
+            ranks_gpus: tuple[int, int]) -> dict[str, int]:
+    """Series per family on a node of another size: per-rank and per-GPU series scale, per-target ones stay."""
+    (r0, g0), (r1, g1) = ranks_gpus_small, ranks_gpus
+    out: Counter[str] = Counter()
+    for (name, k), n in small.items():
+        scale = {"per_rank": r1 / r0, "per_gpu": g1 / g0}.get(k, 1.0)
+        out[name] += round(n * scale)
+    return dict(sorted(out.items()))
 
 
 def summarize(text: str) -> dict[str, Any]:
@@ -188,7 +203,7 @@ def render_doc_blocks(r: dict[str, Any]) -> dict[str, str]:
         f"| per-GPU device families (NVML, Xid), all GPUs | {_n(kinds.get('per_gpu', 0))} |",
         f"| per-rank families (allocator, heartbeat), all ranks | {_n(kinds.get('per_rank', 0))}, of which "
         f"{_n(buckets)} are step-time histogram buckets |",
-        f"| per target (build info, rank count) | {_n(kinds.get('per_target', 0))} |",
+        f"| per target (build info, rank count, the server's collectors) | {_n(kinds.get('per_target', 0))} |",
         f"| stored by Prometheus per target (+ `up`, `scrape_*`) | "
         f"{_n(prom['head_series_of_job']) if prom else 'n/a'} |",
         f"| after one Xid event | {events} |",
@@ -247,6 +262,64 @@ def fleet_cost(per_target: int, per_target_fleet: int | None) -> dict[str, Any]:
     return out
 
 
+class SimulatedNode:
+    """`vramwatch serve` on a simulated node with ``gpus`` GPUs and ``ranks`` simulated ranks, in a temporary
+    directory, on a free loopback port; stopped and removed on exit."""
+
+    def __init__(self, ranks: int, gpus: int, **settings: str) -> None:
+        self.ranks, self.gpus, self.settings = ranks, gpus, settings
+        self.tmp = Path(tempfile.mkdtemp(prefix="vramwatch-series-"))
+        self.spool, self.port = self.tmp / "spool", free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.target}/metrics"
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> SimulatedNode:
+        self.spool.mkdir()
+        SimNode.default(self.gpus).save(state_path(str(self.spool)))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+        env.update(VRAMWATCH_SIMULATE="true", VRAMWATCH_SPOOL_DIR=str(self.spool), VRAMWATCH_PORT=str(self.port),
+                   PYTHONPATH=str(ROOT), **{"VRAMWATCH_" + k.upper(): v for k, v in self.settings.items()})
+        self.log = open(self.tmp / "exporter.log", "ab")
+        try:
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=env,
+                                               stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL))
+            for r in range(self.ranks):
+                renv = dict(env, VRAMWATCH_SERVE="external", RANK=str(r), LOCAL_RANK=str(r),
+                            WORLD_SIZE=str(self.ranks), CUDA_VISIBLE_DEVICES=str(r % self.gpus))
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "vramwatch.sim.worker", "--duration", "600", "--fill-gib", "8"],
+                    env=renv, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def wait_complete(self, timeout: float = 120) -> None:
+        """Until every rank (allocator and heartbeat) and every GPU is in the exposition."""
+        def complete() -> bool:
+            samples = parse(http_get(self.url).decode())
+            ranks = {lb["rank"] for n, lb in samples if n == "torch_cuda_memory_allocated_bytes"}
+            gpus = {lb.get("uuid") for n, lb in samples if n == "gpu_memory_used_bytes"}
+            steps = {lb["rank"] for n, lb in samples if n == "vramwatch_training_step_duration_seconds_count"}
+            return len(ranks) == self.ranks and len(gpus) == self.gpus and len(steps) == self.ranks
+
+        wait_until(complete, timeout, f"{self.ranks} ranks and {self.gpus} GPUs in the exposition")
+
+    def __exit__(self, *exc: Any) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=8)
@@ -261,86 +334,48 @@ def main(argv: list[str] | None = None) -> int:
             update_doc(json.load(fh))
         return 0
 
-    tmp = Path(tempfile.mkdtemp(prefix="vramwatch-series-"))
-    spool, port = tmp / "spool", free_port()
-    spool.mkdir()
-    SimNode.default(args.gpus).save(state_path(str(spool)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
-    env.update(VRAMWATCH_SIMULATE="true", VRAMWATCH_SPOOL_DIR=str(spool), VRAMWATCH_PORT=str(port),
-               PYTHONPATH=str(ROOT))
-    log = open(tmp / "exporter.log", "ab")
-    procs = [subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=env, stdout=log, stderr=log,
-                              stdin=subprocess.DEVNULL)]
-    url = f"http://127.0.0.1:{port}/metrics"
-    try:
-        for r in range(args.ranks):
-            renv = dict(env, VRAMWATCH_SERVE="external", RANK=str(r), LOCAL_RANK=str(r),
-                        WORLD_SIZE=str(args.ranks), CUDA_VISIBLE_DEVICES=str(r % args.gpus))
-            procs.append(subprocess.Popen([sys.executable, "-m", "vramwatch.sim.worker", "--duration", "600",
-                                           "--fill-gib", "8"], env=renv, stdout=log, stderr=log,
-                                          stdin=subprocess.DEVNULL))
-
-        def complete() -> str | None:
-            text = http_get(url).decode()
-            samples = parse(text)
-            ranks = {lb["rank"] for n, lb in samples if n == "torch_cuda_memory_allocated_bytes"}
-            gpus = {lb.get("uuid") for n, lb in samples if n == "gpu_memory_used_bytes"}
-            steps = {lb["rank"] for n, lb in samples if n == "vramwatch_training_step_duration_seconds_count"}
-            ok = len(ranks) == args.ranks and len(gpus) == args.gpus and len(steps) == args.ranks
-            return text if ok else None
-
-        wait_until(complete, 120, f"{args.ranks} ranks and {args.gpus} GPUs in the exposition")
+    with SimulatedNode(args.ranks, args.gpus) as node:
+        node.wait_complete()
         time.sleep(12)  # past the slow NVML cadence (10 s) and the first largest-block snapshot
-        steady = summarize(http_get(url).decode())
+        steady = summarize(http_get(node.url).decode())
 
         prom = None
         prometheus = None if args.no_prometheus else find_tool("prometheus")
         if prometheus:
-            prom = prometheus_view(tmp, f"127.0.0.1:{port}", prometheus)
+            prom = prometheus_view(node.tmp, node.target, prometheus)
 
         # an event that adds series: an Xid on GPU 0 (gpu_last_xid_timestamp_seconds{xid} appears)
-        with edit(str(spool)) as node:
-            node.inject_xid(0, 13)
+        with edit(str(node.spool)) as state:
+            state.inject_xid(0, 13)
         time.sleep(4)
-        after = summarize(http_get(url).decode())
-        event_families = {f: n - steady["families"].get(f, 0) for f, n in after["families"].items()
-                          if n != steady["families"].get(f)}
+        after = summarize(http_get(node.url).decode())
+    event_families = {f: n - steady["families"].get(f, 0) for f, n in after["families"].items()
+                      if n != steady["families"].get(f)}
 
-        # what Prometheus stores per target: the samples plus its 5 per-target series (up, scrape_*)
-        head = int(prom["head_series_of_job"]) if prom else steady["series"] + 5
-        head_fleet = int(prom["fleet_relabelled_head_series"]) if prom else None
-        result = {
-            "what": "series of one vramwatch target (one node), simulated GPU, measured from real scrapes",
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "vramwatch_commit": _git_commit(),
-            "python": platform.python_version(),
-            "ranks": args.ranks, "gpus": args.gpus,
-            "steady": steady,
-            "per_gpu_series": round(steady["series"] / args.gpus, 1),
-            "events_add": event_families,
-            "prometheus": prom,
-            "fleet": fleet_cost(head, head_fleet),
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=1)
-            fh.write("\n")
-        print(json.dumps({k: result[k] for k in ("per_gpu_series", "prometheus", "fleet")}, indent=1))
-        if args.update_doc:
-            update_doc(result)
-        print(f"series_count: {steady['series']} series per target ({steady['by_kind']}); wrote {args.out}")
-        return 0
-    finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    # what Prometheus stores per target: the samples plus its 5 per-target series (up, scrape_*)
+    head = int(prom["head_series_of_job"]) if prom else steady["series"] + 5
+    head_fleet = int(prom["fleet_relabelled_head_series"]) if prom else None
+    result = {
+        "what": "series of one vramwatch target (one node), simulated GPU, measured from real scrapes",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "vramwatch_commit": _git_commit(),
+        "python": platform.python_version(),
+        "ranks": args.ranks, "gpus": args.gpus,
+        "steady": steady,
+        "per_gpu_series": round(steady["series"] / args.gpus, 1),
+        "events_add": event_families,
+        "prometheus": prom,
+        "fleet": fleet_cost(head, head_fleet),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+        fh.write("\n")
+    print(json.dumps({k: result[k] for k in ("per_gpu_series", "prometheus", "fleet")}, indent=1))
+    if args.update_doc:
+        update_doc(result)
+    print(f"series_count: {steady['series']} series per target ({steady['by_kind']}); wrote {args.out}")
+    return 0
 
 
 def _git_commit() -> str:

@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -671,6 +672,23 @@ def test_scale_md_agrees_with_the_measurement():
     for name in ("torch_cuda_memory_reserved_bytes", "gpu_memory_used_bytes", "gpu_xid_errors_total",
                  "vramwatch_training_step_duration_seconds", "vramwatch_build_info"):
         assert name in measured, name
+
+
+@pytest.mark.e2e
+def test_recorded_series_count_matches_the_exporter_today():
+    """A small live node (2 ranks, 2 GPUs) predicts the 8 x 8 count: per-rank and per-GPU series scale, the
+    rest stays. A family added or dropped since the recording shows here, naming it."""
+    result = json.loads((ROOT / "benchmarks" / "results" / "series.json").read_text())
+    with series_count.SimulatedNode(2, 2, nvml_slow_interval="1", largest_block_interval="1") as node:
+        node.wait_complete(timeout=90)
+        time.sleep(3)  # one slow NVML read and one largest-block snapshot
+        small = series_count.by_family_and_kind(http_get(node.url)[1].decode())
+    predicted = series_count.predict(small, (2, 2), (result["ranks"], result["gpus"]))
+    recorded = result["steady"]["families"]
+    diff = {f: (recorded.get(f), predicted.get(f)) for f in set(recorded) | set(predicted)
+            if recorded.get(f) != predicted.get(f)}
+    assert not diff, ("benchmarks/results/series.json is stale (family: recorded, now); re-run "
+                      f"python3 benchmarks/series_count.py --update-doc: {dict(sorted(diff.items()))}")
 
 
 # ---------------------------------------------------------------- make demo: the loopback stack
