@@ -32,7 +32,8 @@ class TinyLM(torch.utils.data.Dataset):
 
 def tiny_model():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+                                  eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg)
 
 
