@@ -55,6 +55,7 @@ def _labels(expr: str) -> list[dict[str, str]]:
 class FakeProm(BaseHTTPRequestHandler):
     empty: set[str] = set()  # exprs answered with no series
     seen: list[str] = []
+    auth: list[str | None] = []
 
     def log_message(self, *a):  # quiet
         pass
@@ -64,6 +65,7 @@ class FakeProm(BaseHTTPRequestHandler):
         q = dict(urllib.parse.parse_qsl(u.query))
         expr = q.get("query", q.get("match[]", ""))
         FakeProm.seen.append(expr)
+        FakeProm.auth.append(self.headers.get("Authorization"))
         if "syntax error" in expr:
             return self._send(400, {"status": "error", "errorType": "bad_data", "error": "parse error"})
         empty = any(e in expr for e in FakeProm.empty)
@@ -97,7 +99,7 @@ class FakeProm(BaseHTTPRequestHandler):
 def fake_prom():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeProm)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    FakeProm.empty, FakeProm.seen = set(), []
+    FakeProm.empty, FakeProm.seen, FakeProm.auth = set(), [], []
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
     srv.server_close()
@@ -236,6 +238,14 @@ def test_cli_errors(fake_prom, tmp_path):
     r = _report("--prometheus", fake_prom, "--strict", "--dashboard", "vramwatch-gpu-health", "--out", str(out))
     assert r.returncode == 1, r.stderr
     assert "GPU answering: 0 series (no data)" in r.stderr and "(no data)" in out.read_text()
+
+
+def test_basic_auth_from_the_url(fake_prom):
+    import base64
+
+    url = fake_prom.replace("http://", "http://ml%20ops:s%3Acret@")
+    assert PromClient(url).query("vector(1)", 0)[0].values == [_answer("vector(1)", 1)[0]]
+    assert FakeProm.auth[-1] == "Basic " + base64.b64encode(b"ml ops:s:cret").decode()
 
 
 def _closed_port() -> int:
