@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# One-shot GPU run: the GPU test suite and the benchmarks, every result under $OUT.
+#
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --quick all      # ~6 min: the whole pipeline, small figures
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part1     # ~8 min: direct cost, launch-bound pairs, scrape, fragmentation
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part2     # ~8 min: pytest -m gpu, transformer pairs
+#   bash benchmarks/run_gpu.sh --plan --full part1            # print the commands only
+#   OUT=/tmp/x bash benchmarks/run_gpu.sh --smoke all         # no GPU: tiny CPU/simulated runs (CI smoke test)
+#
+# Parts: tests direct launch transformer scrape fragmentation, or the groups part1 (direct launch scrape
+# fragmentation), part2 (tests transformer), all. BUDGET (seconds, default 570) bounds one invocation:
+# each phase gets at most what is left (the overhead benchmark stops starting pairs in time and keeps
+# what it measured; the others are cut by `timeout`). Wheels in .whl/ (nvitop, nvitop-exporter, pytest)
+# are unpacked into a private directory when the interpreter lacks them. VW_BENCH_COMMIT names the
+# commit when .git did not travel. Merge the overhead parts afterwards with
+#   python3 benchmarks/overhead.py --merge OUT1/overhead-part1.json OUT2/overhead-part2.json --out overhead.json
+set -u
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PY="${PYTHON:-python3}"
+OUT="${OUT:-$REPO/out}"
+BUDGET="${BUDGET:-570}"
+MODE=full
+PLAN=0
+PARTS=()
+for a in "$@"; do
+  case "$a" in
+    --quick) MODE=quick ;;
+    --full) MODE=full ;;
+    --smoke) MODE=smoke ;;
+    --plan) PLAN=1 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    part1) PARTS+=(direct launch scrape fragmentation) ;;
+    part2) PARTS+=(tests transformer) ;;
+    all) PARTS+=(tests direct launch transformer scrape fragmentation) ;;
+    tests|direct|launch|transformer|scrape|fragmentation) PARTS+=("$a") ;;
+    *) echo "unknown argument: $a" >&2; exit 2 ;;
+  esac
+done
+if [ ${#PARTS[@]} -eq 0 ]; then
+  if [ "$MODE" = full ]; then PARTS=(direct launch scrape fragmentation); else PARTS=(tests direct launch transformer scrape fragmentation); fi
+fi
+mkdir -p "$OUT"
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+say() { echo "[run_gpu $(( $(date +%s) - START ))s] $*"; }
+has() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
+
+# --- sizes per mode ---
+RUN_ARGS="--run-seconds 3"
+if [ "$MODE" = quick ]; then
+  PAIRS=4; DIRECT=10; CALLS=200000; TESTS_CAP=200; SCRAPE_ARGS="--quick"; FRAG_ARGS="--quick"
+elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothing
+  PAIRS=2; DIRECT=1.5; CALLS=20000; TESTS_CAP=120
+  RUN_ARGS="--device cpu --run-seconds 0.2 --warmup-seconds 0.05 --step-repeats 3"
+  SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5"
+  FRAG_ARGS="--device cpu --seconds 1.5 --poll 0.2 --interval 0.2"
+else
+  PAIRS=20; DIRECT=60; CALLS=1000000; TESTS_CAP=240; SCRAPE_ARGS=""; FRAG_ARGS=""
+fi
+
+# --- commands ---
+CMD_TESTS="$PY -m pytest -m gpu tests/gpu -q -rfEs -p no:cacheprovider --junitxml=$OUT/pytest-gpu.xml"
+overhead_cmd() {  # $1 workloads, $2 out file, $3 deadline seconds
+  echo "$PY benchmarks/overhead.py --workloads $1 --pairs $PAIRS $RUN_ARGS --direct-seconds $DIRECT" \
+       "--step-calls $CALLS --deadline $3 --out $2"
+}
+CMD_SCRAPE="$PY benchmarks/scrape.py $SCRAPE_ARGS --out $OUT/scrape.json"
+CMD_FRAG="$PY benchmarks/fragmentation.py $FRAG_ARGS --out $OUT/fragmentation.json"
+
+if [ "$PLAN" = 1 ]; then
+  echo "mode=$MODE parts=${PARTS[*]} out=$OUT budget=$BUDGET"
+  has tests && echo "tests: $CMD_TESTS"
+  W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"
+  [ -n "$W" ] && echo "overhead: $(overhead_cmd "$W" "$OUT/overhead-part1.json" '<left>')"
+  has transformer && echo "overhead: $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" '<left>')"
+  has scrape && echo "scrape: $CMD_SCRAPE"
+  has fragmentation && echo "fragmentation: $CMD_FRAG"
+  exit 0
+fi
+
+# --- environment: what ran where ---
+say "mode=$MODE parts=${PARTS[*]} budget=${BUDGET}s out=$OUT"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+for v in $(env | grep -o '^VRAMWATCH_[A-Z_]*' || true); do unset "$v"; done  # runs set their own
+WHL_SITE="$(mktemp -d /tmp/vwbench-site-XXXXXX)"
+need_wheels=""
+$PY -c "import pytest" 2>/dev/null || need_wheels="$need_wheels pytest pluggy iniconfig packaging pygments"
+$PY -c "import nvitop_exporter" 2>/dev/null || need_wheels="$need_wheels nvitop nvitop_exporter"
+if [ -n "$need_wheels" ] && [ -d .whl ]; then
+  $PY - "$WHL_SITE" $need_wheels <<'EOF'
+import glob, sys, zipfile
+site, names = sys.argv[1], sys.argv[2:]
+for n in names:
+    for w in glob.glob(f".whl/{n}-*.whl"):
+        zipfile.ZipFile(w).extractall(site)  # pure-python wheels work unpacked
+        print("unpacked", w)
+EOF
+  export PYTHONPATH="$PYTHONPATH:$WHL_SITE"  # after the repo and the machine's own packages
+fi
+{
+  echo "date: $(date -u +%FT%TZ)"; echo "commit: ${VW_BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  $PY - <<'EOF'
+import platform, importlib
+print("python:", platform.python_version())
+for m in ("torch", "transformers", "pynvml", "prometheus_client", "pytest", "nvitop", "nvitop_exporter", "numpy"):
+    try:
+        mod = importlib.import_module(m)
+        print(f"{m}: {getattr(mod, '__version__', '?')}", "" if m != "torch" else f"cuda {mod.version.cuda}")
+    except Exception as e:
+        print(f"{m}: missing ({e.__class__.__name__})")
+EOF
+  nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,persistence_mode,pstate --format=csv 2>&1
+  nvidia-smi 2>&1 | head -25
+} > "$OUT/environment.txt" 2>&1
+cat "$OUT/environment.txt" | head -20
+
+phase() {  # $1 name, $2 cap seconds, rest: command
+  local name="$1" cap="$2"; shift 2
+  local l; l=$(left)
+  if [ "$l" -lt 20 ]; then say "SKIP $name: only ${l}s of the budget left"; echo "$name: skipped (budget)" >> "$OUT/phases.txt"; return; fi
+  [ "$cap" -gt "$l" ] && cap=$l
+  say "START $name (cap ${cap}s): $*"
+  local t0; t0=$(date +%s)
+  timeout --signal=TERM --kill-after=15 "$cap" "$@" > >(tee "$OUT/$name.log") 2> >(tee -a "$OUT/$name.log" >&2)
+  local rc=$?
+  say "END $name rc=$rc in $(( $(date +%s) - t0 ))s"
+  echo "$name: rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$OUT/phases.txt"
+}
+
+: > "$OUT/phases.txt"
+if has tests; then
+  # pytest's own output goes to a file; the tail is printed (the returned output is short)
+  phase pytest-gpu "$TESTS_CAP" bash -c "$CMD_TESTS > '$OUT/pytest-gpu.txt' 2>&1; rc=\$?; tail -n 40 '$OUT/pytest-gpu.txt'; exit \$rc"
+fi
+W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"
+if [ -n "$W" ]; then
+  # leave room for what follows in this invocation: scrape ~90 s, fragmentation ~120 s (quick: less)
+  RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 120))
+  has transformer && RESERVE=$((RESERVE + 150))
+  [ "$MODE" = quick ] && RESERVE=$((RESERVE / 2))
+  D=$(( $(left) - RESERVE - 30 )); [ "$D" -lt 30 ] && D=30
+  phase overhead-part1 $((D + 60)) $(overhead_cmd "$W" "$OUT/overhead-part1.json" "$D")
+fi
+if has transformer; then
+  RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 120))
+  [ "$MODE" = quick ] && RESERVE=$((RESERVE / 2))
+  D=$(( $(left) - RESERVE - 40 )); [ "$D" -lt 30 ] && D=30
+  phase overhead-part2 $((D + 60)) $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" "$D")
+fi
+has scrape && phase scrape 150 $CMD_SCRAPE
+has fragmentation && phase fragmentation 240 $CMD_FRAG
+if [ -f "$OUT/overhead-part1.json" ] && [ -f "$OUT/overhead-part2.json" ]; then
+  $PY benchmarks/overhead.py --merge "$OUT/overhead-part1.json" "$OUT/overhead-part2.json" --out "$OUT/overhead.json"
+fi
+
+# --- the figures, short enough for a returned output tail ---
+$PY - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+def load(n):
+    try:
+        return json.load(open(os.path.join(out, n)))
+    except Exception:
+        return None
+print("=== summary ===")
+def r4(v):
+    return "n/a" if v is None else f"{v:.4f}"
+def ms(v):
+    return "n/a" if v is None else f"{v * 1000:.2f} ms"
+for n in ("overhead-part1.json", "overhead-part2.json"):
+    d = load(n)
+    if not d:
+        continue
+    if d.get("in_process_cpu_share") is not None:
+        print(f"in_process_cpu_share {d['in_process_cpu_share'] * 100:.4f}% of a core (target <= 0.05%); "
+              f"step() {d.get('step_call_us'):.3f} us (target <= 5)")
+    for w in ("launch_bound", "transformer", "transformer_full"):
+        o = d.get(w)
+        if o and o.get("median_ratio") is not None:
+            st = o["step_times"]["without"]
+            print(f"{w}: ratio {r4(o['median_ratio'])} [{r4(o['min_ratio'])}, {r4(o['max_ratio'])}], A/A null "
+                  f"{r4(o['null_median_ratio'])} [{r4(o['null_min_ratio'])}, {r4(o['null_max_ratio'])}], "
+                  f"{o['pairs']} pairs, step {ms(sorted(st)[len(st) // 2])}, truncated={o['truncated']}, "
+                  f"errors={o['errors']}")
+s = load("scrape.json")
+if s:
+    for k, v in (s.get("vramwatch") or {}).items():
+        print(f"scrape vramwatch {k} rank(s): p50 {v['p50_ms']:.2f} ms, p99 {v['p99_ms']:.2f} ms, {v['bytes']} B, "
+              f"cpu/scrape {ms(v['cpu_per_scrape_s'])} (net {ms(v['cpu_per_scrape_net_s'])})")
+    nv = s.get("nvitop_exporter") or {}
+    print("scrape nvitop-exporter:", nv.get("skipped") or f"p50 {nv['p50_ms']:.2f} ms, p99 {nv['p99_ms']:.2f} ms, "
+          f"{nv['bytes']} B, cpu/scrape {ms(nv['cpu_per_scrape_s'])} (net {ms(nv['cpu_per_scrape_net_s'])})")
+    if s.get("error"):
+        print("scrape ERROR:", s["error"])
+f = load("fragmentation.json")
+if f:
+    for k, v in (f.get("comparison") or {}).items():
+        g = lambda x: "n/a" if x is None else f"{x / 2**30:.2f}"
+        print(f"fragmentation {k}: final alloc {g(v['final_allocated_bytes'])} GiB, reserved "
+              f"{g(v['final_reserved_bytes'])} GiB, peak reserved {g(v['peak_reserved_bytes'])} GiB, max frag "
+              f"{r4(v['max_fragmentation_ratio'])}, retries {v['retries']}, ooms {v['ooms']}, steps {v['steps']}")
+print(open(os.path.join(out, "phases.txt")).read())
+EOF
+rm -rf "$WHL_SITE"
+say "done; files in $OUT"
