@@ -148,3 +148,23 @@ def test_rank_precedence_explicit_then_framework_then_launcher():
     from vramwatch.launcher import identify
 
     assert identify(env=env).rank == 7
+
+
+def test_a_retried_inner_loop_keeps_ownership(tmp_path):
+    """auto_find_batch_size reruns the inner loop after an OOM: on_train_begin comes twice, on_train_end once."""
+    import types
+
+    from vramwatch.integrations.hf import VramwatchCallback
+
+    cb = VramwatchCallback(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05)
+    args = types.SimpleNamespace(process_index=0, local_process_index=0, world_size=1)
+    cb.on_train_begin(args, None, None)
+    first = vramwatch.current()
+    cb.on_train_begin(args, None, None)
+    assert vramwatch.current() is first is cb.handle
+    cb.on_step_end(args, None, None)
+    cb.on_log(args, None, None, logs={"loss": 1.25, "grad_norm": 0.5, "learning_rate": 1e-4})
+    cb.on_log(args, None, None, logs={"eval_loss": 9.0})
+    assert (first.heartbeat.steps, first.heartbeat.loss, first.heartbeat.grad_norm) == (1, 1.25, 0.5)
+    cb.on_train_end(args, None, None)
+    assert vramwatch.current() is None

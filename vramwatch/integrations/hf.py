@@ -45,6 +45,8 @@ class VramwatchCallback(TrainerCallback):
         self._owned = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._owned and vramwatch.current() is self.handle:
+            return  # a retried inner loop (auto_find_batch_size after an OOM): keep what we started
         try:
             self.handle, self._owned = start_for_framework(
                 self.settings, _attr(args, "process_index"), _attr(args, "local_process_index"),

@@ -63,7 +63,7 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
         self._last_global_step = -1
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit" or (self._owned and vramwatch.current() is self.handle):
             return
         try:
             self.handle, self._owned = start_for_framework(
