@@ -13,7 +13,7 @@ import sys
 import time
 
 from vramwatch import cli
-from vramwatch.sim.state import SimNode, state_path
+from vramwatch.sim.state import SimNode, edit, state_path
 
 
 def _has_cuda() -> bool:
@@ -87,8 +87,8 @@ def _simulated(settings, ranks: int, end: float, url: str) -> int:
     stalled = {ranks - 1}
     try:
         while time.time() < end and all(p.poll() is None for p in procs):
-            drive_node(node, time.time() - t0, stalled)
-            node.save(state_path(spool_dir))
+            with edit(spool_dir, ranks) as current:  # reload: others may inject Xids or errors meanwhile
+                drive_node(current, time.time() - t0, stalled)
             time.sleep(1.0)
     except KeyboardInterrupt:
         pass
