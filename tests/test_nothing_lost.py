@@ -198,3 +198,46 @@ def test_the_default_spool_dir_is_private(tmp_path):
         publisher.close()
     finally:
         os.umask(old)
+
+
+LABEL_NAMES = {"uuid", "gpu", "device", "rank", "local_rank", "hostname", "world_size", "collector", "name",
+               "driver_version", "pci_bus_id", "mig_mode", "reason", "type", "kind", "xid", "version", "path",
+               "backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb"}
+
+
+def test_no_label_can_carry_a_process_name_command_line_or_pid():
+    from vramwatch import contract
+
+    names = {label for m in contract.METRICS for label in m.labels}
+    assert names <= LABEL_NAMES, f"new label names need a look in docs/security.md: {sorted(names - LABEL_NAMES)}"
+    for word in ("pid", "process", "command", "cmdline", "user", "comm", "exe", "env"):
+        assert not any(word in n for n in names), word
+
+
+def test_process_names_command_lines_and_environment_never_reach_a_scrape(exporter, tmp_path, monkeypatch):
+    import shutil
+
+    from harness import start_sim_rank, stop_proc
+
+    marker = "zq7marker"
+    monkeypatch.setenv("SECRET_TOKEN", f"{marker}-env")  # in the rank's environment
+    foreign_exe = tmp_path / f"{marker}-inference-server"
+    shutil.copy("/bin/sleep", foreign_exe)
+    foreign = subprocess.Popen([str(foreign_exe), "60", f"--api-key={marker}-argv"])
+    exp = exporter(nvml_slow_interval=0.5).start()
+    rank = start_sim_rank(exp, 0, "--duration", "60", "--fill-gib", "2")
+    try:
+        node = exp.node()
+        node.add_foreign(0, foreign.pid, 3 << 30)
+        exp.save_node(node)
+        wait_until(lambda: any(v == 1 for _, v in exp.metrics().get("gpu_foreign_processes", [])), 20,
+                   "the foreign process counted")
+        text = exp.scrape()
+        assert marker not in text
+        assert str(foreign.pid) not in {v for fam in exp.metrics().values() for labels, _ in fam
+                                        for v in labels.values()}
+        assert "pid=" not in text
+    finally:
+        stop_proc(rank)
+        foreign.kill()
+        foreign.wait()
