@@ -35,7 +35,8 @@ RULE = """groups:
 # what must have data before the scenario counts as played out
 WAIT_FOR = ("count(torch_cuda_memory_allocated_bytes) == 2", "gpu_last_xid_timestamp_seconds",
             "torch_cuda_memory_ooms_total > 0", "torch_cuda_memory_largest_free_block_bytes",
-            'ALERTS{alertstate="firing"}', "gpu_foreign_processes > 0", "gpu_ecc_errors_total > 0")
+            'ALERTS{alertstate="firing"}', "gpu_foreign_processes > 0", "gpu_ecc_errors_total > 0",
+            'time() - vramwatch_training_last_step_timestamp_seconds{rank="0"} > 3')  # rank 0 has stalled
 
 
 @dataclass
