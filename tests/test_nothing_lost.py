@@ -241,3 +241,34 @@ def test_process_names_command_lines_and_environment_never_reach_a_scrape(export
         stop_proc(rank)
         foreign.kill()
         foreign.wait()
+
+
+def test_a_spool_planted_by_another_user_in_a_shared_directory_is_refused(tmp_path):
+    from vramwatch.exporter import spool
+
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /dev/shm
+    mine = shared / "vramwatch-mine"
+    mine.mkdir(mode=0o777)
+    mine.chmod(0o777)
+    spool.ensure_dir(str(mine))
+    assert mine.stat().st_mode & 0o777 == 0o700, "our own loose directory is tightened"
+    if os.getuid() != 0:
+        pytest.skip("planting a directory owned by another user needs root")
+    planted = shared / "vramwatch-9488"
+    planted.mkdir(mode=0o777)
+    os.chown(planted, 4242, 4242)
+    with pytest.raises(PermissionError, match="belongs to uid 4242"):
+        spool.ensure_dir(str(planted))
+    link = shared / "vramwatch-link"
+    link.symlink_to(planted)
+    with pytest.raises(PermissionError):
+        spool.ensure_dir(str(link))
+    # a directory someone else made outside a world-writable parent (a Kubernetes emptyDir): used as it is
+    private_parent = tmp_path / "pod"
+    private_parent.mkdir(mode=0o755)
+    empty_dir = private_parent / "spool"
+    empty_dir.mkdir(mode=0o777)
+    os.chown(empty_dir, 4242, 4242)
+    spool.ensure_dir(str(empty_dir))

@@ -29,7 +29,18 @@ _RANK_FILE = re.compile(r"^rank-(\d+)-(\d+)\.json$")
 
 
 def ensure_dir(path: str) -> None:
+    """Make the spool private (0700). In a world-writable parent such as /dev/shm anyone could have made the
+    directory first, to read the samples or plant fake ones: one owned by another user there is refused."""
     os.makedirs(path, mode=0o700, exist_ok=True)
+    uid = os.getuid()
+    st, lst = os.stat(path), os.lstat(path)
+    if uid not in (st.st_uid, lst.st_uid) or st.st_uid != lst.st_uid:
+        parent = os.stat(os.path.dirname(os.path.abspath(path)) or "/")
+        if parent.st_mode & 0o002:
+            raise PermissionError(f"spool {path} belongs to uid {st.st_uid}, in a world-writable directory; "
+                                  "remove it or set spool_dir")
+    elif st.st_mode & 0o077:
+        os.chmod(path, 0o700)
 
 
 def _try_lock(path: str) -> bool:
