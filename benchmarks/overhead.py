@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -348,17 +349,12 @@ class Runner:
             self.scraper.set_url(url)
         t0 = time.monotonic()
         timeout = a.run_timeout + (spec.get("direct_s", 0) or 0)
-        try:
-            code = self._spawn(spec, logf, timeout)
-        finally:
-            self.scraper.set_url("")
-        res: dict[str, Any]
-        try:
-            res = common.read_json(result)
-        except (OSError, ValueError):
-            res = {"error": f"no result (exit {code}); see log"}
-        if code != 0 and "error" not in res:
-            res["error"] = f"exit {code}"
+        res = self._attempt(spec, result, logf, timeout)
+        if "error" in res and a.isolation == "fork" and _FORK_TROUBLE.search(res["error"] + _tail(logf)):
+            common.progress("a forked run could not initialise CUDA; using --isolation exec from now on")
+            a.isolation = "exec"
+            res = self._attempt(spec, result, logf, timeout)
+        self.scraper.set_url("")
         if "error" in res:
             res["log_tail"] = _tail(logf)
         res["process_s"] = time.monotonic() - t0
@@ -368,6 +364,22 @@ class Runner:
             if res.get("window"):
                 res["scrapes"] = common.summarize_scrapes(self.scraper.records(url, *res["window"]))
             shutil.rmtree(spool, ignore_errors=True)
+        return res
+
+    def _attempt(self, spec: dict[str, Any], result: str, logf: str, timeout: float) -> dict[str, Any]:
+        try:
+            os.unlink(result)
+        except OSError:
+            pass
+        code = self._spawn(spec, logf, timeout)
+        res: dict[str, Any]
+        try:
+            res = common.read_json(result)
+        except (OSError, ValueError):
+            res = {"error": f"no result (exit {code}); see log"}
+        if code != 0 and "error" not in res:
+            res["error"] = f"exit {code}"
+        res["isolation"] = self.args.isolation
         return res
 
     def _spawn(self, spec: dict[str, Any], logf: str, timeout: float) -> int:
@@ -406,6 +418,11 @@ class Runner:
                 os.waitpid(pid, 0)
                 return -9
             time.sleep(0.02)
+
+
+# what a forked child says when its parent had initialised the CUDA driver after all
+_FORK_TROUBLE = re.compile(r"re-initialize CUDA in forked|initialization error|cudaErrorInitializationError|"
+                           r"CUDA driver initialization failed|_is_in_bad_fork", re.I)
 
 
 def _tail(path: str, n: int = 3000) -> str:
@@ -516,7 +533,12 @@ def summarize(workload: str, runs: dict[str, list[dict]], base: str, name: str, 
 
 
 def _prewarm(args: argparse.Namespace, wanted: list[str]) -> None:
-    """Pay the imports once here; every forked run inherits them. Touches no CUDA and no vramwatch."""
+    """Pay the imports once here; every forked run inherits them. Touches no CUDA and no vramwatch.
+
+    PYTORCH_NVML_BASED_CUDA_CHECK=1 makes any ``torch.cuda.is_available()`` an import may do ask NVML,
+    not the CUDA driver (which would spoil forking); A and B runs inherit the same value.
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its first construction imports torch._dynamo
@@ -527,6 +549,7 @@ def _prewarm(args: argparse.Namespace, wanted: list[str]) -> None:
             if args.model == "hf":
                 raise
     assert "vramwatch" not in sys.modules, "the parent must not import vramwatch"
+    assert not torch.cuda.is_initialized(), "the parent must not initialise CUDA"
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -541,7 +564,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "metadata": common.metadata(benchmark="overhead", device=args.device, isolation=args.isolation,
                                     sizes=args.sizes, pairs_requested=args.pairs, run_seconds=args.run_seconds,
-                                    warmup_seconds=args.warmup_seconds, workloads=wanted),
+                                    warmup_seconds=args.warmup_seconds, workloads=wanted,
+                                    pytorch_nvml_based_cuda_check=os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")),
         "targets": TARGETS,
         "notes": [
             "A runs have no vramwatch (never imported) and are not scraped: nothing listens there.",
