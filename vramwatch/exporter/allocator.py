@@ -108,6 +108,7 @@ class AllocatorSampler:
         self._segments: dict[int, dict[str, int]] = {}
         self._next_snapshot = 0.0
         self._backend: str | None = None
+        self._info: dict[str, str] | None = None
         self.extra: dict[int, dict[str, float]] = {}  # filled by integrations (OOM, reclaims)
 
     def read(self, now: float | None = None) -> list[dict[str, Any]]:
@@ -174,9 +175,10 @@ class AllocatorSampler:
         return current  # the peak did not move: the window's high is between current and it
 
     def info(self) -> dict[str, str]:
-        labels = {"backend": self._backend or "unknown"}
-        labels.update(alloc_conf())
-        return labels
+        # the allocator reads its config once, at CUDA init: so do we (once the backend is known)
+        if self._info is None or self._info["backend"] != (self._backend or "unknown"):
+            self._info = {"backend": self._backend or "unknown", **alloc_conf()}
+        return self._info
 
 
 class TorchSource:
