@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cut by `timeout`: save, clean up
     if args.child:
         return child(json.loads(args.child))
     if args.quick:

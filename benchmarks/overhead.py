@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -705,6 +706,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cut by `timeout`: save, clean up
     if args.child:
         return _child_entry(json.loads(args.child))
     if args.check:

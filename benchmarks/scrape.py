@@ -21,6 +21,7 @@ import argparse
 import gzip
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="60 scrapes, 2 s idle windows")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cut by `timeout`: save, clean up
     if args.device == "cpu":
         args.simulate = True
     if args.quick:

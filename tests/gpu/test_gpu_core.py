@@ -108,7 +108,7 @@ if case == "torch_cuda_init":
     torch.cuda.init()  # the job initialised CUDA but made no tensor: still no context
 before = nvml_state()
 import vramwatch
-h = vramwatch.start(port=port, spool_dir=spool, interval=0.2, largest_block_interval=0.5)
+h = vramwatch.start(port=port, spool_dir=spool, interval=0.2, largest_block_interval=0.5, linger=0)
 m = wait(lambda: (lambda m: m if m.get("vramwatch_ranks", [({}, 0)])[0][1] >= 1 else None)(scrape(port)),
          30, "the rank-spawned server to list this rank")
 for _ in range(20):  # ~2 s: ten samples, four snapshot deadlines
@@ -153,7 +153,7 @@ SERIES_JOB = r'''
 port, spool = int(sys.argv[1]), sys.argv[2]
 import torch
 import vramwatch
-vramwatch.start(port=port, spool_dir=spool, interval=0.2)
+vramwatch.start(port=port, spool_dir=spool, interval=0.2, linger=0)
 x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")   # large pool
 y = torch.empty(300 << 10, dtype=torch.uint8, device="cuda:0")  # small pool
 torch.cuda.synchronize()
@@ -207,7 +207,7 @@ import ctypes
 port, spool, seconds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 import torch
 import vramwatch
-vramwatch.start(port=port, spool_dir=spool, interval=0.2)
+vramwatch.start(port=port, spool_dir=spool, interval=0.2, linger=0)
 x = torch.ones(16 << 20, device="cuda:0")
 wait(lambda: rank0(scrape(port), "torch_cuda_memory_allocated_bytes"), 20, "the first sample")
 vramwatch.step()
@@ -313,7 +313,7 @@ ASYNC_JOB = r'''
 port, spool = int(sys.argv[1]), sys.argv[2]
 import torch
 import vramwatch
-vramwatch.start(port=port, spool_dir=spool, interval=0.2, largest_block_interval=0.5)
+vramwatch.start(port=port, spool_dir=spool, interval=0.2, largest_block_interval=0.5, linger=0)
 x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
 torch.cuda.synchronize()
 want = {"allocated": torch.cuda.memory_allocated(0), "reserved": torch.cuda.memory_reserved(0),

@@ -188,18 +188,58 @@ class Job:
         return (self.dir / "job.log").read_bytes()[-4000:].decode(errors="replace")
 
     def kill(self) -> None:
+        # torchrun starts each worker in a session of its own: kill the ranks by pid, then the agent's group
+        ranks = set(_descendants(self.proc.pid))
+        for f in self.dir.glob("rank-*.json"):
+            try:
+                ranks.add(int(json.loads(f.read_text())["pid"]))
+            except (OSError, ValueError, KeyError):
+                pass
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=30)
         self.log.close()
+        wait_until(lambda: not [p for p in ranks if _alive(p)], 30, "the ranks to be gone")
         # the rank-spawned server lingers a few seconds, then leaves on its own; stop it now
         try:
             pid = json.loads((Path(self.spool) / "server.json").read_text())["pid"]
             os.kill(pid, signal.SIGTERM)
         except (OSError, ValueError, KeyError):
             pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), children first found, grandchildren after."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                raw = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(raw[raw.rindex(")") + 2:].split()[1])
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return raw[raw.rindex(")") + 2:].split()[0] not in ("Z", "X")
 
 
 def series_by_rank(m: dict, name: str) -> dict[str, list[tuple[dict, float]]]:
@@ -346,7 +386,7 @@ def test_single_gpu_cuda_visible_devices_by_uuid(tmp_path):
     code = textwrap.dedent(r'''
         import sys, time, urllib.request
         import torch, vramwatch
-        vramwatch.start(port=int(sys.argv[1]), spool_dir=sys.argv[2], interval=0.2)
+        vramwatch.start(port=int(sys.argv[1]), spool_dir=sys.argv[2], interval=0.2, linger=0)
         x = torch.ones(4 << 20, device="cuda:0")
         print("count", torch.cuda.device_count(), flush=True)
         time.sleep(30)
