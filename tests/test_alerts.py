@@ -333,3 +333,16 @@ def test_runbooks_carry_the_field_notes_remedies():
         assert remedy in text, remedy
     for xid in DEFAULT.xid_critical + DEFAULT.xid_warning:
         assert re.search(rf"\|\s*{xid}\s*\|", text), f"Xid {xid} missing from the runbook's Xid table"
+
+
+def test_the_readme_alerts_snippet_runs_and_its_rules_pass_promtool(tmp_path, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Alerts\n", 1)[1].split("\n## ", 1)[0]
+    (snippet,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "README.md#alerts", "exec"), {})
+    text = (tmp_path / "vramwatch.rules.yml").read_text()
+    assert "> 0.8\n" in text and 'job="train"' in text and "team: ml" in text
+    r = subprocess.run([tool("promtool"), "check", "rules", "vramwatch.rules.yml"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
