@@ -47,10 +47,10 @@ INIT_CALLS = {
     "nvmlDeviceGetHandleByIndex": {"nvml"}, "nvmlDeviceGetUUID": {"nvml"},
     "nvmlDeviceGetSupportedEventTypes": {"xid"}, "nvmlDeviceRegisterEvents": {"xid"},
     "nvmlEventSetCreate": {"xid"},
-    # identity getters: a failure leaves that label empty and `up` 1 (the collector's choice; gpu_info stays)
-    "nvmlSystemGetDriverVersion": set(), "nvmlDeviceGetName": set(), "nvmlDeviceGetPciInfo": set(),
-    "nvmlDeviceGetMigMode": set(),
 }
+# identity getters: a failure leaves that label empty and `up` 1 (the collector's choice; gpu_info stays);
+# one server for all four
+IDENTITY_CALLS = ("nvmlSystemGetDriverVersion", "nvmlDeviceGetName", "nvmlDeviceGetPciInfo", "nvmlDeviceGetMigMode")
 # not called while serving: fallbacks for older drivers (only after NOT_SUPPORTED), aliases (errors are keyed
 # by the canonical name), and calls made only at shutdown
 NOT_ON_THE_READ_PATH = {
@@ -65,7 +65,7 @@ def test_the_lists_cover_every_simulated_nvml_call():
     from vramwatch.sim.nvml import SimNvml
 
     calls = {n for n in dir(SimNvml) if n.startswith("nvml")}
-    listed = set(RUNTIME_CALLS) | set(INIT_CALLS) | NOT_ON_THE_READ_PATH
+    listed = set(RUNTIME_CALLS) | set(INIT_CALLS) | set(IDENTITY_CALLS) | NOT_ON_THE_READ_PATH
     assert calls == listed, f"new: {sorted(calls - listed)}, gone: {sorted(listed - calls)}"
 
 
@@ -187,10 +187,11 @@ def _steps(exp: Exporter, rank: str) -> float:
 def test_nvml_calls_failing_at_start(tmp_path):
     servers = {}
     try:
-        for fn in INIT_CALLS:  # all at once: they are idle once up, and start in parallel
-            exp = Exporter(tmp_path / fn, **FAST)
+        cases = {**INIT_CALLS, IDENTITY_CALLS: set()}
+        for fn in cases:  # all at once: they are idle once up, and start in parallel
+            exp = Exporter(tmp_path / ("identity" if fn == IDENTITY_CALLS else fn), **FAST)
             node = SimNode.default(1)
-            node.errors = {fn: UNKNOWN}
+            node.errors = {f: UNKNOWN for f in ((fn,) if isinstance(fn, str) else fn)}
             node.save(state_path(exp.spool))
             exp.proc = subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=exp.env,
                                         stdout=exp.log, stderr=exp.log, stdin=subprocess.DEVNULL)
@@ -198,7 +199,7 @@ def test_nvml_calls_failing_at_start(tmp_path):
         for fn, exp in servers.items():
             wait_until(lambda e=exp: http_get(e.url + "/-/healthy", 1)[0] == 200, 45, f"server under {fn}")
         time.sleep(1.0)
-        for fn, expected in INIT_CALLS.items():
+        for fn, expected in cases.items():
             ups = _ups(servers[fn])
             down = {c for (c, r), v in ups.items() if r == "" and v == 0}
             assert down == expected, f"{fn}: down {down}, expected {expected}"
