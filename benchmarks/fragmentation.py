@@ -110,6 +110,7 @@ def run_cuda(a: dict[str, Any], vw: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         lens = lengths(rng, a["batch"], a["min_len"], a["max_len"])
         seq = max(lens)
+        ids = x = logits = loss = buf = None
         try:
             ids = torch.randint(0, V, (len(lens), seq), device=dev)
             with torch.no_grad():  # the frozen base keeps no activations
@@ -139,6 +140,7 @@ def run_cuda(a: dict[str, Any], vw: Any) -> dict[str, Any]:
             steps += 1
         except torch.cuda.OutOfMemoryError:
             ooms += 1  # skip the step and go on, as the field notes' retrying code did
+            ids = x = logits = loss = buf = None  # drop the half step's tensors (no cache flush)
             opt.zero_grad(set_to_none=True)
         vw.step()
         step_times.append(time.perf_counter() - t0)
