@@ -275,7 +275,12 @@ def _check_thresholds(cfg: MonitoringConfig) -> None:
     assert _steps(_panel(fleet, "Memory pressure, the ten fullest GPUs")) == ratios
     assert _steps(_panel(mem, "Fragmentation")) == [cfg.fragmentation_ratio]
     assert _steps(_panel(mem, "Sample age")) == [cfg.sample_stale_seconds]
-    assert _steps(_panel(fleet, "Ranks by heartbeat age")) == [cfg.stall_min_seconds]
+    # only the heartbeat column turns red (the stall bound itself is always at least the minimum)
+    (hb,) = _panel(fleet, "Ranks by heartbeat age")["fieldConfig"]["overrides"][-1:]
+    assert hb["matcher"] == {"id": "byName", "options": "heartbeat age"}
+    hb_props = {p["id"]: p["value"] for p in hb["properties"]}
+    assert [s["value"] for s in hb_props["thresholds"]["steps"]] == [None, cfg.stall_min_seconds]
+    assert hb_props["custom.cellOptions"]["type"] == "color-background"
     for p in (_panel(mem, "Memory pressure"), _panel(mem, "Fragmentation")):
         assert p["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "dashed"
     # the stall signature: power (left) with the stall level, utilisation (right) with its line

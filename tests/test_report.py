@@ -24,6 +24,7 @@ pytest.importorskip("matplotlib")
 import live_scenario  # noqa: E402
 from harness import tool  # noqa: E402
 
+from vramwatch.alerts.config import DEFAULT  # noqa: E402
 from vramwatch.dashboards import build_all  # noqa: E402
 from vramwatch.dashboards.walk import TimeContext, spec  # noqa: E402
 from vramwatch.report import charts  # noqa: E402
@@ -194,6 +195,8 @@ def test_table_sorts_merges_and_formats():
     assert charts._threshold_color(0.97, p.axis) == charts.COLORS["red"]
     assert charts._threshold_color(0.9, p.axis) == charts.COLORS["orange"]
     assert charts._threshold_color(0.5, p.axis) == ""
+    (hb,) = [x for x in d.panels if x.title == "Ranks by heartbeat age"]
+    assert hb.column_thresholds == {"heartbeat age": ((DEFAULT.stall_min_seconds, "red"),)} and not hb.axis.thresholds
 
 
 @pytest.mark.parametrize("v,unit,text", [(3 * 2**30, "bytes", "3 GiB"), (0.853, "percentunit", "85.3%"),

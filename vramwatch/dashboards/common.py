@@ -203,11 +203,12 @@ def table_panel(title: str, description: str, targets: list, *, unit: str = unit
                 height: int = 8, sort_by: str | None = None, sort_desc: bool = True,
                 limits: dashboard.ThresholdsConfig | None = None,
                 columns: dict[str, str] | None = None, hide: tuple[str, ...] = (), no_value: str = "",
-                column_units: dict[str, str] | None = None) -> table.Panel:
+                column_units: dict[str, str] | None = None, color_columns: tuple[str, ...] = ()) -> table.Panel:
     """A table of instant queries; several queries are merged into one row per label set.
 
     ``columns`` maps a query's refId to its column title (``Value #A`` in Grafana's frames);
-    ``hide`` names label columns to leave out; ``column_units`` sets a unit per column title.
+    ``hide`` names label columns to leave out; ``column_units`` sets a unit per column title;
+    ``limits`` colours the cells of every value column, or only of ``color_columns`` when given.
     """
     p = (table.Panel().title(title).description(description).datasource(PROM).unit(unit)
          .span(span).height(height).show_header(True).filterable(True))
@@ -225,9 +226,12 @@ def table_panel(title: str, description: str, targets: list, *, unit: str = unit
         "excludeByName": {c: True for c in ("Time", "__name__", *hide)}, "renameByName": renames}))
     for col, unit in (column_units or {}).items():
         p = p.override_by_name(col, [DynamicConfigValue(id_val="unit", value=unit)])
-    if limits is not None:
-        p = p.thresholds(limits).cell_options(
-            cm.TableColoredBackgroundCellOptions(mode=cm.TableCellBackgroundDisplayMode.BASIC))
+    cell = cm.TableColoredBackgroundCellOptions(mode=cm.TableCellBackgroundDisplayMode.BASIC)
+    if limits is not None and not color_columns:
+        p = p.thresholds(limits).cell_options(cell)
+    for col in color_columns if limits is not None else ():
+        p = p.override_by_name(col, [DynamicConfigValue(id_val="thresholds", value=limits.build()),
+                                     DynamicConfigValue(id_val="custom.cellOptions", value=cell)])
     if sort_by:
         p = p.sort_by([cb.TableSortByFieldState().display_name(sort_by).desc(sort_desc)])
     return p

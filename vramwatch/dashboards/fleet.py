@@ -79,7 +79,8 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             qt(mean_step_seconds(s, cfg.stall_window), ref="B"),
             qt(stall_bound(cfg, s), ref="C"),
         ], columns={"A": "heartbeat age", "B": "mean step", "C": "stall bound"}, unit=units.Seconds,
-        sort_by="heartbeat age", limits=thresholds((cfg.stall_min_seconds, "red")), hide=("local_rank",)))
+        sort_by="heartbeat age", limits=thresholds((cfg.stall_min_seconds, "red")), color_columns=("heartbeat age",),
+        hide=("local_rank",)))
     d = d.with_panel(bar_panel(
         "Xid events by host",
         "Xid events in the selected time range on each host (counted from the counters the exporter "

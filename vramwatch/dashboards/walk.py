@@ -46,6 +46,8 @@ class PanelSpec:
     columns: dict[str, str] = field(default_factory=dict)  # refId -> column title (tables)
     hidden: set[str] = field(default_factory=set)  # label columns left out (tables)
     column_units: dict[str, str] = field(default_factory=dict)  # column title -> unit (tables)
+    # column title -> threshold steps colouring its cells (tables; else axis.thresholds colour every value)
+    column_thresholds: dict[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
     sort_by: str = ""
     sort_desc: bool = True
     no_value: str = ""
@@ -123,8 +125,11 @@ def _panel(p: Any) -> PanelSpec:
             color = props.get("color") or {}
             if color.get("fixedColor"):
                 spec.colors[ref] = color["fixedColor"]
-        elif o.matcher.id_val == "byName" and "unit" in props:
-            spec.column_units[o.matcher.options] = props["unit"]
+        elif o.matcher.id_val == "byName":
+            if "unit" in props:
+                spec.column_units[o.matcher.options] = props["unit"]
+            if "thresholds" in props:
+                spec.column_thresholds[o.matcher.options] = _steps(props["thresholds"])
     for tr in p.transformations or []:
         if tr.id_val == "organize":
             spec.hidden = {k for k, v in (tr.options.get("excludeByName") or {}).items() if v}

@@ -242,32 +242,36 @@ def table(res: PanelResult) -> Figure:
     p = res.panel
     header, text, nums = table_rows(res)
     shown = text[:MAX_ROWS]
-    fig, ax = _figure(0.45 + 0.24 * (len(shown) + 1) + (0.25 if len(text) > MAX_ROWS else 0))
-    ax.set_axis_off()
     if not text:
+        fig, ax = _figure(1.2)
         _no_data(ax, p.no_value or "No data")
-        fig.set_figheight(1.2)
         return fig
-    tab = ax.table(cellText=shown, colLabels=header, loc="upper center", cellLoc="left", colLoc="left")
+    # as wide as the content needs (the page scales it down), columns in proportion to their text
+    chars = [max(len(str(c)) for c in [h] + [row[i] for row in shown]) + 3 for i, h in enumerate(header)]
+    width = max(WIDTH_IN, 0.072 * sum(chars))
+    more = len(text) > MAX_ROWS
+    height = 0.26 * (len(shown) + 1) + (0.25 if more else 0.05)
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    ax = fig.add_axes((0.005, (0.25 if more else 0.02) / height, 0.99, 1 - (0.27 if more else 0.04) / height))
+    ax.set_axis_off()
+    tab = ax.table(cellText=shown, colLabels=header, colWidths=[c / sum(chars) for c in chars],
+                   cellLoc="left", colLoc="left", bbox=(0, 0, 1, 1))
     tab.auto_set_font_size(False)
-    tab.set_fontsize(7)
-    tab.auto_set_column_width(list(range(len(header))))
+    tab.set_fontsize(8)
     n_labels = len(header) - len(nums[0]) if nums else len(header)
     for (row, col), cell in tab.get_celld().items():
         cell.set_edgecolor("#dddddd")
-        cell.set_height(1.0 / (len(shown) + 1) * 0.92)
         if row == 0:
             cell.set_text_props(weight="bold")
             cell.set_facecolor("#f0f0f0")
-        elif col >= n_labels and p.axis.thresholds:
-            v = nums[row - 1][col - n_labels]
-            c = _threshold_color(v, p.axis)
+        elif col >= n_labels:
+            steps = p.column_thresholds.get(header[col], () if p.column_thresholds else p.axis.thresholds)
+            c = _threshold_color(nums[row - 1][col - n_labels], Axis(p.axis.unit, thresholds=steps))
             if c:
                 cell.set_facecolor(c)
                 cell.set_alpha(0.55)
-    if len(text) > MAX_ROWS:
-        ax.text(0.0, 0.0, f"... {len(text) - MAX_ROWS} more rows", transform=ax.transAxes, fontsize=7)
-    fig.subplots_adjust(left=0.01, right=0.99, top=0.98, bottom=0.02)
+    if more:
+        fig.text(0.01, 0.02, f"... {len(text) - MAX_ROWS} more rows", fontsize=7)
     return fig
 
 
