@@ -296,6 +296,13 @@ def test_routes(labels, receiver):
     assert r.stdout.split() == [receiver]
 
 
+def test_the_card_alert_mutes_the_budget_alert_of_the_same_severity_only():
+    am = yaml.safe_load(ALERTMANAGER.read_text())
+    (rule,) = [r for r in am["inhibit_rules"] if r["target_matchers"] == ['alertname="TorchMemoryBudgetHigh"']]
+    assert rule["source_matchers"] == ['alertname="GPUMemoryUsageHigh"']
+    assert {"severity", "uuid", "instance"} <= set(rule["equal"])
+
+
 def test_every_severity_of_the_rules_has_a_route():
     am = yaml.safe_load(ALERTMANAGER.read_text())
     routed = {m for route in am["route"]["routes"] for m in route["matchers"]}

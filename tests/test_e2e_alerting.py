@@ -196,22 +196,20 @@ def test_memory_warning_does_not_page_then_critical_pages_and_resolves(stack):
                                                              severity="critical"))
     assert paged[0]["labels"]["job"] == "vramwatch"
     assert "GPU 0 (" + gpu0 + ")" in paged[0]["annotations"]["description"]
-    # the allocator-budget ratio of the same rank pages too (an uncapped rank: its budget is the card)
-    _wait("the budget page", lambda: stack.hooks.alerts("/page", "TorchMemoryBudgetHigh", uuid=gpu0, rank="0"))
 
-    # while the page fires, Alertmanager inhibits the warning of the same name on the same GPU
-    def warning_inhibited():
-        for a in stack.am.alerts("GPUMemoryUsageHigh"):
-            if a["labels"].get("severity") == "warning" and a["labels"].get("uuid") == gpu0:
+    def inhibited(alertname: str, severity: str):
+        for a in stack.am.alerts(alertname):
+            if a["labels"].get("severity") == severity and a["labels"].get("uuid") == gpu0:
                 return a["status"]["inhibitedBy"]
         return None
 
-    _wait("the warning to be inhibited by the page", warning_inhibited)
+    # while the page fires, Alertmanager inhibits the warning of the same name on the same GPU ...
+    _wait("the warning to be inhibited by the page", lambda: inhibited("GPUMemoryUsageHigh", "warning"))
+    # ... and the allocator-budget alert that fired with it (an uncapped rank: its budget is the card)
+    _wait("the budget alert to be inhibited by the card's", lambda: inhibited("TorchMemoryBudgetHigh", "critical"))
 
     stack.drive(0, fill_ratio=0.5)
     _wait("the page to resolve", lambda: stack.hooks.alerts("/page", "GPUMemoryUsageHigh", "resolved", uuid=gpu0))
-    _wait("the budget page to resolve",
-          lambda: stack.hooks.alerts("/page", "TorchMemoryBudgetHigh", "resolved", uuid=gpu0))
 
 
 def test_critical_xid_pages_an_application_xid_warns_both_resolve(stack):
