@@ -134,3 +134,25 @@ def test_rank_starts_the_server_and_it_leaves_after_the_ranks(tmp_path):
         wait_until(lambda: not spool.server_running(str(tmp_path / "s")), 15, "the server to leave")
     finally:
         proc.kill()
+
+
+def test_a_tensor_loss_is_not_kept_alive():
+    import gc
+    import weakref
+
+    import torch
+
+    from vramwatch.exporter.heartbeat import Heartbeat
+
+    hb = Heartbeat()
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 2).sum()
+    probe = weakref.ref(loss)
+    hb.step(loss=loss)
+    assert hb.snapshot()["loss"] == 6.0
+    del loss
+    gc.collect()
+    assert probe() is None, "the heartbeat must not keep the job's loss (and its graph) alive"
+    assert hb.snapshot()["loss"] == 6.0  # the last value stays published
+    hb.step(loss=0.5)
+    assert hb.snapshot()["loss"] == 0.5

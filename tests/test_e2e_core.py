@@ -97,3 +97,16 @@ def test_landing_page_links_metrics(exporter):
     code, body = http_get(exp.url + "/")
     assert code == 200 and b'href="/metrics"' in body
     assert http_get(exp.url + "/nope")[0] == 404
+
+
+def test_a_dead_ranks_last_sample_is_served_exactly_once(exporter):
+    exp = exporter().start()
+    rank = start_sim_rank(exp, 0, "--duration", "60")
+    try:
+        wait_until(lambda: "0" in _ranks_in(exp), 15, "the rank's first sample")
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.wait(timeout=5)
+        assert _ranks_in(exp) == {"0"}, "the first scrape after its death still carries its last counters"
+        assert _ranks_in(exp) == set(), "the second does not"
+    finally:
+        stop_proc(rank)

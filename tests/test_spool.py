@@ -99,3 +99,19 @@ def test_a_torn_record_is_never_parsed(tmp_path):
     pub.publish({"time": 3.0})
     assert spool.read_samples(str(tmp_path), 64)[0].data == {"time": 3.0}
     pub.close()
+
+
+def test_only_the_scrape_path_reaps_and_it_keeps_the_last_sample(tmp_path):
+    ctx = mp.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_hold_and_wait, args=(str(tmp_path), 2, ready, done))
+    p.start()
+    assert ready.wait(10)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(5)
+    assert spool.read_samples(str(tmp_path), 64, reap=False) == []
+    assert os.listdir(tmp_path), "a reader that does not reap leaves the files"
+    reaped = []
+    assert spool.read_samples(str(tmp_path), 64, reaped) == []
+    assert [s.rank for s in reaped] == [2] and reaped[0].data["rank"] == 2
+    assert os.listdir(tmp_path) == []

@@ -8,6 +8,7 @@ no allocation beyond a float or two. The sampler thread reads the fields.
 from __future__ import annotations
 
 import time
+import weakref
 from bisect import bisect_left
 from typing import Any
 
@@ -19,7 +20,7 @@ BUCKETS: tuple[float, ...] = (
 
 
 class Heartbeat:
-    __slots__ = ("steps", "last_step_time", "_last_mono", "counts", "sum", "loss", "grad_norm")
+    __slots__ = ("steps", "last_step_time", "_last_mono", "counts", "sum", "loss", "grad_norm", "_published")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -29,6 +30,7 @@ class Heartbeat:
         self.sum = 0.0
         self.loss: Any = None
         self.grad_norm: Any = None
+        self._published: dict[str, float | None] = {"loss": None, "grad_norm": None}
 
     def step(self, loss: Any = None, grad_norm: Any = None) -> None:
         now = time.monotonic()
@@ -41,9 +43,9 @@ class Heartbeat:
         self.last_step_time = time.time()
         self.steps += 1
         if loss is not None:
-            self.loss = loss  # converted off the training thread (a CUDA tensor would sync)
+            self.loss = _keep(loss)
         if grad_norm is not None:
-            self.grad_norm = grad_norm
+            self.grad_norm = _keep(grad_norm)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -52,9 +54,34 @@ class Heartbeat:
             "buckets": list(BUCKETS),
             "counts": list(self.counts),
             "sum": self.sum,
-            "loss": _scalar(self.loss),
-            "grad_norm": _scalar(self.grad_norm),
+            "loss": self._convert("loss", self.loss),
+            "grad_norm": self._convert("grad_norm", self.grad_norm),
         }
+
+
+    def _convert(self, key: str, v: Any) -> float | None:
+        # on the sampler thread; a tensor the job has already dropped keeps the last value
+        if isinstance(v, weakref.ref):
+            v = v()
+            if v is None:
+                return self._published[key]
+        f = _scalar(v)
+        self._published[key] = f
+        return f
+
+
+def _keep(v: Any) -> Any:
+    """Numbers as they are; a tensor by weak reference, converted later on the sampler thread.
+
+    A strong reference would keep a non-detached loss's autograd graph (and its saved
+    activations) alive into the next step; converting here would synchronise CUDA.
+    """
+    if isinstance(v, (float, int)):
+        return v
+    try:
+        return weakref.ref(v)
+    except TypeError:
+        return v
 
 
 def _scalar(v: Any) -> float | None:

@@ -30,7 +30,13 @@ class ExporterCollector:
     def context(self) -> ScrapeContext:
         t0 = time.perf_counter()
         try:
-            samples = spool.read_samples(self.spool_dir, self.settings.max_ranks)
+            reaped: list[spool.RankSample] = []
+            samples = spool.read_samples(self.spool_dir, self.settings.max_ranks, reaped)
+            # a rank that died since the last scrape is served by this scrape, then never again:
+            # its last counters (an OOM that killed it) reach Prometheus, and its series are
+            # gone by the second scrape after its death
+            live = {s.rank for s in samples}
+            samples += [s for s in reaped if s.rank not in live]
             self.spool_health.up = 1
         except Exception as e:  # noqa: BLE001
             samples = []

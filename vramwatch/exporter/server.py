@@ -77,7 +77,7 @@ class Server:
                 if not exit_when_idle:
                     continue
                 now = time.monotonic()
-                if spool.read_samples(self.spool_dir, self.settings.max_ranks):
+                if spool.read_samples(self.spool_dir, self.settings.max_ranks, reap=False):
                     last_seen = now
                 elif last_seen is None and now - started > _FIRST_RANK_GRACE:
                     log.warning("vramwatch: no rank published within %.0f s; exiting", _FIRST_RANK_GRACE)

@@ -138,8 +138,14 @@ class RankSample:
     mtime: float
 
 
-def read_samples(spool_dir: str, max_ranks: int) -> list[RankSample]:
-    """Live ranks' newest samples, one per rank; dead ranks' files are removed."""
+def read_samples(spool_dir: str, max_ranks: int, reaped: list[RankSample] | None = None,
+                 reap: bool = True) -> list[RankSample]:
+    """Live ranks' newest samples, one per rank; dead ranks' files are removed.
+
+    A dead rank's final sample is appended to ``reaped`` when given, so the server can
+    serve it once more (a rank killed by an OOM still gets its last OOM count scraped).
+    Only the scrape path reaps; other readers pass ``reap=False`` and just skip the dead.
+    """
     try:
         names = os.listdir(spool_dir)
     except OSError:
@@ -152,6 +158,12 @@ def read_samples(spool_dir: str, max_ranks: int) -> list[RankSample]:
         path = os.path.join(spool_dir, name)
         lock = path[: -len(".json")] + ".lock"
         if _try_lock(lock):  # owner gone: reap
+            if not reap:
+                continue
+            if reaped is not None:
+                last = _read_record(path, tries=1)
+                if last is not None:
+                    reaped.append(RankSample(int(m.group(1)), int(m.group(2)), last, 0.0))
             for p in (path, lock, path + ".tmp"):
                 try:
                     os.unlink(p)

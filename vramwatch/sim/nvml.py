@@ -336,6 +336,6 @@ class _SpoolSamples:
         if now - self._at >= self.ttl:
             from vramwatch.exporter.spool import read_samples
 
-            self._samples = read_samples(self.spool_dir, 4096)
+            self._samples = read_samples(self.spool_dir, 4096, reap=False)
             self._at = now
         return self._samples

@@ -106,7 +106,7 @@ def ranks_on(spool_dir: str, max_ranks: int, uuid: str) -> list[tuple[str, int]]
     from vramwatch.exporter.spool import read_samples
 
     out = []
-    for s in read_samples(spool_dir, max_ranks):
+    for s in read_samples(spool_dir, max_ranks, reap=False):
         if any(d.get("uuid") == uuid for d in s.data.get("devices") or ()):
             out.append((str(s.data.get("rank", s.rank)), int((s.data.get("heartbeat") or {}).get("steps", 0))))
     return out
