@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(a code check, no allocator series)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
     p.add_argument("--cap-gib", type=float, default=8.0, help="per-process budget (the 8 GB card)")
-    p.add_argument("--seconds", type=float, default=25.0, help="training seconds per variant")
+    p.add_argument("--seconds", type=float, default=20.0, help="training seconds per variant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32000)

@@ -2,13 +2,13 @@
 # One-shot GPU run: the GPU test suite and the benchmarks, every result under $OUT.
 #
 #   OUT=/some/dir bash benchmarks/run_gpu.sh --quick all      # ~6 min: the whole pipeline, small figures
-#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part1     # ~8 min: direct cost, launch-bound pairs, scrape, fragmentation
-#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part2     # ~8 min: pytest -m gpu, transformer pairs
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part1     # ~8-9 min: pytest -m gpu, direct cost, launch-bound pairs, scrape
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part2     # ~8-9 min: transformer pairs, fragmentation
 #   bash benchmarks/run_gpu.sh --plan --full part1            # print the commands only
 #   OUT=/tmp/x bash benchmarks/run_gpu.sh --smoke all         # no GPU: tiny CPU/simulated runs (CI smoke test)
 #
-# Parts: tests direct launch transformer scrape fragmentation, or the groups part1 (direct launch scrape
-# fragmentation), part2 (tests transformer), all. BUDGET (seconds, default 570) bounds one invocation:
+# Parts: tests direct launch transformer scrape fragmentation, or the groups part1 (tests direct launch
+# scrape), part2 (transformer fragmentation), all. BUDGET (seconds, default 570) bounds one invocation:
 # each phase gets at most what is left (the overhead benchmark stops starting pairs in time and keeps
 # what it measured; the others are cut by `timeout`). Wheels in .whl/ (nvitop, nvitop-exporter, pytest)
 # are unpacked into a private directory when the interpreter lacks them. VW_BENCH_COMMIT names the
@@ -30,15 +30,15 @@ for a in "$@"; do
     --smoke) MODE=smoke ;;
     --plan) PLAN=1 ;;
     -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
-    part1) PARTS+=(direct launch scrape fragmentation) ;;
-    part2) PARTS+=(tests transformer) ;;
+    part1) PARTS+=(tests direct launch scrape) ;;
+    part2) PARTS+=(transformer fragmentation) ;;
     all) PARTS+=(tests direct launch transformer scrape fragmentation) ;;
     tests|direct|launch|transformer|scrape|fragmentation) PARTS+=("$a") ;;
     *) echo "unknown argument: $a" >&2; exit 2 ;;
   esac
 done
 if [ ${#PARTS[@]} -eq 0 ]; then
-  if [ "$MODE" = full ]; then PARTS=(direct launch scrape fragmentation); else PARTS=(tests direct launch transformer scrape fragmentation); fi
+  if [ "$MODE" = full ]; then PARTS=(tests direct launch scrape); else PARTS=(tests direct launch transformer scrape fragmentation); fi
 fi
 mkdir -p "$OUT"
 START=$(date +%s)
@@ -56,15 +56,17 @@ elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothin
   SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5"
   FRAG_ARGS="--device cpu --seconds 1.5 --poll 0.2 --interval 0.2"
 else
-  PAIRS=20; DIRECT=60; CALLS=1000000; TESTS_CAP=240; SCRAPE_ARGS=""; FRAG_ARGS=""
+  PAIRS=20; DIRECT=60; CALLS=1000000; TESTS_CAP=200; SCRAPE_ARGS=""; FRAG_ARGS=""
 fi
 
 # --- commands ---
 CMD_TESTS="$PY -m pytest -m gpu tests/gpu -q -rfEs -p no:cacheprovider --junitxml=$OUT/pytest-gpu.xml"
-overhead_cmd() {  # $1 workloads, $2 out file, $3 deadline seconds
+overhead_cmd() {  # $1 workloads, $2 out file, $3 deadline seconds, $4 extra arguments
   echo "$PY benchmarks/overhead.py --workloads $1 --pairs $PAIRS $RUN_ARGS --direct-seconds $DIRECT" \
-       "--step-calls $CALLS --deadline $3 --out $2"
+       "--step-calls $CALLS --deadline $3 --out $2 ${4:-}"
 }
+# a transformer step is ~100 ms: 0.5 s (and at least 3 steps) warms it; 60 runs share the budget
+TF_WARMUP="--warmup-seconds 0.5"; [ "$MODE" = smoke ] && TF_WARMUP=""
 CMD_SCRAPE="$PY benchmarks/scrape.py $SCRAPE_ARGS --out $OUT/scrape.json"
 CMD_FRAG="$PY benchmarks/fragmentation.py $FRAG_ARGS --out $OUT/fragmentation.json"
 
@@ -73,7 +75,7 @@ if [ "$PLAN" = 1 ]; then
   has tests && echo "tests: $CMD_TESTS"
   W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"
   [ -n "$W" ] && echo "overhead: $(overhead_cmd "$W" "$OUT/overhead-part1.json" '<left>')"
-  has transformer && echo "overhead: $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" '<left>')"
+  has transformer && echo "overhead: $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" '<left>' "$TF_WARMUP")"
   has scrape && echo "scrape: $CMD_SCRAPE"
   has fragmentation && echo "fragmentation: $CMD_FRAG"
   exit 0
@@ -136,18 +138,18 @@ if has tests; then
 fi
 W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"
 if [ -n "$W" ]; then
-  # leave room for what follows in this invocation: scrape ~90 s, fragmentation ~120 s (quick: less)
-  RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 120))
+  # leave room for what follows in this invocation: scrape ~90 s, fragmentation ~100 s (quick: less)
+  RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 105))
   has transformer && RESERVE=$((RESERVE + 150))
   [ "$MODE" = quick ] && RESERVE=$((RESERVE / 2))
   D=$(( $(left) - RESERVE - 30 )); [ "$D" -lt 30 ] && D=30
   phase overhead-part1 $((D + 60)) $(overhead_cmd "$W" "$OUT/overhead-part1.json" "$D")
 fi
 if has transformer; then
-  RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 120))
+  RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 105))
   [ "$MODE" = quick ] && RESERVE=$((RESERVE / 2))
   D=$(( $(left) - RESERVE - 40 )); [ "$D" -lt 30 ] && D=30
-  phase overhead-part2 $((D + 60)) $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" "$D")
+  phase overhead-part2 $((D + 60)) $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" "$D" "$TF_WARMUP")
 fi
 has scrape && phase scrape 150 $CMD_SCRAPE
 has fragmentation && phase fragmentation 240 $CMD_FRAG

@@ -99,10 +99,11 @@ def test_run_gpu_plan_splits_the_work_into_two_commands(tmp_path):
         return p.stdout
 
     one, two = plan("--full", "part1"), plan("--full", "part2")
+    assert "pytest -m gpu tests/gpu" in one and "scrape.py" in one
     assert "--workloads direct,launch_bound --pairs 20" in one and "--direct-seconds 60" in one
-    assert "--step-calls 1000000" in one and "scrape.py" in one and "fragmentation.py" in one
-    assert "pytest -m gpu tests/gpu" in two and "--workloads transformer,transformer_full --pairs 20" in two
-    assert "-m pytest" not in one and "transformer" not in one
+    assert "--step-calls 1000000" in one and "fragmentation.py" not in one and "transformer" not in one
+    assert "--workloads transformer,transformer_full --pairs 20" in two and "fragmentation.py" in two
+    assert "-m pytest" not in two and "launch_bound" not in two and "scrape.py" not in two
     for line in one.splitlines()[1:] + two.splitlines()[1:]:
         assert f"--out {tmp_path}/" in line or f"--junitxml={tmp_path}/" in line, line
     assert "--pairs 4" in plan("--quick", "all")
