@@ -14,7 +14,8 @@ import yaml
 
 pytest.importorskip("grafana_foundation_sdk")
 
-from vramwatch import contract  # noqa: E402
+from promql_names import in_contract, metric_names  # noqa: E402
+
 from vramwatch.alerts.config import DEFAULT, MonitoringConfig  # noqa: E402
 from vramwatch.dashboards import build_all, render  # noqa: E402
 from vramwatch.dashboards import cli as dcli  # noqa: E402
@@ -178,49 +179,12 @@ def test_json_loads_back_into_the_sdk_model(dashboards):
 
 # --- metric names come from the contract ---
 
-_FUNCS = {"abs", "absent", "avg", "ceil", "changes", "clamp_max", "clamp_min", "count", "delta", "deriv",
-          "floor", "group", "histogram_quantile", "increase", "irate", "label_replace", "label_values", "max",
-          "min", "predict_linear", "quantile", "rate", "round", "scalar", "sort", "sort_desc", "sum", "time",
-          "topk", "bottomk", "vector", "avg_over_time", "max_over_time", "min_over_time", "stddev"}
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-             "offset", "inf", "nan"}
-_PROMETHEUS_OWN = {"ALERTS", "ALERTS_FOR_STATE"}
-
-
-def metric_names(expr: str) -> set[str]:
-    """Identifiers in a PromQL expression that name series (not functions, labels or keywords)."""
-    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings
-    e = re.sub(r"\$\{[^}]*\}|\$\w+", "1", e)  # template variables
-    e = re.sub(r"\{[^}]*\}", "", e)  # label matchers
-    e = re.sub(r"\[[^\]]*\]", "", e)  # ranges
-    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)  # label lists
-    names = set()
-    for mt in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", e):
-        word, rest = mt.group(0), e[mt.end():].lstrip()
-        if word in _KEYWORDS or (word in _FUNCS and rest.startswith("(")):
-            continue
-        if re.fullmatch(r"\d*e\d*", word):
-            continue
-        names.add(word)
-    return names
-
-
-def _in_contract(name: str) -> bool:
-    if name in contract.BY_NAME or name in _PROMETHEUS_OWN:
-        return True
-    for suffix in ("_bucket", "_sum", "_count"):
-        base = name[: -len(suffix)]
-        if name.endswith(suffix) and base in contract.BY_NAME and contract.spec(base).type == "histogram":
-            return True
-    return False
-
-
 def test_metric_name_extraction_finds_names_and_only_names():
     expr = ('sum by (job, le) (rate(foo_bucket{a=~"$x|b", c="d"}[$__rate_interval])) / on (job) group_left (gpu)'
             ' bar_total{x="y"} > 0.35 * time() - ${__from:date:seconds} or vector(0) and baz')
     assert metric_names(expr) == {"foo_bucket", "bar_total", "baz"}
-    assert not _in_contract("torch_cuda_memory_allocated") and not _in_contract("gpu_info_bucket")
-    assert _in_contract("vramwatch_training_step_duration_seconds_bucket")
+    assert not in_contract("torch_cuda_memory_allocated") and not in_contract("gpu_info_bucket")
+    assert in_contract("vramwatch_training_step_duration_seconds_bucket")
 
 
 def test_every_metric_in_every_query_is_in_the_contract(dashboards):
@@ -229,7 +193,7 @@ def test_every_metric_in_every_query_is_in_the_contract(dashboards):
         for expr in _exprs(d):
             names = metric_names(expr)
             assert names, f"{uid}: no metric in {expr!r}"
-            bad = {n for n in names if not _in_contract(n)}
+            bad = {n for n in names if not in_contract(n)}
             assert not bad, f"{uid}: {sorted(bad)} not in vramwatch.contract, in {expr!r}"
             used |= names
     # the families the issue asks the dashboards to show
