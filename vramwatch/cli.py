@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_)
         try:
             importlib.import_module(module).add_arguments(sp)
-        except ImportError:
-            sp.set_defaults(_missing=module)
+        except Exception as e:  # noqa: BLE001 - a broken optional part must never break `serve`
+            sp.set_defaults(_missing=f"{module} ({e})")
     return p
 
 
@@ -97,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return regenerate(check=args.check)
         if getattr(args, "_missing", None):
-            print(f"vramwatch {args.command}: needs {args._missing}, which is not installed", file=sys.stderr)
+            print(f"vramwatch {args.command}: unavailable: {args._missing}; is its extra installed?",
+                  file=sys.stderr)
             return 2
         return importlib.import_module(_PLUGINS[args.command][0]).run(args)
     except ConfigError as e:

@@ -85,7 +85,19 @@ class Handle:
         host = self.settings.host if self.settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.settings.port}/metrics"
+        scheme = "https" if self._tls() else "http"
+        return f"{scheme}://{host}:{self.settings.port}/metrics"
+
+    def _tls(self) -> bool:
+        if not self.settings.web_config_file:
+            return False
+        try:
+            import yaml
+
+            with open(self.settings.web_config_file, encoding="utf-8") as fh:
+                return bool((yaml.safe_load(fh) or {}).get("tls_server_config"))
+        except Exception:  # noqa: BLE001 - only for the URL we print
+            return False
 
     # --- lifecycle ---
     def start(self) -> None:

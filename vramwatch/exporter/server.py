@@ -110,13 +110,21 @@ def serve(settings: Settings, exit_when_idle: bool = False) -> int:
     """Run until SIGTERM/SIGINT (or, rank-started, until the ranks are gone). Returns an exit code."""
     server = Server(settings)
     try:
+        spool.ensure_dir(server.spool_dir)
+    except OSError as e:
+        log.error("vramwatch: cannot use the spool directory %s: %s", server.spool_dir, e.strerror or e)
+        return 1
+    try:
         if not server.open():
             log.warning("vramwatch: another server already serves %s", server.spool_dir)
             return 0 if exit_when_idle else 1
     except ConfigError:
         raise
     except OSError as e:
-        log.error("vramwatch: cannot listen on %s:%s: %s", settings.host, settings.port, e.strerror or e)
+        if e.filename:
+            log.error("vramwatch: cannot use %s: %s", e.filename, e.strerror or e)
+        else:
+            log.error("vramwatch: cannot listen on %s:%s: %s", settings.host, settings.port, e.strerror or e)
         server.close()
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):

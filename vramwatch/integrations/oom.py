@@ -247,7 +247,7 @@ class OomWatcher:
         if not d or self.dump is None:
             return None
         try:
-            os.makedirs(d, exist_ok=True)
+            os.makedirs(d, mode=0o700, exist_ok=True)  # snapshots hold stack frames and paths
             usage = self.disk_usage(d)
         except OSError as e:
             self._log_once("dir:" + type(e).__name__, "vramwatch: cannot write OOM snapshots into %s: %s", d, e)
@@ -268,7 +268,7 @@ class OomWatcher:
         path = os.path.join(d, name)
         tmp = os.path.join(d, "." + name + ".tmp")
         try:
-            with open(tmp, "wb") as fh:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
                 capped = _CappedFile(fh, cap)
                 pickle.dump(data, capped)
             size = capped.written
