@@ -22,11 +22,11 @@ from vramwatch.alerts.promql import (
     VALUE_DURATION,
     WARNING,
     alert,
-    duration,
     label,
     metric,
     num,
     percent,
+    stall_bound,
 )
 
 _PER_GPU_ONLY = ",".join(x for x in contract.RANK_DEVICE if x not in contract.RANK)  # uuid,device
@@ -36,12 +36,7 @@ _GPU_JOIN = "gpu," + ",".join(x for x in contract.RANK_DEVICE if x != "uuid")  #
 def stalled_ranks(cfg: MonitoringConfig) -> str:
     """Per rank: the heartbeat's age in seconds, where it exceeds the rank's bound."""
     hb = metric(cfg, "vramwatch_training_last_step_timestamp_seconds")
-    w = duration(cfg.stall_window)
-    s = metric(cfg, "vramwatch_training_step_duration_seconds_sum")
-    c = metric(cfg, "vramwatch_training_step_duration_seconds_count")
-    mean = f"rate({s}[{w}]) / rate({c}[{w}])"
-    low = num(cfg.stall_min_seconds)
-    bound = f"clamp_min({num(cfg.stall_factor)} * ({mean} > 0), {low})\n  or {hb} * 0 + {low}"
+    bound = stall_bound(cfg, lambda name: metric(cfg, name))
     return f"(time() - {hb})\n> (\n  {bound}\n)"
 
 

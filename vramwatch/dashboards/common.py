@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 from vramwatch import contract
+from vramwatch.alerts import promql
 from vramwatch.alerts.config import MonitoringConfig
 
 with warnings.catch_warnings():
@@ -273,15 +274,8 @@ def mean_step_seconds(s: Scope, window: str) -> str:
 
 
 def stall_bound(cfg: MonitoringConfig, s: Scope) -> str:
-    """How old a rank's heartbeat may get, as the stall alert computes it.
-
-    ``stall_factor`` x the mean step time over ``stall_window``, at least ``stall_min_seconds``;
-    when no step completed in the whole window the mean is undefined and the bound is the minimum.
-    """
-    low = num(cfg.stall_min_seconds)
-    last = f"{m('vramwatch_training_last_step_timestamp_seconds')}{s.rank}"
-    return (f"clamp_min({num(cfg.stall_factor)} * ({mean_step_seconds(s, cfg.stall_window)} > 0), {low})"
-            f" or {last} * 0 + {low}")
+    """How old a rank's heartbeat may get: the stall alert's own bound, with the dashboard's variables."""
+    return promql.stall_bound(cfg, lambda name: f"{name}{s.rank}").replace("\n ", "")
 
 
 def memory_limits(cfg: MonitoringConfig) -> dashboard.ThresholdsConfig:
