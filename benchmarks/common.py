@@ -76,9 +76,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_get(url: str, timeout: float = 5.0, gzip: bool = False) -> tuple[int, bytes, float]:
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+def http_get(url: str, timeout: float = 5.0, gzip: bool = False, accept: str = "") -> tuple[int, bytes, float]:
     """(status, body, seconds from request to the last byte); status 0 on a connection error."""
     headers = {"Accept-Encoding": "gzip"} if gzip else {}
+    if accept:
+        headers["Accept"] = accept
     req = urllib.request.Request(url, headers=headers)
     t0 = time.perf_counter()
     try:
@@ -100,14 +105,75 @@ def wait_http(url: str, timeout: float, interval: float = 0.05) -> bool:
     return False
 
 
-def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    from prometheus_client.parser import text_string_to_metric_families
+def parse_metrics(text: str, openmetrics: bool = False) -> dict[str, list[tuple[dict[str, str], float]]]:
+    if openmetrics:
+        from prometheus_client.openmetrics.parser import text_string_to_metric_families
+    else:
+        from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out.setdefault(s.name, []).append((dict(s.labels), s.value))
     return out
+
+
+class OpenMetricsRecorder:
+    """Polls of one target, merged into one OpenMetrics file with timestamps (for ``promtool tsdb
+    create-blocks-from openmetrics``, so a recorded run can be queried and reported later).
+
+    Keeps gauges and counters (histograms' points would need regrouping), adds ``job`` and
+    ``instance`` labels, and groups each series' samples in time order, as OpenMetrics wants.
+    """
+
+    KINDS = ("gauge", "counter", "unknown")
+
+    def __init__(self, job: str, instance: str) -> None:
+        self.extra = f'job="{job}",instance="{instance}"'
+        self.meta: dict[str, list[str]] = {}
+        self.kind: dict[str, str] = {}
+        self.series: dict[str, dict[str, list[str]]] = {}
+
+    def add(self, text: str, t: float) -> None:
+        fam = None
+        for line in text.splitlines():
+            if not line or line == "# EOF":
+                continue
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE", "UNIT"):
+                    fam = parts[2]
+                    if parts[1] == "TYPE":
+                        self.kind[fam] = parts[3].strip() if len(parts) > 3 else "unknown"
+                    meta = self.meta.setdefault(fam, [])
+                    if not any(m.split(" ", 2)[1] == parts[1] for m in meta):
+                        meta.append(line)
+                continue
+            if fam is None or self.kind.get(fam, "unknown") not in self.KINDS:
+                continue
+            key, _, value = line.rpartition(" ")
+            if "{" in key:
+                name, labels = key.split("{", 1)
+                key = f"{name}{{{self.extra},{labels}" if labels != "}" else f"{name}{{{self.extra}}}"
+            else:
+                key = f"{key}{{{self.extra}}}"
+            self.series.setdefault(fam, {}).setdefault(key, []).append(f"{key} {value} {t:.3f}")
+
+    def write(self, path: str | os.PathLike) -> int:
+        """Write the file (gzip-compressed when the name ends in .gz); returns the number of samples."""
+        import gzip as gz
+
+        n = 0
+        opener = gz.open if str(path).endswith(".gz") else open
+        with opener(path, "wt", encoding="utf-8") as fh:
+            for fam, rows in self.series.items():
+                for m in self.meta.get(fam, []):
+                    fh.write(m + "\n")
+                for lines in rows.values():
+                    fh.write("\n".join(lines) + "\n")
+                    n += len(lines)
+            fh.write("# EOF\n")
+        return n
 
 
 # --- CPU clocks ---

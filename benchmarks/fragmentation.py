@@ -223,8 +223,8 @@ def child(a: dict[str, Any]) -> int:
 # ----------------------------------------------------------------------------------------------
 # the parent: one fresh process per variant, observed through /metrics
 # ----------------------------------------------------------------------------------------------
-def row_from_scrape(text: str, rank: str = "0") -> dict[str, Any] | None:
-    m = common.parse_metrics(text)
+def row_from_scrape(text: str, rank: str = "0", openmetrics: bool = False) -> dict[str, Any] | None:
+    m = common.parse_metrics(text, openmetrics=openmetrics)
     row: dict[str, Any] = {}
     for name, key in SERIES.items():
         for labels, value in m.get(name, []):
@@ -260,6 +260,7 @@ def run_variant(name: str, conf: str, args: argparse.Namespace, workdir: str) ->
         env["PYTORCH_CUDA_ALLOC_CONF"] = conf
     log = open(os.path.join(workdir, f"{name}.log"), "ab")
     t_start = time.monotonic()
+    t_start_epoch = time.time()
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
                             env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}/metrics"
@@ -267,12 +268,15 @@ def run_variant(name: str, conf: str, args: argparse.Namespace, workdir: str) ->
     info = None
     scrape_errors = 0
     deadline = t_start + args.seconds + 180
+    recorder = common.OpenMetricsRecorder("vramwatch-fragmentation", name)
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             t = time.monotonic()
-            status, body, _ = common.http_get(url, timeout=5)
+            status, body, _ = common.http_get(url, timeout=5, accept=common.OPENMETRICS)
             if status == 200:
-                row = row_from_scrape(body.decode())
+                text = body.decode()
+                recorder.add(text, time.time())
+                row = row_from_scrape(text, openmetrics=text.rstrip().endswith("# EOF"))
                 if row is not None:
                     info = row.pop("_info", info)
                     row["t"] = round(t - t_start, 3)
@@ -292,7 +296,12 @@ def run_variant(name: str, conf: str, args: argparse.Namespace, workdir: str) ->
         own = {"error": f"no result (exit {proc.returncode})"}
     if "error" in own:
         own["log_tail"] = Path(log.name).read_bytes()[-3000:].decode(errors="replace")
+    om = None
+    if args.out:  # the whole scrape, for `promtool tsdb create-blocks-from openmetrics` and a report
+        om = f"{os.path.splitext(os.path.basename(args.out))[0]}.{name}.om.gz"
+        recorder.write(os.path.join(os.path.dirname(os.path.abspath(args.out)), om))
     return {"alloc_conf": conf, "allocator_info": info, "series": series, "scrape_errors": scrape_errors,
+            "openmetrics_file": om, "t_start_epoch": t_start_epoch,
             "summary": summarize(series), "run": own}
 
 
@@ -324,6 +333,83 @@ def summarize(series: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def find_tool(name: str) -> str | None:
+    """promtool / prometheus: TEST_TOOLS_DIR, the Makefile's unpacked Debian packages, then PATH."""
+    dirs = [os.environ.get("TEST_TOOLS_DIR", ""), str(common.ROOT / ".cache" / "debian" / "usr" / "bin")]
+    for d in dirs:
+        if d and os.access(os.path.join(d, name), os.X_OK):
+            return os.path.join(d, name)
+    return shutil.which(name)
+
+
+def report(json_path: str, report_dir: str, variants: list[str] | None = None) -> dict[str, Any]:
+    """Backfill each variant's recorded scrape into a throwaway Prometheus and run `vramwatch report` on it.
+
+    Runs where the recording is reviewed (needs prometheus, promtool and the report extras), not on the
+    GPU machine. Returns {variant: html path or the reason it failed}.
+    """
+    data = common.read_json(json_path)
+    base = os.path.dirname(os.path.abspath(json_path))
+    promtool, prometheus = find_tool("promtool"), find_tool("prometheus")
+    if not promtool or not prometheus:
+        raise SystemExit("--report needs promtool and prometheus (make tools unpacks them into .cache/debian)")
+    os.makedirs(report_dir, exist_ok=True)
+    done: dict[str, Any] = {}
+    for name, v in data["variants"].items():
+        if variants and name not in variants:
+            continue
+        if not v.get("openmetrics_file") or not v.get("series"):
+            done[name] = "no recording"
+            continue
+        tmp = tempfile.mkdtemp(prefix="vwbench-report-")
+        proc = None
+        try:
+            tsdb = os.path.join(tmp, "data")
+            src = os.path.join(base, v["openmetrics_file"])
+            if src.endswith(".gz"):
+                import gzip
+
+                plain = os.path.join(tmp, "recording.om")
+                with gzip.open(src, "rb") as fin, open(plain, "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
+                src = plain
+            subprocess.run([promtool, "tsdb", "create-blocks-from", "openmetrics", src, tsdb],
+                           check=True, capture_output=True, timeout=120)
+            cfg = os.path.join(tmp, "prometheus.yml")
+            with open(cfg, "w", encoding="utf-8") as fh:
+                fh.write("global:\n  scrape_interval: 1s\nscrape_configs: []\n")
+            port = common.free_port()
+            log = open(os.path.join(tmp, "prometheus.log"), "ab")
+            proc = subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tsdb}",
+                                     f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=10y"],
+                                    stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            url = f"http://127.0.0.1:{port}"
+            if not common.wait_http(url + "/-/ready", timeout=60):
+                raise RuntimeError("prometheus did not become ready")
+            t0 = v["series"][0]["t"] + v.get("t_start_epoch", 0.0)
+            t1 = v["series"][-1]["t"] + v.get("t_start_epoch", 0.0)
+            html = os.path.join(report_dir, f"fragmentation-{name}.html")
+            r = subprocess.run([sys.executable, "-m", "vramwatch", "report", "--prometheus", url,
+                                "--start", str(t0 - 1), "--end", str(t1 + 1), "--scrape-interval", "1s",
+                                "--var", "job=vramwatch-fragmentation", "--out", html, "--quiet"],
+                               capture_output=True, text=True, timeout=600, env=common.child_env())
+            done[name] = html if r.returncode == 0 else f"vramwatch report exit {r.returncode}: {r.stderr[-1500:]}"
+            common.progress(f"report {name}: {done[name]}")
+        except (subprocess.SubprocessError, OSError, RuntimeError) as e:
+            done[name] = repr(e)
+            common.progress(f"report {name} failed: {e!r}")
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/fragmentation.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -349,11 +435,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll", type=float, default=0.5, help="seconds between scrapes of /metrics")
     p.add_argument("--quick", action="store_true", help="10 s per variant")
     p.add_argument("--out", default="")
+    p.add_argument("--report", metavar="FRAGMENTATION_JSON",
+                   help="instead of running: turn a recorded run into one `vramwatch report` HTML per variant "
+                        "(backfills each .om recording into a throwaway Prometheus; needs promtool, prometheus "
+                        "and the report extras)")
+    p.add_argument("--report-dir", default="reports", help="where --report writes the HTML files")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cut by `timeout`: save, clean up
     if args.child:
         return child(json.loads(args.child))
+    if args.report:
+        wanted = [v for v in args.variants.split(",") if v] if args.variants != ",".join(VARIANTS) else None
+        res = report(args.report, args.report_dir, wanted)
+        print(json.dumps(res, indent=1))
+        return 0 if all(str(v).endswith(".html") for v in res.values()) else 1
     if args.quick:
         args.seconds = min(args.seconds, 10.0)
     if args.device != "cuda":

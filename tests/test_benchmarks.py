@@ -221,3 +221,22 @@ def test_overhead_check_reads_json_strictly(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"launch_bound": {"pairs": 3}}))
     assert "step_call_us" in overhead.missing_keys(common.read_json(bad))
+
+
+@pytest.mark.slow
+def test_smoke_fragmentation_recording_becomes_a_report(smoke, tmp_path):
+    """The recorded scrape backfills into Prometheus and `vramwatch report` draws it (where the run is reviewed)."""
+    from harness import tool
+
+    tools = os.path.dirname(tool("promtool"))
+    tool("prometheus")
+    out, _ = smoke
+    data = common.read_json(out / "fragmentation.json")
+    assert all((out / v["openmetrics_file"]).exists() for v in data["variants"].values())
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fragmentation.py"), "--report",
+                        str(out / "fragmentation.json"), "--report-dir", str(tmp_path), "--variants", "default"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, TEST_TOOLS_DIR=tools))
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    html = (tmp_path / "fragmentation-default.html").read_text()
+    assert "vramwatch report" in html and "job = vramwatch-fragmentation" in html
+    assert html.count("<img") > 10
