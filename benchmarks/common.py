@@ -396,6 +396,9 @@ class Scraper:
             [sys.executable, str(Path(__file__).resolve()), "scrape-loop", "--url-file", self.url_file,
              "--out", self.out, "--interval", str(interval), "--parent", str(os.getpid())],
             stdin=subprocess.DEVNULL, env=child_env())
+        deadline = time.monotonic() + 15  # up before the first run, so its start-up overlaps none
+        while not os.path.exists(self.out) and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def set_url(self, url: str) -> None:
         tmp = self.url_file + ".tmp"

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -397,7 +398,11 @@ class Runner:
                     return -9
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12 warns on fork() beside any thread; import torch starts one (idle, as with
+            # DataLoader workers, which fork the same way); the parent holds no lock a run needs
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:  # the run: a fresh process that has never seen vramwatch nor CUDA
             code = 1
             try:
@@ -471,7 +476,7 @@ def run_pairs(runner: Runner, args: argparse.Namespace, workload: str,
         t0 = time.monotonic()
         row = []
         for name, kind, vw in variants:
-            res = runner.run(workload, kind, vw)
+            res = runner.run(workload, kind, None if args.sham else vw)
             runs[name].append(res)
             if "error" in res:
                 errors += 1
@@ -680,6 +685,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="transformer implementation: transformers' GPT-2 (hf), a plain-torch one (builtin), "
                         "or hf when importable (auto)")
     p.add_argument("--no-loss", action="store_true", help="call step() without the loss tensor")
+    p.add_argument("--sham", action="store_true",
+                   help="a check of the harness: the 'with' runs run without vramwatch too (an A/A through "
+                        "the whole A B sequence; any ratio away from 1 is the harness's own bias)")
     p.add_argument("--status-every", type=int, default=10, help="transformer_full: status line every N steps")
     p.add_argument("--oom-history-entries", type=int, default=100000, help="transformer_full: allocator history")
     p.add_argument("--scrape-interval", type=float, default=1.0)
