@@ -733,12 +733,19 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
             return bool(res) and res[0]["value"][1] == "1" and res[0]["metric"]["instance"] == f"127.0.0.1:{exp_port}"
 
         wait_until(up, 60, "Prometheus to scrape the demo (up == 1)", interval=0.5)
+
+        def steps() -> bool:
+            q = urllib.parse.urlencode({"query": 'vramwatch_training_steps_total{job="vramwatch"} > 0'})
+            return bool(json.loads(http_get(f"{prom}/api/v1/query?{q}")[1])["data"]["result"])
+
+        wait_until(steps, 60, "the demo rank's steps in Prometheus", interval=0.5)
         assert http_get(f"http://127.0.0.1:{am_port}/-/ready")[0] == 200
         rules = json.loads(http_get(f"{prom}/api/v1/rules")[1])["data"]["groups"]
         assert rules and all(g["file"] == str(RULES) for g in rules), "the generated rules are loaded"
         ams = json.loads(http_get(f"{prom}/api/v1/alertmanagers")[1])["data"]["activeAlertmanagers"]
         assert [a["url"] for a in ams] == [f"http://127.0.0.1:{am_port}/api/v2/alerts"]
         assert _processes_mentioning(work), "Prometheus and Alertmanager run with the stack's directory"
+        time.sleep(2.5)  # the rank-started server polls its ranks each second: let it see one before Ctrl-C
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, as a terminal sends it to the foreground group
         assert proc.wait(timeout=60) == 130
     finally:
@@ -752,4 +759,10 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
     assert not Path(work).exists(), "the stack's directory is left behind"
     assert not _processes_mentioning(work), "a server outlived the stack"
     assert not _processes_mentioning(f"--port {exp_port}"), "the demo outlived the stack"
-    _wait_port_closed(exp_port, 20)  # the rank-started exporter leaves after its linger (1 s)
+    try:
+        _wait_port_closed(exp_port, 20)  # the rank-started exporter leaves after its linger (1 s)
+    except AssertionError:
+        spool = tmp_path / "spool"
+        raise AssertionError(f"exporter still up; spool: {sorted(p.name for p in spool.iterdir())}; "
+                             f"server.log: {(spool / 'server.log').read_text()[-3000:]}; "
+                             f"servers: {_processes_mentioning('vramwatch serve')}") from None
