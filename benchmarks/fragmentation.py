@@ -91,13 +91,13 @@ def run_cuda(a: dict[str, Any], vw: Any) -> dict[str, Any]:
     H, V = a["hidden"], a["vocab"]
 
     def block(dtype: torch.dtype, trainable: bool) -> nn.Module:
-        b = nn.Sequential(nn.LayerNorm(H), nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
-        b = b.to(device=dev, dtype=dtype)
+        kw = {"device": dev, "dtype": dtype}  # made (and initialised) where it lives
+        b = nn.Sequential(nn.LayerNorm(H, **kw), nn.Linear(H, 4 * H, **kw), nn.GELU(), nn.Linear(4 * H, H, **kw))
         for p in b.parameters():
             p.requires_grad_(trainable)
         return b
 
-    emb = nn.Embedding(V, H).to(device=dev, dtype=torch.bfloat16).requires_grad_(False)
+    emb = nn.Embedding(V, H, device=dev, dtype=torch.bfloat16).requires_grad_(False)
     frozen = nn.ModuleList(block(torch.bfloat16, False) for _ in range(a["frozen_layers"]))
     train = nn.ModuleList(block(torch.float32, True) for _ in range(a["trainable_layers"]))
     params = [p for p in train.parameters()]

@@ -240,3 +240,17 @@ def test_smoke_fragmentation_recording_becomes_a_report(smoke, tmp_path):
     html = (tmp_path / "fragmentation-default.html").read_text()
     assert "vramwatch report" in html and "job = vramwatch-fragmentation" in html
     assert html.count("<img") > 10
+
+
+def test_fragmentation_training_loop_runs_on_the_cpu(tmp_path):
+    """The GPU run's torch loop (frozen base, trainable blocks, kept slices, big requests), on the CPU."""
+    out = tmp_path / "f.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fragmentation.py"), "--device", "cpu-torch",
+                        "--variants", "default", "--seconds", "1", "--hidden", "64", "--vocab", "100",
+                        "--min-len", "8", "--max-len", "64", "--batch", "2", "--frozen-layers", "1",
+                        "--trainable-layers", "1", "--big-every", "2", "--big-gib", "0.001", "--keep-steps", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = common.read_json(out)["variants"]["default"]["run"]
+    assert "error" not in run, run
+    assert run["steps"] >= 2 and run["big_requests"] >= 1 and run["caught_ooms"] == 0
