@@ -90,7 +90,10 @@ def _wait_ready(name: str, proc: subprocess.Popen, url: str, log: Path, timeout:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise StackError(f"{name} exited with {proc.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
+            tail = log.read_text(errors="replace")[-2000:]
+            hint = ("\n(`make tools` installs the templates Debian's alertmanager reads)"
+                    if "default.tmpl" in tail else "")
+            raise StackError(f"{name} exited with {proc.returncode}:\n{tail}{hint}")
         if _get(url) == 200:
             return
         time.sleep(0.2)

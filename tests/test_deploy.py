@@ -3,7 +3,7 @@
 - Prometheus: `promtool check config` on deploy/prometheus/prometheus.yml, its loopback rewrite, and every
   configuration in docs/scale.md; `promtool check rules`; Alertmanager: `amtool check-config`.
 - Kubernetes: every manifest, as written and as kustomize renders it (base, sidecar component, the README's
-  overlay), against the Kubernetes 1.29 schemas (kubernetes-validate, strict: unknown fields fail) and the
+  overlay), against the Kubernetes 1.29 and 1.33 schemas (kubernetes-validate, strict: unknown fields fail) and the
   Prometheus Operator CRDs' openAPIV3Schema (jsonschema, made strict the same way), plus what the schemas
   cannot see: selectors that match the pods, named ports that exist, settings vramwatch accepts.
 - Compose: parsed, every mounted path exists, and the paths the containers read resolve to repo files.
@@ -43,8 +43,9 @@ ALERTMANAGER_YML = DEPLOY / "alertmanager" / "alertmanager.yml"
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
 CRDS = ROOT / "tests" / "data" / "schemas" / "prometheus-operator"
 SCALE_MD = ROOT / "docs" / "scale.md"
-# the oldest Kubernetes with native sidecars on by default (beta in 1.29); 1.27 predates the field
-K8S_VERSION = "1.29.0"
+# the oldest Kubernetes with native sidecars on by default (beta in 1.29; 1.27 predates the field), and the
+# release where they went GA
+K8S_VERSIONS = ("1.29.0", "1.33.0")
 
 
 def _load_module(path: Path, name: str):
@@ -351,7 +352,8 @@ def _validate(obj: dict, crd_validators) -> None:
         assert not errors, "; ".join(f"{list(e.path)}: {e.message}" for e in errors)
     else:
         assert obj["apiVersion"].split("/")[0] != "monitoring.coreos.com", f"no CRD schema for {key}"
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
 
 
 @pytest.mark.parametrize("path", _manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
