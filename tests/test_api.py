@@ -156,3 +156,16 @@ def test_a_tensor_loss_is_not_kept_alive():
     assert hb.snapshot()["loss"] == 6.0  # the last value stays published
     hb.step(loss=0.5)
     assert hb.snapshot()["loss"] == 0.5
+
+
+def test_a_rank_started_server_leaves_even_when_its_rank_died_at_once(tmp_path):
+    from harness import free_port, wait_until
+
+    port = free_port()
+    spool_dir = str(tmp_path / "s")
+    code = (f"import os, vramwatch\nvramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, linger=1)\n"
+            "os._exit(0)\n")  # gone before the server's idle loop ever sees it alive
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=30)
+    wait_until(lambda: spool.server_running(spool_dir), 10, "the server to start")
+    wait_until(lambda: not spool.server_running(spool_dir), 15, "the server to leave well before the 60 s grace")

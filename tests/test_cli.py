@@ -75,3 +75,25 @@ def test_demo_runs_simulated_and_prints_the_url(tmp_path):
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert "done" in out
+
+
+def test_demo_sigterm_stops_its_ranks(tmp_path):
+    import signal
+    import time
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vramwatch", "demo", "--real", "no", "--port", str(port),
+         "--spool-dir", str(tmp_path / "s"), "--ranks", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")})
+    assert "metrics" in proc.stdout.readline()
+    time.sleep(2)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 2
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,16 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _sigterm_as_interrupt() -> None:
+    # SIGTERM (a supervisor, `kill`) ends the demo like Ctrl-C: ranks stopped, nothing orphaned
+    def handler(signum, frame):  # noqa: ANN001, ARG001
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    _sigterm_as_interrupt()
     real = args.real == "yes" or (args.real == "auto" and _has_cuda())
     settings, _ = cli.settings_from_args(args, simulate=not real)
     end = time.time() + args.duration if args.duration > 0 else float("inf")
@@ -76,7 +86,7 @@ def _simulated(settings, ranks: int, end: float, url: str) -> int:
     procs = []
     for r in range(ranks):
         e = dict(env, RANK=str(r), LOCAL_RANK=str(r), CUDA_VISIBLE_DEVICES=str(r))
-        cmd = [sys.executable, "-m", "vramwatch.sim.scenario", "--t0", str(t0)]
+        cmd = [sys.executable, "-m", "vramwatch.sim.scenario", "--t0", str(t0), "--parent", str(os.getpid())]
         if r == ranks - 1:
             cmd.append("--stall")
         procs.append(subprocess.Popen(cmd, env=e))

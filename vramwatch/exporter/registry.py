@@ -23,6 +23,11 @@ class ExporterCollector:
         self.hostname = settings.resolved_hostname()
         self.spool_health = Health()
         self.last_ranks = 0
+        self._served_at: float | None = None
+
+    def served_ranks_since(self, t: float) -> bool:
+        """Whether a scrape after monotonic time ``t`` carried any rank."""
+        return self._served_at is not None and self._served_at >= t
 
     def describe(self) -> list[Metric]:
         return []  # keeps registration from running a collection
@@ -43,6 +48,8 @@ class ExporterCollector:
             self.spool_health.failed("spool", "vramwatch: reading the spool failed: %r", e)
         self.spool_health.duration = time.perf_counter() - t0
         self.last_ranks = len(samples)
+        if samples:
+            self._served_at = time.monotonic()
         return ScrapeContext(tuple(samples), time.time(), self.hostname)
 
     def collect(self) -> Iterable[Metric]:

@@ -79,6 +79,9 @@ class Server:
                 now = time.monotonic()
                 if spool.read_samples(self.spool_dir, self.settings.max_ranks, reap=False):
                     last_seen = now
+                elif last_seen is None and (spool.any_rank_files(self.spool_dir)
+                                            or self.exporter.served_ranks_since(started)):
+                    last_seen = now  # a rank came and went before this loop saw it alive: linger from now
                 elif last_seen is None and now - started > _FIRST_RANK_GRACE:
                     log.warning("vramwatch: no rank published within %.0f s; exiting", _FIRST_RANK_GRACE)
                     break

@@ -203,6 +203,14 @@ def _read_record(path: str, tries: int = 5) -> dict[str, Any] | None:
     return None
 
 
+def any_rank_files(spool_dir: str) -> bool:
+    """Whether any rank, alive or dead and not yet reaped, has published here."""
+    try:
+        return any(_RANK_FILE.match(n) for n in os.listdir(spool_dir))
+    except OSError:
+        return False
+
+
 def sample_age(sample: RankSample, now: float | None = None) -> float:
     now = time.time() if now is None else now
     return max(0.0, now - float(sample.data.get("time", sample.mtime)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import vramwatch
@@ -47,7 +48,8 @@ def drive_node(node: SimNode, t: float, stalled_gpus: set[int]) -> None:
         g.throttle_mask = 0x4 if g.power_w > 590 else 0
 
 
-def run_rank(t0: float, duration: float, stall_me: bool, fill_gib: float, steps_per_second: float) -> None:
+def run_rank(t0: float, duration: float, stall_me: bool, fill_gib: float, steps_per_second: float,
+             parent: int = 0) -> None:
     h = vramwatch.start(simulate=True)
     sim = h.sim
     assert sim is not None
@@ -58,6 +60,8 @@ def run_rank(t0: float, duration: float, stall_me: bool, fill_gib: float, steps_
     end = time.time() + duration if duration > 0 else float("inf")
     step = 0
     while time.time() < end:
+        if parent and os.getppid() != parent:
+            break  # the demo that started us is gone: so are we
         t = time.time() - t0
         p = phase(t)
         if p == "stall" and stall_me:
@@ -94,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall", action="store_true")
     ap.add_argument("--fill-gib", type=float, default=60.0)
     ap.add_argument("--steps-per-second", type=float, default=10.0)
+    ap.add_argument("--parent", type=int, default=0, help="exit when this process is no longer our parent")
     a = ap.parse_args(argv)
-    run_rank(a.t0, a.duration, a.stall, a.fill_gib, a.steps_per_second)
+    try:
+        run_rank(a.t0, a.duration, a.stall, a.fill_gib, a.steps_per_second, a.parent)
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: leave quietly
+        vramwatch.stop()
     return 0
 
 
