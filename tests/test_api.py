@@ -169,3 +169,25 @@ def test_a_rank_started_server_leaves_even_when_its_rank_died_at_once(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=30)
     wait_until(lambda: spool.server_running(spool_dir), 10, "the server to start")
     wait_until(lambda: not spool.server_running(spool_dir), 15, "the server to leave well before the 60 s grace")
+
+
+def test_eight_ranks_starting_together_spawn_one_server(tmp_path):
+    from harness import free_port, http_get, wait_until
+
+    port = free_port()
+    spool_dir = str(tmp_path / "s")
+    code = ("import sys, time, vramwatch\n"
+            f"vramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, interval=0.1, linger=1, "
+            "rank=int(sys.argv[1]))\n"
+            "for _ in range(80):\n    vramwatch.step(); time.sleep(0.05)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env) for r in range(8)]
+    try:
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/metrics", 1)[1].count(b"vramwatch_rank_info{") == 8,
+                   20, "all eight ranks in one target")
+        log = open(os.path.join(spool_dir, "server.log")).read()
+        assert log.count("serving http") == 1, log
+        assert "another server already serves" not in log, "only one rank should have tried"
+    finally:
+        for p in procs:
+            p.wait(timeout=30)

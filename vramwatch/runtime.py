@@ -75,6 +75,7 @@ class Handle:
         self._stop = threading.Event()
         self._publisher: spool.RankPublisher | None = None
         self._server_proc: subprocess.Popen | None = None
+        self._spawn_lock_fd: int | None = None
         self._next_server_check = 0.0
         self._spawn_backoff = 2.0
         self._thread: threading.Thread | None = None
@@ -131,6 +132,7 @@ class Handle:
             teardown(self)
         except Exception:  # noqa: BLE001
             pass
+        self._release_spawn_lock()
         if self._publisher is not None and os.getpid() == self._pid:
             self._publisher.close()
         self._publisher = None
@@ -230,6 +232,7 @@ class Handle:
             return
         if spool.server_running(self.spool_dir):
             self._server_proc = None
+            self._release_spawn_lock()
             self._spawn_backoff = 2.0
             self._next_server_check = now + 5.0
             return
@@ -237,8 +240,19 @@ class Handle:
             self._oncelog("server-exit", "vramwatch: the server exited with %s; see %s",
                           proc.returncode, os.path.join(self.spool_dir, "server.log"))
             self._spawn_backoff = min(self._spawn_backoff * 2, _SPAWN_BACKOFF_MAX)
+        elif self._spawn_lock_fd is None:
+            # eight local ranks finding no server at once: only the one holding spawn.lock starts it
+            self._spawn_lock_fd = spool.hold_lock(os.path.join(self.spool_dir, "spawn.lock"))
+            if self._spawn_lock_fd is None:
+                self._next_server_check = now + 2.0
+                return
         self._server_proc = spawn_server(self.settings, self.spool_dir)
         self._next_server_check = now + self._spawn_backoff
+
+    def _release_spawn_lock(self) -> None:
+        if self._spawn_lock_fd is not None:
+            os.close(self._spawn_lock_fd)
+            self._spawn_lock_fd = None
 
 
 def spawn_server(settings: Settings, spool_dir: str) -> subprocess.Popen:
