@@ -61,6 +61,22 @@ def server(tmp_path):
     exp.stop()
 
 
+def test_power_follows_nvidia_smi(server):
+    """Power moves within a second (an idle H200 swings 80-120 W as contexts come and go), and our
+    snapshot may be a second older than nvidia-smi's reading: compare the median gap of paired reads."""
+    gaps: dict[str, list[float]] = {}
+    for _ in range(6):
+        ours = by_uuid(server.metrics(), "gpu_power_watts")
+        for uuid, r in smi().items():
+            want = number(r["power.draw"])
+            if want is not None and uuid in ours:
+                gaps.setdefault(uuid, []).append(abs(ours[uuid] - want))
+        time.sleep(1.0)
+    for uuid, g in gaps.items():
+        g.sort()
+        assert g[len(g) // 2] <= 25.0, f"power of {uuid}: gaps to nvidia-smi {g} W"
+
+
 def test_figures_match_nvidia_smi(server):
     before = server.metrics()
     ref = smi()
@@ -88,7 +104,6 @@ def test_figures_match_nvidia_smi(server):
         total = number(r["memory.total"])
         near("gpu_memory_total_bytes", uuid, total, 1.0, MIB)
         near("gpu_memory_used_bytes", uuid, number(r["memory.used"]), max(256.0, 0.02 * (total or 0)), MIB)
-        near("gpu_power_watts", uuid, number(r["power.draw"]), max(25.0, 0.15 * (number(r["power.draw"]) or 0)))
         near("gpu_power_limit_watts", uuid, number(r["enforced.power.limit"]), 1.0)
         near("gpu_temperature_celsius", uuid, number(r["temperature.gpu"]), 3.0)
         near("gpu_sm_clock_hertz", uuid, number(r["clocks.sm"]), 150.0, 1e6)
@@ -202,7 +217,9 @@ def test_server_creates_no_cuda_context(tmp_path):
         time.sleep(2.5)  # a few more NVML and process reads with the rank's context on the card
         probe = json.loads(report.read_text())
         assert probe["torch"] is False, "the server imported torch"
-        assert probe["libcuda"] is False and probe["libtorch"] is False, "the server loaded CUDA or torch"
+        # libcuda.so is mapped by nvmlInit itself on driver 580 (measured: any NVML user maps it); a
+        # mapped library is not a context: NVML's process list below is what shows a context
+        assert probe["libtorch"] is False, "the server loaded torch"
         pynvml.nvmlInit()
         pids: dict[str, set[int]] = {}
         for _ in range(5):  # a few looks over two seconds of NVML and process reads
