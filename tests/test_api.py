@@ -136,7 +136,7 @@ def test_rank_starts_the_server_and_it_leaves_after_the_ranks(tmp_path):
         proc.kill()
 
 
-def test_a_tensor_loss_is_not_kept_alive():
+def test_a_tensor_loss_does_not_keep_its_graph_alive():
     import gc
     import weakref
 
@@ -146,14 +146,17 @@ def test_a_tensor_loss_is_not_kept_alive():
 
     hb = Heartbeat()
     w = torch.ones(3, requires_grad=True)
-    loss = (w * 2).sum()
+    activation = w * 2  # what the graph saves for backward
+    loss = activation.sum()
     probe = weakref.ref(loss)
     hb.step(loss=loss)
-    assert hb.snapshot()["loss"] == 6.0
-    del loss
+    assert hb.loss is not loss and hb.loss.grad_fn is None, "kept detached"
+    del loss, activation
     gc.collect()
     assert probe() is None, "the heartbeat must not keep the job's loss (and its graph) alive"
-    assert hb.snapshot()["loss"] == 6.0  # the last value stays published
+    assert hb.snapshot()["loss"] == 6.0  # the value is still published
+    hb.step(loss=torch.tensor(0.25))  # a detached tensor the job keeps no reference to
+    assert hb.snapshot()["loss"] == 0.25
     hb.step(loss=0.5)
     assert hb.snapshot()["loss"] == 0.5
 
