@@ -268,7 +268,7 @@ class OomWatcher:
         path = os.path.join(d, name)
         tmp = os.path.join(d, "." + name + ".tmp")
         try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
                 capped = _CappedFile(fh, cap)
                 pickle.dump(data, capped)
             size = capped.written
