@@ -12,7 +12,7 @@
 # each phase gets at most what is left (the overhead benchmark stops starting pairs in time and keeps
 # what it measured; the others are cut by `timeout`). Wheels in .whl/ (nvitop, nvitop-exporter, pytest)
 # are unpacked into a private directory when the interpreter lacks them. VW_BENCH_COMMIT names the
-# commit when .git did not travel. Merge the overhead parts afterwards with
+# commit when .git did not travel. PACK=1 packs every output into $OUT/results.tgz. Merge the overhead parts afterwards with
 #   python3 benchmarks/overhead.py --merge OUT1/overhead-part1.json OUT2/overhead-part2.json --out overhead.json
 set -u
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -206,4 +206,7 @@ if f:
 print(open(os.path.join(out, "phases.txt")).read())
 EOF
 rm -rf "$WHL_SITE"
+# PACK=1: the device tool returns at most 8 files, so pack them all into one archive (+ two small logs)
+[ "${PACK:-0}" = 1 ] && ( cd "$OUT" && tar czf results.tgz --exclude results.tgz ./* && find . -maxdepth 1 -type f \
+    ! -name results.tgz ! -name phases.txt ! -name environment.txt -delete ) || true
 say "done; files in $OUT"
