@@ -15,11 +15,12 @@ import os
 import time
 
 import vramwatch
-from vramwatch.sim.allocator import SimOutOfMemoryError
+from vramwatch.sim.allocator import SimAllocator, SimOutOfMemoryError
 from vramwatch.sim.state import SimNode
 
 GIB = 1 << 30
 CYCLE = 120.0
+BUDGET_FRACTION = 0.5  # of the simulated card: 60 GiB held leaves room for fragmentation, not for much more
 PHASES = ((0.0, "warmup"), (20.0, "finetune"), (70.0, "pressure"), (80.0, "stall"), (95.0, "recover"))
 
 
@@ -48,45 +49,62 @@ def drive_node(node: SimNode, t: float, stalled_gpus: set[int]) -> None:
         g.throttle_mask = 0x4 if g.power_w > 590 else 0
 
 
+class RankStory:
+    """One rank's allocator through the cycle; ``step(t)`` is one training step at scenario time t."""
+
+    def __init__(self, sim: SimAllocator, fill_gib: float, steps_per_second: float) -> None:
+        self.sim = sim
+        sim.init(0)
+        sim.set_memory_fraction(BUDGET_FRACTION)  # a capped job, as on a shared card
+        self.limit = sim.limit_bytes(0)
+        self.fill = int(fill_gib * GIB)
+        self.chunk = int(fill_gib * GIB / (20 * steps_per_second))  # filled over the 20 s warm-up
+        self.held = 0
+        self.steps = 0
+        self._oom_cycle = -1
+
+    def step(self, t: float) -> None:
+        sim, p = self.sim, phase(t)
+        if p == "warmup" and self.held < self.fill:
+            sim.allocate(self.chunk)
+            self.held += self.chunk
+        try:
+            sim.allocate(int(0.5 * GIB))  # activations
+            if p == "pressure":
+                # variable-length sequences near the budget: a longer one finds no cached block that
+                # fits, and cudaMalloc succeeds only after the cache is flushed (a retry) ...
+                sim.allocate(int(self.limit * (0.06 + 0.02 * (self.steps % 3))))
+                if self._oom_cycle != int(t // CYCLE):
+                    self._oom_cycle = int(t // CYCLE)
+                    sim.allocate(int(self.limit * 0.2))  # ... and once a cycle one that cannot fit at all
+        except SimOutOfMemoryError:
+            pass  # the job catches it and retries the step, as in the field notes
+        sim.free(sim.allocated() - self.held)
+        if p == "finetune" and self.steps % 10 == 0:
+            sim.fragment(int(0.05 * GIB))  # scattered pieces left in split segments
+            sim.allocate(int(0.05 * GIB))  # ... and the allocator grows the cache for the next request
+            self.held = sim.allocated()
+        if p == "recover" and self.steps % 50 == 0:
+            sim.empty_cache()
+        self.steps += 1
+
+
 def run_rank(t0: float, duration: float, stall_me: bool, fill_gib: float, steps_per_second: float,
              parent: int = 0) -> None:
     h = vramwatch.start(simulate=True)
-    sim = h.sim
-    assert sim is not None
-    sim.init(0)
-    limit = sim.limit_bytes(0)
-    held = 0
+    assert h.sim is not None
+    story = RankStory(h.sim, fill_gib, steps_per_second)
     period = 1.0 / steps_per_second
     end = time.time() + duration if duration > 0 else float("inf")
-    step = 0
     while time.time() < end:
         if parent and os.getppid() != parent:
             break  # the demo that started us is gone: so are we
         t = time.time() - t0
-        p = phase(t)
-        if p == "stall" and stall_me:
+        if phase(t) == "stall" and stall_me:
             time.sleep(0.2)  # no steps: the heartbeat ages
             continue
-        if p == "warmup" and held < fill_gib * GIB:
-            chunk = int(fill_gib * GIB / (20 * steps_per_second))
-            sim.allocate(chunk)
-            held += chunk
-        act = int(0.5 * GIB)
-        try:
-            sim.allocate(act)
-            if p == "pressure":
-                sim.allocate(int(limit * 0.08))  # a long sequence: a big request near the budget
-        except SimOutOfMemoryError:
-            pass  # the job catches it and retries the step, as in the field notes
-        sim.free(sim.allocated() - held)
-        if p == "finetune" and step % 10 == 0:
-            sim.fragment(int(0.05 * GIB))  # scattered pieces left in split segments
-            sim.allocate(int(0.05 * GIB))  # ... and the allocator grows the cache for the next request
-            held = sim.allocated()
-        if p == "recover" and step % 50 == 0:
-            sim.empty_cache()
-        step += 1
-        vramwatch.step(loss=0.7 + 1.5 * math.exp(-step / 500.0))
+        story.step(t)
+        vramwatch.step(loss=0.7 + 1.5 * math.exp(-story.steps / 500.0))
         time.sleep(period)
     vramwatch.stop()
 
