@@ -154,6 +154,7 @@ class NvmlSession:
         self.generation = 0  # bumped by every successful init: readers re-check what they remembered
         self.devices: tuple[Device, ...] = ()
         self.incomplete = False  # some GPU could not be identified at enumeration
+        self._identity_failed = False
         self.driver_version = ""
         self.init_failures = 0
         self.last_error = ""
@@ -219,14 +220,14 @@ class NvmlSession:
         return max(0.0, self._next_try - self._clock())
 
     def _driver_version(self) -> str:
-        try:
-            return text(self.nv.nvmlSystemGetDriverVersion())[:64]
-        except Exception:  # noqa: BLE001
-            return ""
+        return self._soft(lambda: text(self.nv.nvmlSystemGetDriverVersion()))[:64]
 
     def _enumerate(self) -> None:
         nv = self.nv
         devices = []
+        self._identity_failed = False
+        if not self.driver_version:
+            self.driver_version = self._driver_version()
         incomplete = False
         for i in range(int(nv.nvmlDeviceGetCount())):
             try:
@@ -243,7 +244,9 @@ class NvmlSession:
                                   self._soft(lambda h=h: text(nv.nvmlDeviceGetPciInfo(h).busId))[:32],
                                   self._mig_mode(h), h))
         self.devices = tuple(devices)
-        self.incomplete = incomplete
+        # an identity getter that failed for real (not "not supported") leaves a label empty: that is
+        # trouble, so `up` says 0 until a slow-cadence re-enumeration reads it
+        self.incomplete = incomplete or self._identity_failed
 
     def reenumerate(self) -> None:
         """Retry identifying GPUs that failed at init (slow cadence)."""
@@ -254,17 +257,20 @@ class NvmlSession:
                 if classify(e) == "session":
                     self.mark_down(e)
 
-    @staticmethod
-    def _soft(fn: Callable[[], str]) -> str:
+    def _soft(self, fn: Callable[[], str]) -> str:
         try:
             return fn()
-        except Exception:  # noqa: BLE001 - identity strings are nice to have
+        except Exception as e:  # noqa: BLE001 - an identity string is not worth a missing GPU
+            if classify(e) not in ("unsupported", "quiet"):
+                self._identity_failed = True
             return ""
 
     def _mig_mode(self, h: Any) -> str:
         try:
             current = self.nv.nvmlDeviceGetMigMode(h)[0]
-        except Exception:  # noqa: BLE001 - NOT_SUPPORTED on parts without MIG
+        except Exception as e:  # noqa: BLE001 - NOT_SUPPORTED on parts without MIG
+            if classify(e) not in ("unsupported", "quiet"):
+                self._identity_failed = True
             return "unsupported"
         return "enabled" if current else "disabled"
 
