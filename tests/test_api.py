@@ -194,3 +194,14 @@ def test_eight_ranks_starting_together_spawn_one_server(tmp_path):
     finally:
         for p in procs:
             p.wait(timeout=30)
+
+
+def test_an_unusable_spool_never_raises_from_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    h = vramwatch.start(spool_dir=str(blocker / "spool"), simulate=True, serve="auto")
+    try:
+        vramwatch.step()
+        h.tick()
+    finally:
+        vramwatch.stop()

@@ -55,9 +55,15 @@ class Handle:
         self.source: AllocatorSource
         if settings.simulate:
             from vramwatch.sim.allocator import SimAllocator
-            from vramwatch.sim.state import load_or_create
+            from vramwatch.sim.state import SimNode, load_or_create
 
-            self.sim = SimAllocator(load_or_create(self.spool_dir))
+            try:
+                node = load_or_create(self.spool_dir)
+            except OSError as e:  # start() raises only ConfigError: an unusable spool is reported later
+                log.warning("vramwatch: cannot read the simulated node in %s (%s); using a default one",
+                            self.spool_dir, e)
+                node = SimNode.default(1)
+            self.sim = SimAllocator(node)
             self.source = self.sim
         else:
             self.source = TorchSource()
