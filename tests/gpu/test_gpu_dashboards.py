@@ -14,8 +14,8 @@ import json
 
 import pytest
 from harness import ROOT, free_port
+from jobs import job_env, run_job
 from promql_names import metric_names
-from test_gpu_core import job_env, run_job
 
 from vramwatch import contract
 

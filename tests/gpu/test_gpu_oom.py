@@ -10,68 +10,18 @@ without torch, and (the Trainer case) without transformers + accelerate.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pickle
-import subprocess
-import sys
-import textwrap
 
 import pytest
-from harness import ROOT, free_port
+from harness import free_port
+from jobs import job_env, run_job
 
 pytestmark = pytest.mark.gpu
 GIB, MIB = 1 << 30, 1 << 20
 
-PRELUDE = r'''
-import json, os, sys, time, urllib.request
-
-def scrape(port):
-    from prometheus_client.parser import text_string_to_metric_families
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
-
-def rank0(m, name):
-    return [(lab, v) for lab, v in m.get(name, []) if lab.get("rank") == "0"]
-
-def wait(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except Exception as e:
-            last = e
-        time.sleep(0.1)
-    raise SystemExit(f"timed out waiting for {what}: {last!r}")
-
-def done(res):
-    print("RESULT " + json.dumps(res), flush=True)
-'''
-
-
-def job_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one device per job, as a rank has
-    env.update(extra)
-    return env
-
-
-def run_job(body: str, *args: str, timeout: float = 300, **env: str) -> dict:
-    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body), *args], capture_output=True,
-                       text=True, timeout=timeout, env=job_env(**env))
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise AssertionError(f"job failed (exit {p.returncode}):\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}")
+def run_one_device_job(body: str, *args: str, timeout: float = 300, **env: str) -> dict:
+    return run_job(body, *args, env=job_env(one_device=True, **env), timeout=timeout)
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +70,7 @@ done(res)
 
 def test_a_real_oom_is_counted_and_leaves_a_snapshot_memory_viz_opens(tmp_path):
     snaps = tmp_path / "snaps"
-    r = run_job(OOM_JOB, str(free_port()), str(tmp_path / "spool"), str(snaps))
+    r = run_one_device_job(OOM_JOB, str(free_port()), str(tmp_path / "spool"), str(snaps))
     print({k: v for k, v in r.items() if k != "message"})
     assert not r["cuda_initialized_by_start"] and not r["attached_before_init"]
     assert r["is_torch_oom"], r["error_type"]  # the job got torch's own OutOfMemoryError ...
@@ -171,7 +121,7 @@ done(res)
 
 
 def test_the_window_peak_shows_a_leak_and_leaves_max_memory_allocated_alone(tmp_path):
-    r = run_job(PEAK_JOB, str(free_port()), str(tmp_path / "spool"))
+    r = run_one_device_job(PEAK_JOB, str(free_port()), str(tmp_path / "spool"))
     assert r["after_idle"] == r["p0"] >= 512 * MIB  # sampling never reset the job's peak
     assert r["after"] == r["stats_peak"] == r["p0"]  # the leak stayed below the old high
     seen = r["seen"]
@@ -226,7 +176,7 @@ def test_a_tiny_trainer_run_on_the_gpu(tmp_path):
     for mod in ("transformers", "accelerate"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} is not installed")
-    r = run_job(TRAINER_JOB, str(free_port()), str(tmp_path / "spool"), HF_HUB_OFFLINE="1")
+    r = run_one_device_job(TRAINER_JOB, str(free_port()), str(tmp_path / "spool"), HF_HUB_OFFLINE="1")
     print(r)
     assert r["device"].startswith("cuda") and r["global_step"] == 20 and r["stopped"]
     labels = r["labels"]
