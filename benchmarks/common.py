@@ -384,6 +384,14 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 # --- the 1 Hz scraper (a process of its own) ---
+def write_url_file(path: str, url: str) -> None:
+    """Point the scraper at ``url`` ("" for none); atomic, so it never reads half a URL. A run may call it too."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(url)
+    os.replace(tmp, path)
+
+
 class Scraper:
     """Scrapes whatever URL the control file names, every ``interval`` s (at once on a new URL)."""
 
@@ -401,10 +409,7 @@ class Scraper:
             time.sleep(0.05)
 
     def set_url(self, url: str) -> None:
-        tmp = self.url_file + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(url)
-        os.replace(tmp, self.url_file)
+        write_url_file(self.url_file, url)
 
     def records(self, url: str | None = None, since: float = 0.0, until: float = float("inf")) -> list[dict]:
         rows = []

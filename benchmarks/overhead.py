@@ -28,6 +28,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -37,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-WORKLOADS = ("direct", "launch_bound", "transformer", "transformer_full")
+WORKLOADS = ("direct", "launch_bound", "launch_bound_fresh", "transformer", "transformer_full")
 PAIR_KEYS = ("median_ratio", "min_ratio", "max_ratio", "null_median_ratio", "null_min_ratio",
              "null_max_ratio", "pairs", "step_times")
 TOP_KEYS = ("in_process_cpu_share", "step_call_us", "launch_bound", "transformer", "transformer_full", "metadata")
@@ -183,28 +184,143 @@ def _timed(fn, sync, warmup_s: float, warmup_steps: int, run_s: float) -> dict[s
             "window": [wall0, time.time()]}
 
 
-def child_main(spec: dict[str, Any]) -> dict[str, Any]:
+# --- CPU placement: the training thread alone on one core, everything else off it ---
+def resolve_pin(value: str) -> int | None:
+    """``--pin-core``: auto (the highest allowed CPU, given 4 or more), none, or a CPU number."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = []
+    if value == "none":
+        return None
+    if value == "auto":
+        return allowed[-1] if len(allowed) >= 4 else None
+    try:
+        core = int(value)
+    except ValueError:
+        raise SystemExit(f"--pin-core {value!r}: give auto, none or a CPU number") from None
+    if core not in allowed or len(allowed) < 2:
+        raise SystemExit(f"--pin-core {core}: needs a CPU of this process other than the only one; "
+                         f"allowed: {allowed}")
+    return core
+
+
+def _pin_training_thread(pin: int | None) -> None:
+    # Linux: pid 0 is the calling thread; threads it starts later (torch's) inherit the mask
+    if pin is not None:
+        os.sched_setaffinity(0, {pin})
+
+
+def _cpus_of(tid: int) -> list[int] | None:
+    try:
+        return sorted(os.sched_getaffinity(tid))
+    except OSError:
+        return None
+
+
+def _start_vramwatch(settings: dict[str, Any], pin: int | None, others: set[int] | None) -> tuple[Any, Any, dict]:
+    """Start vramwatch with the training thread unpinned, so its sampler thread and the server it spawns
+    get the CPUs the training thread does not use; then pin again."""
+    import vramwatch
+
+    if pin is not None and others:
+        os.sched_setaffinity(0, others)
+    t0 = time.perf_counter()
+    handle = vramwatch.start(**settings)
+    health = handle.url[: -len("/metrics")] + "/-/healthy"
+    up = common.wait_http(health, timeout=20.0)
+    info: dict[str, Any] = {"server_up": up, "vramwatch_start_s": time.perf_counter() - t0}
+    _pin_training_thread(pin)
+    if not up:  # a B run without its server is not the condition we claim to measure
+        raise RuntimeError("vramwatch's server did not answer within 20 s; server.log:\n"
+                           + _tail(os.path.join(handle.spool_dir, "server.log")))
+    server_pid = _server_pid(handle)
+    info["server_pid"] = server_pid
+    if pin is not None:
+        info["server_cpus"] = _cpus_of(server_pid) if server_pid else None
+        info["sampler_cpus"] = next((_cpus_of(t.native_id) for t in threading.enumerate()
+                                     if t.name == "vramwatch-sampler" and t.native_id), None)
+    return vramwatch, handle, info
+
+
+def _measure(fn: Any, sync: Any, spec: dict[str, Any], run_s: float, server_pid: int | None,
+             watched: bool) -> dict[str, Any]:
+    """Warm up, then time ``run_s`` of steps; with vramwatch running, the CPU its threads and server spent."""
+    before = common.thread_cpu_seconds("vramwatch")
+    marks: dict[str, Any] = {}
+
+    def sync_and_mark() -> None:
+        # the window starts after warmup: re-read the clocks there (cheap), inside _timed's sync
+        sync()
+        if "t0" not in marks:
+            marks["t0"] = time.perf_counter()
+            marks["threads0"] = common.thread_cpu_seconds("vramwatch")
+            marks["server0"] = common.proc_cpu_seconds(server_pid) if server_pid else None
+
+    tw = time.perf_counter()
+    r = _timed(fn, sync_and_mark, spec["warmup_s"], spec["warmup_steps"], run_s)
+    t1 = time.perf_counter()
+    threads1 = common.thread_cpu_seconds("vramwatch")
+    server1 = common.proc_cpu_seconds(server_pid) if server_pid else None
+    r["warmup_s"] = marks["t0"] - tw
+    if watched:
+        delta = common.cpu_delta(marks["threads0"], threads1)
+        window = t1 - marks["t0"]
+        r["vramwatch_threads_cpu_s"] = delta
+        r["vramwatch_cpu_share"] = sum(delta.values()) / window if window > 0 else None
+        r["vramwatch_threads_cpu_s_incl_warmup"] = common.cpu_delta(before, threads1)
+        if server1 is not None and marks.get("server0") is not None:
+            r["server_cpu_share"] = (server1 - marks["server0"]) / window if window > 0 else None
+    return r
+
+
+def _with_step(vw: Any, step_fn: Any, pass_loss: bool) -> Any:
+    vstep = vw.step
+    if pass_loss:
+        def fn():
+            vstep(loss=step_fn())
+    else:
+        def fn():
+            step_fn()
+            vstep()
+    return fn
+
+
+def _torch_for(spec: dict[str, Any]) -> tuple[Any, Any]:
     import torch
 
     dev = torch.device(spec["device"])
     if dev.type == "cpu":
         torch.set_num_threads(1)
+    return torch, dev
+
+
+def _device_facts(torch: Any, dev: Any, out: dict[str, Any]) -> None:
+    if dev.type == "cuda":
+        out["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["device_name"] = torch.cuda.get_device_name(0)
+    out["torch"] = torch.__version__
+    out["torch_cuda"] = getattr(torch.version, "cuda", None)
+
+
+def child_main(spec: dict[str, Any]) -> dict[str, Any]:
+    """One fresh-process run: A (vramwatch never imported) or B (started before the model is built)."""
+    torch, dev = _torch_for(spec)
     out: dict[str, Any] = {"kind": spec["kind"], "workload": spec["workload"], "pid": os.getpid()}
     phases: dict[str, float] = {}
     out["phases_s"] = phases
+    pin = spec.get("pin_core")
+    others = set(os.sched_getaffinity(0)) if pin is not None else None
     tp = time.perf_counter()
     vw = None
-    handle = None
+    server_pid = None
     if spec.get("vramwatch") is not None:
-        import vramwatch
-
-        vw = vramwatch
-        handle = vramwatch.start(**spec["vramwatch"])
-        health = handle.url[: -len("/metrics")] + "/-/healthy"
-        out["server_up"] = common.wait_http(health, timeout=20.0)
-        if not out["server_up"]:  # a B run without its server is not the condition we claim to measure
-            raise RuntimeError("vramwatch's server did not answer within 20 s; server.log:\n"
-                               + _tail(os.path.join(handle.spool_dir, "server.log")))
+        vw, _, info = _start_vramwatch(spec["vramwatch"], pin, others)
+        out.update(info)
+        server_pid = info.get("server_pid")
+    else:
+        _pin_training_thread(pin)
+    out["pinned_core"] = pin
     phases["vramwatch_start"] = time.perf_counter() - tp
     tp = time.perf_counter()
     if dev.type == "cuda":
@@ -216,55 +332,14 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     out["model"] = winfo
     phases["build"] = time.perf_counter() - tp
     sync = torch.cuda.synchronize if dev.type == "cuda" else _noop
-
-    if vw is not None:
-        vstep = vw.step
-        if spec.get("pass_loss", True):
-            def fn():
-                vstep(loss=step_fn())
-        else:
-            def fn():
-                step_fn()
-                vstep()
-    else:
-        fn = step_fn
-
+    fn = _with_step(vw, step_fn, spec.get("pass_loss", True)) if vw is not None else step_fn
     run_s = spec["direct_s"] if spec.get("direct") else spec["run_s"]
-    before = common.thread_cpu_seconds("vramwatch")
-    server_pid = _server_pid(handle)
-    server_before = common.proc_cpu_seconds(server_pid) if server_pid else None
-    # the window starts after warmup: re-read the clocks there (cheap), inside _timed's sync
-    marks: dict[str, Any] = {}
-
-    def sync_and_mark() -> None:
-        sync()
-        if "t0" not in marks:
-            marks["t0"] = time.perf_counter()
-            marks["threads0"] = common.thread_cpu_seconds("vramwatch")
-            marks["server0"] = common.proc_cpu_seconds(server_pid) if server_pid else None
-
-    r = _timed(fn, sync_and_mark, spec["warmup_s"], spec["warmup_steps"], run_s)
-    t1 = time.perf_counter()
-    phases["warmup"] = marks["t0"] - tp - phases["build"]
-    threads1 = common.thread_cpu_seconds("vramwatch")
-    server1 = common.proc_cpu_seconds(server_pid) if server_pid else None
+    r = _measure(fn, sync, spec, run_s, server_pid, watched=vw is not None)
+    phases["warmup"] = r.pop("warmup_s")
     out.update(r)
-    if vw is not None:
-        delta = common.cpu_delta(marks["threads0"], threads1)
-        window = t1 - marks["t0"]
-        out["vramwatch_threads_cpu_s"] = delta
-        out["vramwatch_cpu_share"] = sum(delta.values()) / window if window > 0 else None
-        out["vramwatch_threads_cpu_s_incl_warmup"] = common.cpu_delta(before, threads1)
-        out["server_pid"] = server_pid
-        if server_before is not None and server1 is not None and marks.get("server0") is not None:
-            out["server_cpu_share"] = (server1 - marks["server0"]) / window if window > 0 else None
-        if spec.get("direct"):
-            out["step_call"] = _time_step_calls(vw, step_fn, spec["step_calls"], spec["step_repeats"])
-    if dev.type == "cuda":
-        out["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        out["device_name"] = torch.cuda.get_device_name(0)
-    out["torch"] = torch.__version__
-    out["torch_cuda"] = getattr(torch.version, "cuda", None)
+    if vw is not None and spec.get("direct"):
+        out["step_call"] = _time_step_calls(vw, step_fn, spec["step_calls"], spec["step_repeats"])
+    _device_facts(torch, dev, out)
     out["threads"] = sorted({t for t in common.thread_cpu_seconds("")})
     out["vramwatch_loaded"] = "vramwatch" in sys.modules
     if vw is not None:
@@ -272,11 +347,73 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _server_pid(handle: Any) -> int | None:
-    if handle is None:
-        return None
+def child_segments(spec: dict[str, Any]) -> dict[str, Any]:
+    """Several A B pairs in one process: the model is built once, then segments alternate A (vramwatch not
+    running: never imported in the first, stopped and its server gone in the others) and B (vramwatch
+    started fresh, as a fresh-process B run starts it). What differs between processes (where memory
+    lands, the state of the host) is shared by both halves of a pair instead of adding to its ratio."""
+    torch, dev = _torch_for(spec)
+    pin = spec.get("pin_core")
+    others = set(os.sched_getaffinity(0)) if pin is not None else None
+    _pin_training_thread(pin)
+    out: dict[str, Any] = {"kind": "AB", "workload": spec["workload"], "pid": os.getpid(), "pinned_core": pin}
+    tp = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.init()
+    step_fn, winfo = build_launch_bound(spec["sizes"], dev)
+    out["model"] = winfo
+    out["build_s"] = time.perf_counter() - tp
+    sync = torch.cuda.synchronize if dev.type == "cuda" else _noop
+    segments: list[dict[str, Any]] = []
+    out["segments"] = segments
+    for i in range(spec["pairs_in_process"]):
+        for kind in ("A", "B"):
+            seg: dict[str, Any] = {"kind": kind, "workload": spec["workload"], "pair_in_process": i,
+                                   "pid": os.getpid(), "pinned_core": pin, "model": winfo,
+                                   "vramwatch_loaded": "vramwatch" in sys.modules}
+            if kind == "A" or spec.get("vramwatch") is None:  # None: --sham, B segments left alone too
+                seg.update(_measure(step_fn, sync, spec, spec["run_s"], None, watched=False))
+                seg["vramwatch_threads"] = sorted(common.thread_cpu_seconds("vramwatch"))
+            else:
+                seg.update(_b_segment(spec, step_fn, sync, pin, others))
+            segments.append(seg)
+    _device_facts(torch, dev, out)
+    return out
+
+
+def _b_segment(spec: dict[str, Any], step_fn: Any, sync: Any, pin: int | None,
+               others: set[int] | None) -> dict[str, Any]:
+    port = common.free_port()
+    spool = tempfile.mkdtemp(prefix="vwbench-", dir=spec["spool_root"])
+    settings = {"port": port, "spool_dir": spool, "linger": 0.0, **spec["vramwatch"]}
+    url = f"http://127.0.0.1:{port}/metrics"
     try:
-        with open(os.path.join(handle.spool_dir, "server.json"), encoding="utf-8") as fh:
+        vw, _, seg = _start_vramwatch(settings, pin, others)
+        common.write_url_file(spec["scrape_url_file"], url)  # the parent's 1 Hz scraper follows it
+        seg["scrape_url"] = url
+        seg.update(_measure(_with_step(vw, step_fn, spec.get("pass_loss", True)), sync, spec, spec["run_s"],
+                            seg.get("server_pid"), watched=True))
+        seg["threads"] = sorted(common.thread_cpu_seconds(""))
+        seg["vramwatch_loaded"] = "vramwatch" in sys.modules
+    finally:
+        common.write_url_file(spec["scrape_url_file"], "")
+        import vramwatch
+
+        vramwatch.stop()
+        server_pid = _server_pid_in(spool)
+        if server_pid:  # its server would otherwise linger into the next A segment
+            common.stop_pid(server_pid)
+        shutil.rmtree(spool, ignore_errors=True)
+    return seg
+
+
+def _server_pid(handle: Any) -> int | None:
+    return None if handle is None else _server_pid_in(handle.spool_dir)
+
+
+def _server_pid_in(spool_dir: str) -> int | None:
+    try:
+        with open(os.path.join(spool_dir, "server.json"), encoding="utf-8") as fh:
             return int(json.load(fh)["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -302,7 +439,7 @@ def _time_step_calls(vw: Any, step_fn: Any, number: int, repeats: int) -> dict[s
 def _child_entry(spec: dict[str, Any]) -> int:
     code = 1
     try:
-        res = child_main(spec)
+        res = child_segments(spec) if spec.get("pairs_in_process") else child_main(spec)
         common.write_json(spec["result"], res)
         code = 0
     except BaseException:  # noqa: BLE001 - report whatever broke the run
@@ -327,7 +464,7 @@ class Runner:
     def close(self) -> None:
         self.scraper.close()
 
-    def run(self, workload: str, kind: str, vw: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    def _spec(self, workload: str, kind: str, **extra: Any) -> tuple[dict[str, Any], str, str]:
         a = self.args
         self.n += 1
         result = os.path.join(self.workdir, f"run-{self.n:03d}.json")
@@ -335,8 +472,25 @@ class Runner:
         spec: dict[str, Any] = {
             "workload": workload, "kind": kind, "device": a.device, "sizes": a.sizes, "model": a.model,
             "warmup_s": a.warmup_seconds, "warmup_steps": a.warmup_steps, "run_s": a.run_seconds,
-            "result": result, "pass_loss": not a.no_loss, **extra,
+            "result": result, "pass_loss": not a.no_loss, "pin_core": a.pin, **extra,
         }
+        return spec, result, logf
+
+    def _run_spec(self, spec: dict[str, Any], result: str, logf: str, timeout: float) -> dict[str, Any]:
+        res = self._attempt(spec, result, logf, timeout)
+        if "error" in res and self.args.isolation == "fork" and _FORK_TROUBLE.search(res["error"] + _tail(logf)):
+            common.progress("a forked run could not initialise CUDA; using --isolation exec from now on")
+            self.args.isolation = "exec"
+            res = self._attempt(spec, result, logf, timeout)
+        self.scraper.set_url("")
+        if "error" in res:
+            res["log_tail"] = _tail(logf)
+        return res
+
+    def run(self, workload: str, kind: str, vw: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        """One run in a fresh process."""
+        a = self.args
+        spec, result, logf = self._spec(workload, kind, **extra)
         spool = None
         url = ""
         if vw is not None:
@@ -350,15 +504,7 @@ class Runner:
             url = f"http://127.0.0.1:{port}/metrics"
             self.scraper.set_url(url)
         t0 = time.monotonic()
-        timeout = a.run_timeout + (spec.get("direct_s", 0) or 0)
-        res = self._attempt(spec, result, logf, timeout)
-        if "error" in res and a.isolation == "fork" and _FORK_TROUBLE.search(res["error"] + _tail(logf)):
-            common.progress("a forked run could not initialise CUDA; using --isolation exec from now on")
-            a.isolation = "exec"
-            res = self._attempt(spec, result, logf, timeout)
-        self.scraper.set_url("")
-        if "error" in res:
-            res["log_tail"] = _tail(logf)
+        res = self._run_spec(spec, result, logf, a.run_timeout + (spec.get("direct_s", 0) or 0))
         res["process_s"] = time.monotonic() - t0
         if vw is not None:
             if res.get("server_pid"):
@@ -366,6 +512,20 @@ class Runner:
             if res.get("window"):
                 res["scrapes"] = common.summarize_scrapes(self.scraper.records(url, *res["window"]))
             shutil.rmtree(spool, ignore_errors=True)
+        return res
+
+    def run_segments(self, workload: str, pairs: int, vw: dict[str, Any] | None) -> dict[str, Any]:
+        """``pairs`` A B pairs of segments in one fresh process (see child_segments)."""
+        a = self.args
+        spec, result, logf = self._spec(workload, "AB", pairs_in_process=pairs, vramwatch=vw,
+                                        spool_root=self.shm, scrape_url_file=self.scraper.url_file)
+        t0 = time.monotonic()
+        res = self._run_spec(spec, result, logf,
+                             a.run_timeout + pairs * 2 * (a.run_seconds + a.warmup_seconds + 25))
+        res["process_s"] = time.monotonic() - t0
+        for seg in res.get("segments", []):
+            if seg.get("scrape_url") and seg.get("window"):
+                seg["scrapes"] = common.summarize_scrapes(self.scraper.records(seg["scrape_url"], *seg["window"]))
         return res
 
     def _attempt(self, spec: dict[str, Any], result: str, logf: str, timeout: float) -> dict[str, Any]:
@@ -493,6 +653,43 @@ def run_pairs(runner: Runner, args: argparse.Namespace, workload: str,
     return {"runs": runs, "truncated": truncated, "errors": errors}
 
 
+def run_segment_pairs(runner: Runner, args: argparse.Namespace, workload: str, deadline: float) -> dict[str, Any]:
+    """A B segment pairs, ``--pairs-per-process`` to a fresh process, until ``--pairs`` are in."""
+    runs: dict[str, list[dict]] = {"without": [], "with": []}
+    processes: list[dict[str, Any]] = []
+    proc_s: list[float] = []
+    truncated = False
+    errors = 0
+    while len(runs["with"]) < args.pairs:
+        k = min(args.pairs_per_process, args.pairs - len(runs["with"]))
+        est = statistics.mean(proc_s) * k / args.pairs_per_process if proc_s else 0.0
+        if time.monotonic() + est > deadline:
+            truncated = True
+            common.progress(f"{workload}: deadline reached after {len(runs['with'])} of {args.pairs} pairs; stopping")
+            break
+        res = runner.run_segments(workload, k, None if args.sham else {})
+        segs = res.pop("segments", [])
+        processes.append(res)
+        if "error" in res:
+            errors += 1
+            common.progress(f"{workload} process {len(processes)} FAILED:\n{res['error']}{res.get('log_tail', '')}")
+            if not runs["with"] or errors >= 3:
+                common.progress(f"{workload}: {'the first process' if not runs['with'] else 'three processes'} "
+                                "failed; skipping the rest of this workload")
+                break
+            continue
+        proc_s.append(res["process_s"])
+        for seg in segs:
+            runs["without" if seg["kind"] == "A" else "with"].append(seg)
+        done = len(runs["with"])
+        left = (args.pairs - done) / args.pairs_per_process * statistics.mean(proc_s)
+        pairs = zip(segs[0::2], segs[1::2], strict=True)
+        common.progress(f"{workload} process {len(processes)} ({done}/{args.pairs} pairs): " + ", ".join(
+            f"{a['step_time_s'] * 1000:.3f}/{b['step_time_s'] * 1000:.3f} ms" for a, b in pairs) +
+            f" ({res['process_s']:.1f} s; ~{left:.0f} s left)")
+    return {"runs": runs, "truncated": truncated, "errors": errors, "processes": processes}
+
+
 def summarize(workload: str, runs: dict[str, list[dict]], base: str, name: str, settings: dict | None,
               truncated: bool, shared_with: list[str]) -> dict[str, Any]:
     a, b = runs[base], runs[name]
@@ -566,11 +763,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if w not in WORKLOADS:
             raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
     _prewarm(args, wanted)
+    if args.pin is not None:  # this thread's mask passes to the scraper and every run: all CPUs but the pinned one
+        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {args.pin})
+        common.progress(f"training threads pinned to CPU {args.pin}; the harness, vramwatch's threads and "
+                        "its server get the others")
     workdir = tempfile.mkdtemp(prefix="vwbench-overhead-")
     out: dict[str, Any] = {
         "metadata": common.metadata(benchmark="overhead", device=args.device, isolation=args.isolation,
                                     sizes=args.sizes, pairs_requested=args.pairs, run_seconds=args.run_seconds,
-                                    warmup_seconds=args.warmup_seconds, workloads=wanted,
+                                    warmup_seconds=args.warmup_seconds, workloads=wanted, pinned_core=args.pin,
+                                    pairs_per_process=args.pairs_per_process,
                                     pytorch_nvml_based_cuda_check=os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")),
         "targets": TARGETS,
         "notes": [
@@ -578,6 +780,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "B runs: vramwatch.start(port=<free>, spool_dir=<tmpfs>, linger=0) otherwise at defaults, "
             "server spawned by the rank, scraped at 1 Hz by a separate process.",
             "ratios are with/without of adjacent runs; the null is each baseline over the next baseline.",
+            "launch_bound runs its pairs as segments of a few processes (A: vramwatch not running, B: started "
+            "fresh); launch_bound_fresh runs every A and B in a process of its own.",
+            "pinned_core: the training thread (and the threads torch starts from it) alone on that CPU; the "
+            "harness, vramwatch's sampler thread and its server on the others.",
         ],
     }
     runner = Runner(args, workdir)
@@ -592,9 +798,19 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             out.update(run_direct(runner, args))
             save()
         if "launch_bound" in wanted:
-            common.progress(f"launch_bound: {args.pairs} pairs of {args.run_seconds:g} s runs (A B A B ...)")
-            r = run_pairs(runner, args, "launch_bound", [("without", "A", None), ("with", "B", {})], deadline)
+            common.progress(f"launch_bound: {args.pairs} pairs of {args.run_seconds:g} s segments (A B A B ...), "
+                            f"{args.pairs_per_process} pairs to a process")
+            r = run_segment_pairs(runner, args, "launch_bound", deadline)
             out["launch_bound"] = summarize("launch_bound", r["runs"], "without", "with", {}, r["truncated"], [])
+            out["launch_bound"].update(design="segments", processes=r["processes"])
+            save()
+        if "launch_bound_fresh" in wanted:
+            common.progress(f"launch_bound_fresh: {args.pairs} pairs of {args.run_seconds:g} s runs (A B A B ...), "
+                            "every run a fresh process")
+            r = run_pairs(runner, args, "launch_bound", [("without", "A", None), ("with", "B", {})], deadline)
+            out["launch_bound_fresh"] = summarize("launch_bound_fresh", r["runs"], "without", "with", {},
+                                                  r["truncated"], [])
+            out["launch_bound_fresh"]["design"] = "fresh processes"
             save()
         tf = [w for w in ("transformer", "transformer_full") if w in wanted]
         if tf:
@@ -692,6 +908,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--oom-history-entries", type=int, default=100000, help="transformer_full: allocator history")
     p.add_argument("--scrape-interval", type=float, default=1.0)
     p.add_argument("--isolation", choices=("fork", "exec"), default="fork")
+    p.add_argument("--pin-core", default="auto",
+                   help="CPU for the training thread alone: auto (the highest, given 4 or more CPUs), none, or N")
+    p.add_argument("--pairs-per-process", type=int, default=5,
+                   help="launch_bound: A B segment pairs in each fresh process (default 5)")
     p.add_argument("--run-timeout", type=float, default=180.0, help="kill a run after this many seconds")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="stop starting pairs once this many seconds have passed (0: no limit)")
@@ -705,6 +925,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sizes = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in SIZES[size].items()}
     if args.pairs is None:
         args.pairs = 4 if args.quick else 20
+    if args.pairs_per_process < 1:
+        p.error(f"--pairs-per-process {args.pairs_per_process}: needs at least 1")
+    args.pin = None if args.child or args.merge or args.check else resolve_pin(args.pin_core)
     if args.direct_seconds is None:
         args.direct_seconds = 10.0 if args.quick else 60.0
     if args.step_calls is None:

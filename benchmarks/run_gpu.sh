@@ -2,15 +2,18 @@
 # One-shot GPU run: the GPU test suite and the benchmarks, every result under $OUT.
 #
 #   OUT=/some/dir bash benchmarks/run_gpu.sh --quick all      # ~6 min: the whole pipeline, small figures
-#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part1     # ~8-9 min: pytest -m gpu, direct cost, launch-bound pairs, scrape
-#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part2     # ~8-9 min: transformer pairs, fragmentation
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part1     # ~9.5 min: pytest -m gpu, direct cost, launch-bound pairs
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part2     # ~8 min: transformer pairs, scrape
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part3     # ~2 min: fragmentation
 #   bash benchmarks/run_gpu.sh --plan --full part1            # print the commands only
 #   OUT=/tmp/x bash benchmarks/run_gpu.sh --smoke all         # no GPU: tiny CPU/simulated runs (CI smoke test)
 #
-# Parts: tests direct launch transformer scrape fragmentation, or the groups part1 (tests direct launch
-# scrape), part2 (transformer fragmentation), all. BUDGET (seconds, default 570) bounds one invocation:
-# each phase gets at most what is left (the overhead benchmark stops starting pairs in time and keeps
-# what it measured; the others are cut by `timeout`). Wheels in .whl/ (nvitop, nvitop-exporter, pytest)
+# Parts: tests direct launch launch_fresh transformer scrape fragmentation, or the groups part1 (tests
+# direct launch launch_fresh), part2 (transformer scrape), part3 (fragmentation), all. launch_fresh
+# (launch-bound pairs with every run a process of its own, a cross-check) takes what part1 leaves.
+# BUDGET (seconds, default 570) bounds one invocation: each phase gets at most what is left (the
+# overhead benchmark stops starting pairs in time and keeps what it measured; the others are cut by
+# `timeout`). Wheels in .whl/ (nvitop, nvitop-exporter, pytest)
 # are unpacked into a private directory when the interpreter lacks them. VW_BENCH_COMMIT names the
 # commit when .git did not travel. PACK=1 packs every output into $OUT/results.tgz. Merge the overhead parts afterwards with
 #   python3 benchmarks/overhead.py --merge OUT1/overhead-part1.json OUT2/overhead-part2.json --out overhead.json
@@ -30,15 +33,16 @@ for a in "$@"; do
     --smoke) MODE=smoke ;;
     --plan) PLAN=1 ;;
     -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
-    part1) PARTS+=(tests direct launch scrape) ;;
-    part2) PARTS+=(transformer fragmentation) ;;
-    all) PARTS+=(tests direct launch transformer scrape fragmentation) ;;
-    tests|direct|launch|transformer|scrape|fragmentation) PARTS+=("$a") ;;
+    part1) PARTS+=(tests direct launch launch_fresh) ;;
+    part2) PARTS+=(transformer scrape) ;;
+    part3) PARTS+=(fragmentation) ;;
+    all) PARTS+=(tests direct launch launch_fresh transformer scrape fragmentation) ;;
+    tests|direct|launch|launch_fresh|transformer|scrape|fragmentation) PARTS+=("$a") ;;
     *) echo "unknown argument: $a" >&2; exit 2 ;;
   esac
 done
 if [ ${#PARTS[@]} -eq 0 ]; then
-  if [ "$MODE" = full ]; then PARTS=(tests direct launch scrape); else PARTS=(tests direct launch transformer scrape fragmentation); fi
+  if [ "$MODE" = full ]; then PARTS=(tests direct launch launch_fresh); else PARTS=(tests direct launch launch_fresh transformer scrape fragmentation); fi
 fi
 mkdir -p "$OUT"
 START=$(date +%s)
@@ -52,7 +56,8 @@ if [ "$MODE" = quick ]; then
   PAIRS=4; DIRECT=10; CALLS=200000; TESTS_CAP=200; SCRAPE_ARGS="--quick"; FRAG_ARGS="--quick"
 elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothing
   PAIRS=2; DIRECT=1.5; CALLS=20000; TESTS_CAP=120
-  RUN_ARGS="--device cpu --run-seconds 0.2 --warmup-seconds 0.05 --step-repeats 3"
+  RUN_ARGS="--device cpu --run-seconds 0.2 --warmup-seconds 0.05 --step-repeats 3 --pairs-per-process 1"
+  NP=$(nproc 2>/dev/null || echo 1); [ "$NP" -ge 2 ] && RUN_ARGS="$RUN_ARGS --pin-core $((NP - 1))"  # the pinning path too
   SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5"
   FRAG_ARGS="--device cpu --seconds 1.5 --poll 0.2 --interval 0.2"
 else
@@ -73,7 +78,7 @@ CMD_FRAG="$PY benchmarks/fragmentation.py $FRAG_ARGS --out $OUT/fragmentation.js
 if [ "$PLAN" = 1 ]; then
   echo "mode=$MODE parts=${PARTS[*]} out=$OUT budget=$BUDGET"
   has tests && echo "tests: $CMD_TESTS"
-  W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"
+  W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"; has launch_fresh && W="${W:+$W,}launch_bound_fresh"
   [ -n "$W" ] && echo "overhead: $(overhead_cmd "$W" "$OUT/overhead-part1.json" '<left>')"
   has transformer && echo "overhead: $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" '<left>' "$TF_WARMUP")"
   has scrape && echo "scrape: $CMD_SCRAPE"
@@ -136,7 +141,7 @@ if has tests; then
   # pytest's own output goes to a file; the tail is printed (the returned output is short)
   phase pytest-gpu "$TESTS_CAP" bash -c "$CMD_TESTS > '$OUT/pytest-gpu.txt' 2>&1; rc=\$?; tail -n 40 '$OUT/pytest-gpu.txt'; exit \$rc"
 fi
-W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"
+W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"; has launch_fresh && W="${W:+$W,}launch_bound_fresh"
 if [ -n "$W" ]; then
   # leave room for what follows in this invocation: scrape ~90 s, fragmentation ~100 s (quick: less)
   RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 105))
@@ -178,7 +183,7 @@ for n in ("overhead-part1.json", "overhead-part2.json"):
     if d.get("in_process_cpu_share") is not None:
         print(f"in_process_cpu_share {d['in_process_cpu_share'] * 100:.4f}% of a core (target <= 0.05%); "
               f"step() {d.get('step_call_us'):.3f} us (target <= 5)")
-    for w in ("launch_bound", "transformer", "transformer_full"):
+    for w in ("launch_bound", "launch_bound_fresh", "transformer", "transformer_full"):
         o = d.get(w)
         if o and o.get("median_ratio") is not None:
             st = o["step_times"]["without"]

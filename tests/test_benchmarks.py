@@ -98,13 +98,14 @@ def test_run_gpu_plan_splits_the_work_into_two_commands(tmp_path):
                            capture_output=True, text=True, env=dict(os.environ, OUT=str(tmp_path)), check=True)
         return p.stdout
 
-    one, two = plan("--full", "part1"), plan("--full", "part2")
-    assert "pytest -m gpu tests/gpu" in one and "scrape.py" in one
-    assert "--workloads direct,launch_bound --pairs 20" in one and "--direct-seconds 60" in one
+    one, two, three = plan("--full", "part1"), plan("--full", "part2"), plan("--full", "part3")
+    assert "pytest -m gpu tests/gpu" in one and "scrape.py" not in one
+    assert "--workloads direct,launch_bound,launch_bound_fresh --pairs 20" in one and "--direct-seconds 60" in one
     assert "--step-calls 1000000" in one and "fragmentation.py" not in one and "transformer" not in one
-    assert "--workloads transformer,transformer_full --pairs 20" in two and "fragmentation.py" in two
-    assert "-m pytest" not in two and "launch_bound" not in two and "scrape.py" not in two
-    for line in one.splitlines()[1:] + two.splitlines()[1:]:
+    assert "--workloads transformer,transformer_full --pairs 20" in two and "scrape.py" in two
+    assert "-m pytest" not in two and "launch_bound" not in two and "fragmentation.py" not in two
+    assert "fragmentation.py" in three and "overhead.py" not in three and "scrape.py" not in three
+    for line in one.splitlines()[1:] + two.splitlines()[1:] + three.splitlines()[1:]:
         assert f"--out {tmp_path}/" in line or f"--junitxml={tmp_path}/" in line, line
     assert "--pairs 4" in plan("--quick", "all")
 
@@ -145,17 +146,30 @@ def test_smoke_overhead_json_has_the_required_layout(smoke):
     assert direct["vramwatch_loaded"] and "vramwatch-sampler" in direct["vramwatch_threads_cpu_s"]
     assert direct["scrapes"]["ok"] >= 1, "the 1 Hz scraper hit the direct run's server"
     assert direct["step_call"]["number"] == 20000 and len(direct["step_call"]["step_us"]) == 3
-    for w in ("launch_bound", "transformer", "transformer_full"):
+    pin = data["metadata"]["pinned_core"]
+    assert pin is None or pin == max(os.sched_getaffinity(0)), "smoke mode pins the training thread when it can"
+    for w in ("launch_bound", "launch_bound_fresh", "transformer", "transformer_full"):
         o = data[w]
         assert o["pairs"] == 2 and o["errors"] == 0
         assert len(o["step_times"]["without"]) == len(o["step_times"]["with"]) == 2
         assert len(o["null_ratios"]) == 1 and o["null_min_ratio"] == o["null_max_ratio"]
         for r in o["runs"]["without"]:
-            assert not r["vramwatch_loaded"], f"{w}: an A run had vramwatch loaded"
-            assert not any(t.startswith("vramwatch") for t in r["threads"])
+            if w != "launch_bound":
+                assert not r["vramwatch_loaded"], f"{w}: an A run had vramwatch loaded"
+                assert not any(t.startswith("vramwatch") for t in r["threads"])
+            assert r["pinned_core"] == pin
         for r in o["runs"]["with"]:
             assert r["vramwatch_loaded"] and r["server_up"] and "vramwatch-sampler" in r["threads"]
-            assert r["steps"] >= 1 and r["wall_s"] >= 0.2
+            assert r["steps"] >= 1 and r["wall_s"] >= 0.2 and r["pinned_core"] == pin
+            if pin is not None:  # vramwatch never shares the training thread's CPU
+                assert pin not in r["server_cpus"] and pin not in r["sampler_cpus"], r
+    # segments: one process per pair here (--pairs-per-process 1), each A segment with vramwatch not running
+    seg = data["launch_bound"]
+    assert seg["design"] == "segments" and len(seg["processes"]) == 2
+    for r in seg["runs"]["without"]:
+        assert r["pair_in_process"] == 0 and r["vramwatch_threads"] == []
+        assert not r["vramwatch_loaded"], "the first A segment of a process runs before vramwatch is imported"
+    assert data["launch_bound_fresh"]["design"] == "fresh processes"
     assert data["transformer"]["baseline_shared_with"] == ["transformer_full"]
     full = data["transformer_full"]["settings"]
     assert full["status_every"] > 0 and full["oom_history_entries"] > 0
