@@ -707,6 +707,10 @@ def summarize(workload: str, runs: dict[str, list[dict]], base: str, name: str, 
     med = common.paired_stats(med_a, med_b)
     base_med_ok = [r["median_step_s"] for r in a if "error" not in r]
     zm = common.spread(common.paired_stats(base_med_ok, base_med_ok)["null_ratios"])
+    # B between its own baseline and the next one: a drift that is linear over a pair cancels out
+    bracket = [b[i]["step_time_s"] / (a[i]["step_time_s"] * a[i + 1]["step_time_s"]) ** 0.5
+               for i in ok if i + 1 < len(a) and "error" not in a[i + 1]]
+    zb = common.spread(bracket)
     first = next((r for r in b if "error" not in r), {})
     out: dict[str, Any] = dict(st)
     out.update({
@@ -715,6 +719,8 @@ def summarize(workload: str, runs: dict[str, list[dict]], base: str, name: str, 
         "median_step_times": {"without": med_a, "with": med_b},
         "median_basis": {k: med[k] for k in ("median_ratio", "min_ratio", "max_ratio")} | {
             "null_median_ratio": zm["median"], "null_min_ratio": zm["min"], "null_max_ratio": zm["max"]},
+        "bracketed": {"basis": "with[i] / geometric mean of without[i] and without[i+1]", "ratios": bracket,
+                      "median_ratio": zb["median"], "min_ratio": zb["min"], "max_ratio": zb["max"]},
         "steps_per_run": {"without": [a[i]["steps"] for i in ok], "with": [b[i]["steps"] for i in ok]},
         "vramwatch_cpu_share_per_run": [b[i].get("vramwatch_cpu_share") for i in ok],
         "scrapes_per_run": [b[i].get("scrapes", {}).get("ok") for i in ok],
