@@ -861,8 +861,9 @@ def merge(paths: list[str]) -> dict[str, Any]:
     for p in paths:
         data = common.read_json(p)
         meta = data.get("metadata", {})
-        parts.append({"file": os.path.basename(p), "date": meta.get("date"),
-                      "workloads": meta.get("workloads"), "elapsed_s": meta.get("elapsed_s")})
+        parts.append({"file": os.path.basename(p), "date": meta.get("date"), "workloads": meta.get("workloads"),
+                      "elapsed_s": meta.get("elapsed_s"), "vramwatch_commit": meta.get("vramwatch_commit"),
+                      "vramwatch_source_sha256": meta.get("vramwatch_source_sha256")})
         for k, v in data.items():
             if k == "metadata":
                 out.setdefault("metadata", dict(v))

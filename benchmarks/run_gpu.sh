@@ -15,7 +15,7 @@
 # overhead benchmark stops starting pairs in time and keeps what it measured; the others are cut by
 # `timeout`). Wheels in .whl/ (nvitop, nvitop-exporter, pytest)
 # are unpacked into a private directory when the interpreter lacks them. VW_BENCH_COMMIT names the
-# commit when .git did not travel. PACK=1 packs every output into $OUT/results.tgz. Merge the overhead parts afterwards with
+# commit when .git did not travel. GPU_TESTS narrows the suite (default tests/gpu). PACK=1 packs every output into $OUT/results.tgz. Merge the overhead parts afterwards with
 #   python3 benchmarks/overhead.py --merge OUT1/overhead-part1.json OUT2/overhead-part2.json --out overhead.json
 set -u
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -65,7 +65,7 @@ else
 fi
 
 # --- commands ---
-CMD_TESTS="$PY -m pytest -m gpu tests/gpu -q -rfEs -p no:cacheprovider --junitxml=$OUT/pytest-gpu.xml"
+CMD_TESTS="$PY -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -q -rfEs -p no:cacheprovider --junitxml=$OUT/pytest-gpu.xml"
 overhead_cmd() {  # $1 workloads, $2 out file, $3 deadline seconds, $4 extra arguments
   echo "$PY benchmarks/overhead.py --workloads $1 --pairs $PAIRS $RUN_ARGS --direct-seconds $DIRECT" \
        "--step-calls $CALLS --deadline $3 --out $2 ${4:-}"

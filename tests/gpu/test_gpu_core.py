@@ -289,3 +289,56 @@ def test_cuda_malloc_async_backend_reports_what_it_can(tmp_path):
                    "torch_cuda_memory_largest_free_block_bytes", "torch_cuda_memory_segments"):
         assert absent not in fams, f"{absent}: this backend reports it as zero; it must be absent, not 0"
 
+
+
+# ------------------------------------------------------------------------------------------------
+LOSS_BEHIND_GPU_WORK_JOB = r"""
+import threading
+port, spool = int(sys.argv[1]), sys.argv[2]
+import torch
+import vramwatch
+x = torch.ones((), device="cuda")
+torch.cuda._sleep(1000)
+torch.cuda.synchronize()
+t0 = time.perf_counter(); torch.cuda._sleep(100_000_000); torch.cuda.synchronize()
+cycles_per_s = 100_000_000 / (time.perf_counter() - t0)
+vramwatch.start(port=port, spool_dir=spool, interval=0.2, linger=0)
+vramwatch.step(loss=x * 1.5)
+def loss_is(v):
+    return lambda: rank0(scrape(port), "vramwatch_training_loss")[0][1] == v
+wait(loss_is(1.5), 20, "the first loss")
+sampler = next(t for t in threading.enumerate() if t.name == "vramwatch-sampler")
+clock = time.pthread_getcpuclockid(sampler.ident)
+torch.cuda._sleep(int(4 * cycles_per_s))  # ~4 s of GPU work queued; the next loss lies behind it
+vramwatch.step(loss=x * 7.0)
+busy = []
+cpu0, w0 = time.clock_gettime(clock), time.monotonic()
+while time.monotonic() - w0 < 2.5:  # the GPU is still asleep: the sampler must go on publishing
+    m = scrape(port)
+    busy.append({"gpu_busy": not torch.cuda.current_stream().query(),
+                 "age": rank0(m, "vramwatch_sample_age_seconds")[0][1],
+                 "loss": rank0(m, "vramwatch_training_loss")[0][1],
+                 "steps": rank0(m, "vramwatch_training_steps_total")[0][1]})
+    time.sleep(0.25)
+sampler_cpu_share = (time.clock_gettime(clock) - cpu0) / (time.monotonic() - w0)
+torch.cuda.synchronize()
+wait(loss_is(7.0), 10, "the loss once the GPU got there")
+final = rank0(scrape(port), "vramwatch_training_loss")[0][1]
+vramwatch.stop()
+done({"busy": busy, "sampler_cpu_share": sampler_cpu_share, "final": final, "cycles_per_s": cycles_per_s})
+"""
+
+
+def test_loss_behind_queued_gpu_work_never_stalls_the_sampler(tmp_path):
+    """The loss of a step the GPU has not finished is read later, not waited for: while ~4 s of GPU work
+    sit ahead of it, samples keep coming, the sampler thread stays idle (a wait would spin a core), the
+    last loss read stands, and the new one appears once the GPU gets there."""
+    r = run_job(LOSS_BEHIND_GPU_WORK_JOB, str(free_port()), str(tmp_path / "spool"))
+    print(json.dumps(r)[:2000])
+    busy = [b for b in r["busy"] if b["gpu_busy"]]
+    assert len(busy) >= 5, f"the GPU work ended too soon to show anything: {r}"
+    assert all(b["age"] < 1.0 for b in busy), f"samples stopped while the GPU was busy: {busy}"
+    assert all(b["loss"] == 1.5 for b in busy), "the last loss read stands until the new one is ready"
+    assert busy[-1]["steps"] == 2
+    assert r["sampler_cpu_share"] < 0.05, f"the sampler thread spun: {r['sampler_cpu_share']:.1%} of a core"
+    assert r["final"] == 7.0

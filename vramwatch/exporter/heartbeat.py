@@ -11,6 +11,8 @@ import time
 from bisect import bisect_left
 from typing import Any
 
+from vramwatch.exporter.device_scalar import DeviceScalar
+
 # From 1 ms launch-bound steps to the 340 s stall-like step of the field notes and beyond.
 BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -19,7 +21,7 @@ BUCKETS: tuple[float, ...] = (
 
 
 class Heartbeat:
-    __slots__ = ("steps", "last_step_time", "_last_mono", "counts", "sum", "loss", "grad_norm")
+    __slots__ = ("steps", "last_step_time", "_last_mono", "counts", "sum", "loss", "grad_norm", "_reads")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -29,6 +31,7 @@ class Heartbeat:
         self.sum = 0.0
         self.loss: Any = None
         self.grad_norm: Any = None
+        self._reads = (DeviceScalar(), DeviceScalar())  # loss, grad norm: on the sampler thread only
 
     def step(self, loss: Any = None, grad_norm: Any = None) -> None:
         now = time.monotonic()
@@ -52,8 +55,8 @@ class Heartbeat:
             "buckets": list(BUCKETS),
             "counts": list(self.counts),
             "sum": self.sum,
-            "loss": _scalar(self.loss),
-            "grad_norm": _scalar(self.grad_norm),
+            "loss": self._reads[0].read(self.loss),
+            "grad_norm": self._reads[1].read(self.grad_norm),
         }
 
 
@@ -62,7 +65,7 @@ def _keep(v: Any) -> Any:
 
     Holding the job's loss itself would keep its graph alive into the next step; the detached
     tensor shares the scalar's storage and nothing else (about a microsecond). Converting it here
-    would synchronise CUDA: the sampler thread does that, off the training thread.
+    would synchronise CUDA: the sampler thread reads it later, without waiting (device_scalar).
     """
     if isinstance(v, (float, int)):
         return v
@@ -72,13 +75,3 @@ def _keep(v: Any) -> Any:
         except Exception:  # noqa: BLE001 - not a tensor after all
             return None
     return v
-
-
-def _scalar(v: Any) -> float | None:
-    if v is None:
-        return None
-    try:
-        f = float(v.item()) if hasattr(v, "item") else float(v)
-    except Exception:  # noqa: BLE001 - whatever the job passed, never raise
-        return None
-    return f if f == f and f not in (float("inf"), float("-inf")) else None

@@ -1,0 +1,121 @@
+"""Reading the job's loss without waiting on the GPU (vramwatch/exporter/device_scalar.py), with a fake
+CUDA tensor and event standing in for the device: the GPU half is in tests/gpu/test_gpu_core.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vramwatch.exporter.device_scalar import DeviceScalar, finite, scalar
+from vramwatch.exporter.heartbeat import Heartbeat
+
+
+class FakeCudaScalar:
+    is_cuda = True
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+        self.raise_on_query = False
+
+    def query(self) -> bool:
+        if self.raise_on_query:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.done
+
+
+class FakeHost:  # the pinned host copy: readable once the event says the copy ran
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def item(self) -> float:
+        return self.value
+
+
+class Reader(DeviceScalar):
+    __slots__ = ("queued",)  # the events of the copies queued so far
+
+
+@pytest.fixture
+def reader():
+    r = Reader()
+    r.queued = []
+
+    def copy_behind(t):
+        ev = FakeEvent()
+        r.queued.append(ev)
+        return FakeHost(t.value), ev
+
+    r.copy_behind = copy_behind
+    return r
+
+
+def test_a_cuda_scalar_is_read_at_a_later_sample_never_waited_for(reader):
+    assert reader.read(FakeCudaScalar(2.0)) is None, "nothing read yet: the copy is only queued"
+    assert len(reader.queued) == 1
+    assert reader.read(FakeCudaScalar(3.0)) is None, "the GPU has not got there: no wait, no value"
+    assert len(reader.queued) == 1, "one copy in flight at a time"
+    reader.queued[0].done = True
+    assert reader.read(FakeCudaScalar(3.0)) == 2.0, "the value queued earlier, once its event completed"
+    assert len(reader.queued) == 2, "and the current one is queued behind the GPU's work"
+    assert reader.read(FakeCudaScalar(4.0)) == 2.0, "the last value read stands while the GPU is busy"
+    reader.queued[1].done = True
+    assert reader.read(FakeCudaScalar(4.0)) == 3.0
+
+
+def test_a_stuck_gpu_leaves_the_last_value_and_the_sampler_free(reader):
+    reader.read(FakeCudaScalar(1.0))
+    reader.queued[0].done = True
+    assert reader.read(FakeCudaScalar(1.0)) == 1.0
+    for _ in range(100):  # a hung collective: the event never completes; every read returns at once
+        assert reader.read(FakeCudaScalar(9.0)) == 1.0
+    assert len(reader.queued) == 2
+
+
+def test_a_failing_event_or_copy_never_raises(reader):
+    reader.read(FakeCudaScalar(1.0))
+    reader.queued[0].raise_on_query = True
+    assert reader.read(FakeCudaScalar(2.0)) is None, "the broken copy is dropped, another queued"
+    assert len(reader.queued) == 2
+
+    def broken(_t):
+        raise RuntimeError("CUDA error: out of memory")
+
+    reader.copy_behind = broken
+    reader.queued[1].done = True
+    assert reader.read(FakeCudaScalar(3.0)) == 2.0
+    assert reader.read(FakeCudaScalar(3.0)) == 2.0
+
+
+def test_host_values_are_read_at_once(reader):
+    assert reader.read(0.5) == 0.5
+    assert reader.read(None) == 0.5, "no new value: the last one stands"
+    assert reader.read(float("nan")) is None, "NaN is not published"
+    assert reader.queued == []
+
+
+@pytest.mark.parametrize("v, want", [(1, 1.0), (2.5, 2.5), ("x", None), (math.inf, None), (-math.inf, None),
+                                     (float("nan"), None), (None, None)])
+def test_scalar_and_finite(v, want):
+    assert scalar(v) == want
+    if v is not None:
+        assert finite(v) == want
+
+
+def test_the_heartbeat_reads_a_device_loss_through_the_reader():
+    hb = Heartbeat()
+    queued = []
+    for r in hb._reads:
+        r.copy_behind = lambda t: (FakeHost(t.value), queued.append(FakeEvent()) or queued[-1])
+    hb.step(loss=FakeCudaScalar(0.75), grad_norm=FakeCudaScalar(12.0))
+    snap = hb.snapshot()
+    assert snap["loss"] is None and snap["grad_norm"] is None and len(queued) == 2
+    for ev in queued:
+        ev.done = True
+    snap = hb.snapshot()
+    assert (snap["loss"], snap["grad_norm"]) == (0.75, 12.0)

@@ -1,0 +1,86 @@
+"""Read the job's loss (a one-element CUDA tensor) on the sampler thread without waiting on the GPU.
+
+``float(tensor)`` on a CUDA tensor waits until the GPU has run everything queued before it: in a
+GPU-bound job that is up to a whole step, spent spinning a core (CUDA's default wait spins), and
+while a collective hangs it never returns, which would stop the sampler publishing memory exactly
+when a stall needs it. Instead each sample queues a copy into pinned host memory behind that work,
+with an event after it, and a later sample reads the copy once the event has completed
+(``Event.query()`` never blocks). The published loss is therefore one sample older than the step
+counter; until the GPU gets there, the last value read stands.
+
+The copy runs on the default stream of the tensor's device, where the job's own ``loss.item()``
+would read it; it touches only that device, which already has a context since the tensor lives there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def finite(v: Any) -> float | None:
+    """A plain number as a finite float, else None (NaN and infinities are not published)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def scalar(v: Any) -> float | None:
+    """A number or a one-element host tensor as a float; never raises."""
+    if v is None:
+        return None
+    try:
+        return finite(v.item() if hasattr(v, "item") else v)
+    except Exception:  # noqa: BLE001 - whatever the job passed
+        return None
+
+
+class DeviceScalar:
+    """The last value of a series of scalars the job hands over, read without blocking."""
+
+    __slots__ = ("value", "_pending", "copy_behind")
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self._pending: Any = None  # (pinned host tensor, event) of the copy in flight
+        self.copy_behind = queue_copy  # a seam for tests without a GPU
+
+    def read(self, v: Any) -> float | None:
+        if v is None:
+            return self.value
+        if not getattr(v, "is_cuda", False):
+            self._pending = None
+            self.value = scalar(v)
+            return self.value
+        pending = self._pending
+        if pending is not None:
+            buf, event = pending
+            try:
+                done = event.query()
+            except Exception:  # noqa: BLE001 - a broken context: drop this copy, queue another
+                done, buf = True, None
+            if not done:
+                return self.value  # the GPU has not got there yet (or is stuck): keep the last value
+            self._pending = None
+            if buf is not None:
+                self.value = scalar(buf)
+        try:
+            self._pending = self.copy_behind(v)
+        except Exception:  # noqa: BLE001 - never raise into the sampler
+            self._pending = None
+        return self.value
+
+
+def queue_copy(t: Any) -> tuple[Any, Any]:
+    """Queue ``t`` (one element, on a CUDA device) into pinned host memory; return (buffer, event)."""
+    import torch  # the job's own; only reached with a CUDA tensor in hand
+
+    src = t.detach().reshape(())
+    stream = torch.cuda.default_stream(src.device)
+    buf = torch.empty((), dtype=src.dtype, pin_memory=True)  # pinned: a truly asynchronous copy
+    buf.copy_(src, non_blocking=True)  # on this thread's current stream of src's device: its default one
+    event = torch.cuda.Event()
+    event.record(stream)
+    return buf, event
