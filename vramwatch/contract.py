@@ -117,9 +117,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("vramwatch_training_step_duration_seconds", "histogram", "seconds", RANK,
        "Time between consecutive steps.", "heartbeat"),
     _m("vramwatch_training_loss", "gauge", "", RANK,
-       "Loss the job passed with its newest step.", "heartbeat", "the job passes no loss"),
+       "Loss the job passed with its newest step (a GPU tensor: as the GPU had it one sample earlier).",
+       "heartbeat", "the job passes no loss"),
     _m("vramwatch_training_grad_norm", "gauge", "", RANK,
-       "Gradient norm the job passed with its newest step.", "heartbeat", "the job passes no grad norm"),
+       "Gradient norm the job passed with its newest step (a GPU tensor: as the GPU had it one sample "
+       "earlier).", "heartbeat", "the job passes no grad norm"),
     _m("vramwatch_sample_age_seconds", "gauge", "seconds", RANK,
        "Age of the rank's newest published sample: grows while the rank is wedged.", "heartbeat"),
     _m("vramwatch_rank_info", "info", "", RANK + ("world_size", "hostname"),
