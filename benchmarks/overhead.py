@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -383,27 +384,34 @@ def child_segments(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _b_segment(spec: dict[str, Any], step_fn: Any, sync: Any, pin: int | None,
                others: set[int] | None) -> dict[str, Any]:
-    port = common.free_port()
-    spool = tempfile.mkdtemp(prefix="vwbench-", dir=spec["spool_root"])
-    settings = {"port": port, "spool_dir": spool, "linger": 0.0, **spec["vramwatch"]}
+    external = spec.get("external_server")  # a sidecar-style server the harness runs for the whole process
+    if external:
+        port, spool = external["port"], external["spool_dir"]
+        settings = {"serve": "external", "port": port, "spool_dir": spool, **spec["vramwatch"]}
+    else:
+        port = common.free_port()
+        spool = tempfile.mkdtemp(prefix="vwbench-", dir=spec["spool_root"])
+        settings = {"port": port, "spool_dir": spool, "linger": 0.0, **spec["vramwatch"]}
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         vw, _, seg = _start_vramwatch(settings, pin, others)
-        common.write_url_file(spec["scrape_url_file"], url)  # the parent's 1 Hz scraper follows it
+        if not external:
+            common.write_url_file(spec["scrape_url_file"], url)  # the parent's 1 Hz scraper follows it
         seg["scrape_url"] = url
         seg.update(_measure(_with_step(vw, step_fn, spec.get("pass_loss", True)), sync, spec, spec["run_s"],
                             seg.get("server_pid"), watched=True))
         seg["threads"] = sorted(common.thread_cpu_seconds(""))
         seg["vramwatch_loaded"] = "vramwatch" in sys.modules
     finally:
-        common.write_url_file(spec["scrape_url_file"], "")
         import vramwatch
 
         vramwatch.stop()
-        server_pid = _server_pid_in(spool)
-        if server_pid:  # its server would otherwise linger into the next A segment
-            common.stop_pid(server_pid)
-        shutil.rmtree(spool, ignore_errors=True)
+        if not external:
+            common.write_url_file(spec["scrape_url_file"], "")
+            server_pid = _server_pid_in(spool)
+            if server_pid:  # its server would otherwise linger into the next A segment
+                common.stop_pid(server_pid)
+            shutil.rmtree(spool, ignore_errors=True)
     return seg
 
 
@@ -519,14 +527,43 @@ class Runner:
         a = self.args
         spec, result, logf = self._spec(workload, "AB", pairs_in_process=pairs, vramwatch=vw,
                                         spool_root=self.shm, scrape_url_file=self.scraper.url_file)
+        if a.segment_warmup_seconds is not None:
+            spec["warmup_s"] = a.segment_warmup_seconds
+        server = self._external_server() if a.segment_server == "external" and vw is not None else None
+        if server:
+            spec["external_server"] = {k: server[k] for k in ("port", "spool_dir")}
+            self.scraper.set_url(f"http://127.0.0.1:{server['port']}/metrics")
         t0 = time.monotonic()
-        res = self._run_spec(spec, result, logf,
-                             a.run_timeout + pairs * 2 * (a.run_seconds + a.warmup_seconds + 25))
+        try:
+            res = self._run_spec(spec, result, logf,
+                                 a.run_timeout + pairs * 2 * (a.run_seconds + a.warmup_seconds + 25))
+        finally:
+            if server:
+                server["proc"].terminate()
+                try:
+                    server["proc"].wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    server["proc"].kill()
+                shutil.rmtree(server["spool_dir"], ignore_errors=True)
         res["process_s"] = time.monotonic() - t0
+        res["segment_server"] = a.segment_server
         for seg in res.get("segments", []):
             if seg.get("scrape_url") and seg.get("window"):
                 seg["scrapes"] = common.summarize_scrapes(self.scraper.records(seg["scrape_url"], *seg["window"]))
         return res
+
+    def _external_server(self) -> dict[str, Any]:
+        """``vramwatch serve`` as a sidecar runs it, for one process of segments (on the harness's CPUs)."""
+        port = common.free_port()
+        spool = tempfile.mkdtemp(prefix="vwbench-", dir=self.shm)
+        log = open(os.path.join(self.workdir, f"server-{self.n:03d}.log"), "ab")  # noqa: SIM115 - the server's life
+        proc = subprocess.Popen([sys.executable, "-m", "vramwatch", "serve", "--port", str(port), "--spool-dir", spool],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=common.child_env())
+        log.close()
+        if not common.wait_http(f"http://127.0.0.1:{port}/-/healthy", timeout=20.0):
+            proc.kill()
+            raise RuntimeError(f"the external vramwatch server did not answer on port {port}")
+        return {"port": port, "spool_dir": spool, "proc": proc}
 
     def _attempt(self, spec: dict[str, Any], result: str, logf: str, timeout: float) -> dict[str, Any]:
         try:
@@ -546,8 +583,6 @@ class Runner:
 
     def _spawn(self, spec: dict[str, Any], logf: str, timeout: float) -> int:
         if self.args.isolation == "exec":
-            import subprocess
-
             with open(logf, "ab") as log:
                 try:
                     p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
@@ -621,8 +656,10 @@ def run_direct(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_pairs(runner: Runner, args: argparse.Namespace, workload: str,
-              variants: list[tuple[str, str, dict | None]], deadline: float) -> dict[str, Any]:
-    """variants: (name, kind, vramwatch settings or None); the first is the shared baseline (A)."""
+              variants: list[tuple[str, str, dict | None]], deadline: float, label: str = "") -> dict[str, Any]:
+    """variants: (name, kind, vramwatch settings or None); the first is the shared baseline (A).
+    ``label`` names the figure in progress lines (default: the workload)."""
+    tag = label or workload
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     tuple_s: list[float] = []
     truncated = False
@@ -631,7 +668,7 @@ def run_pairs(runner: Runner, args: argparse.Namespace, workload: str,
         est = statistics.mean(tuple_s) if tuple_s else 0.0
         if time.monotonic() + est > deadline:
             truncated = True
-            common.progress(f"{workload}: deadline reached after {i} of {args.pairs} pairs; stopping")
+            common.progress(f"{tag}: deadline reached after {i} of {args.pairs} pairs; stopping")
             break
         t0 = time.monotonic()
         row = []
@@ -640,15 +677,15 @@ def run_pairs(runner: Runner, args: argparse.Namespace, workload: str,
             runs[name].append(res)
             if "error" in res:
                 errors += 1
-                common.progress(f"{workload} {name} run {i + 1} FAILED:\n{res['error']}{res.get('log_tail', '')}")
+                common.progress(f"{tag} {name} run {i + 1} FAILED:\n{res['error']}{res.get('log_tail', '')}")
             else:
                 row.append(f"{name} {res['step_time_s'] * 1000:.3f} ms x{res['steps']}")
         tuple_s.append(time.monotonic() - t0)
         left = (args.pairs - i - 1) * statistics.mean(tuple_s)
-        common.progress(f"{workload} pair {i + 1}/{args.pairs}: " + ", ".join(row) +
+        common.progress(f"{tag} pair {i + 1}/{args.pairs}: " + ", ".join(row) +
                         f" ({tuple_s[-1]:.1f} s; ~{left:.0f} s left)")
         if i == 0 and errors:
-            common.progress(f"{workload}: the first pair failed; skipping this workload")
+            common.progress(f"{tag}: the first pair failed; skipping this workload")
             break
     return {"runs": runs, "truncated": truncated, "errors": errors}
 
@@ -813,7 +850,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if "launch_bound_fresh" in wanted:
             common.progress(f"launch_bound_fresh: {args.pairs} pairs of {args.run_seconds:g} s runs (A B A B ...), "
                             "every run a fresh process")
-            r = run_pairs(runner, args, "launch_bound", [("without", "A", None), ("with", "B", {})], deadline)
+            r = run_pairs(runner, args, "launch_bound", [("without", "A", None), ("with", "B", {})], deadline,
+                          label="launch_bound_fresh")
             out["launch_bound_fresh"] = summarize("launch_bound_fresh", r["runs"], "without", "with", {},
                                                   r["truncated"], [])
             out["launch_bound_fresh"]["design"] = "fresh processes"
@@ -919,6 +957,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="CPU for the training thread alone: auto (the highest, given 4 or more CPUs), none, or N")
     p.add_argument("--pairs-per-process", type=int, default=5,
                    help="launch_bound: A B segment pairs in each fresh process (default 5)")
+    p.add_argument("--segment-warmup-seconds", type=float, default=None,
+                   help="launch_bound: warm-up before each segment (default: --warmup-seconds)")
+    p.add_argument("--segment-server", choices=("spawned", "external"), default="spawned",
+                   help="launch_bound: each B segment's rank spawns its server (default), or one `vramwatch "
+                        "serve` runs beside the whole process as a sidecar would (B segments start in "
+                        "milliseconds, so segments can be short)")
     p.add_argument("--run-timeout", type=float, default=180.0, help="kill a run after this many seconds")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="stop starting pairs once this many seconds have passed (0: no limit)")

@@ -15,7 +15,8 @@
 # overhead benchmark stops starting pairs in time and keeps what it measured; the others are cut by
 # `timeout`). Wheels in .whl/ (nvitop, nvitop-exporter, pytest)
 # are unpacked into a private directory when the interpreter lacks them. VW_BENCH_COMMIT names the
-# commit when .git did not travel. GPU_TESTS narrows the suite (default tests/gpu). PACK=1 packs every output into $OUT/results.tgz. Merge the overhead parts afterwards with
+# commit when .git did not travel. GPU_TESTS narrows the suite (default tests/gpu); STEP_CALLS (1e6) and
+# TF_MARGIN (40 s left after the transformer pairs) trim a tight command. PACK=1 packs every output into $OUT/results.tgz. Merge the overhead parts afterwards with
 #   python3 benchmarks/overhead.py --merge OUT1/overhead-part1.json OUT2/overhead-part2.json --out overhead.json
 set -u
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,7 +33,7 @@ for a in "$@"; do
     --full) MODE=full ;;
     --smoke) MODE=smoke ;;
     --plan) PLAN=1 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     part1) PARTS+=(tests direct launch launch_fresh) ;;
     part2) PARTS+=(transformer scrape) ;;
     part3) PARTS+=(fragmentation) ;;
@@ -61,7 +62,7 @@ elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothin
   SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5"
   FRAG_ARGS="--device cpu --seconds 1.5 --poll 0.2 --interval 0.2"
 else
-  PAIRS=20; DIRECT=60; CALLS=1000000; TESTS_CAP=200; SCRAPE_ARGS=""; FRAG_ARGS=""
+  PAIRS=20; DIRECT=60; CALLS=${STEP_CALLS:-1000000}; TESTS_CAP=200; SCRAPE_ARGS=""; FRAG_ARGS=""
 fi
 
 # --- commands ---
@@ -153,7 +154,7 @@ fi
 if has transformer; then
   RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 105))
   [ "$MODE" = quick ] && RESERVE=$((RESERVE / 2))
-  D=$(( $(left) - RESERVE - 40 )); [ "$D" -lt 30 ] && D=30
+  D=$(( $(left) - RESERVE - ${TF_MARGIN:-40} )); [ "$D" -lt 30 ] && D=30
   phase overhead-part2 $((D + 60)) $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" "$D" "$TF_WARMUP")
 fi
 has scrape && phase scrape 150 $CMD_SCRAPE

@@ -268,3 +268,21 @@ def test_fragmentation_training_loop_runs_on_the_cpu(tmp_path):
     run = common.read_json(out)["variants"]["default"]["run"]
     assert "error" not in run, run
     assert run["steps"] >= 2 and run["big_requests"] >= 1 and run["caught_ooms"] == 0
+
+
+def test_short_segments_against_one_sidecar_server(tmp_path):
+    """--segment-server external: one `vramwatch serve` beside the process; B segments start in milliseconds."""
+    out = tmp_path / "o.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--device", "cpu", "--workloads",
+                        "launch_bound", "--pairs", "3", "--pairs-per-process", "3", "--run-seconds", "0.3",
+                        "--segment-warmup-seconds", "0", "--segment-server", "external", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr[-3000:]
+    o = common.read_json(out)["launch_bound"]
+    assert o["pairs"] == 3 and o["errors"] == 0 and o["processes"][0]["segment_server"] == "external"
+    b = o["runs"]["with"]
+    assert len({r["server_pid"] for r in b}) == 1, "one server for every B segment of the process"
+    assert all(r["server_up"] and r["vramwatch_start_s"] < 0.5 for r in b)
+    assert all(r["warmup_steps"] == o["runs"]["without"][0]["warmup_steps"] for r in b)
+    assert all(r["vramwatch_threads"] == [] for r in o["runs"]["without"]), "A segments: nothing of ours running"
