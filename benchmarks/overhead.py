@@ -244,9 +244,39 @@ def _start_vramwatch(settings: dict[str, Any], pin: int | None, others: set[int]
     return vramwatch, handle, info
 
 
+def instrument_sample_parts() -> dict[str, float]:
+    """Count, by part, the CPU time (the calling thread's clock) a sample spends: the whole ``tick``, the
+    allocator read, the largest-free-block snapshot inside it, the heartbeat (loss read) and the publish.
+    Wraps vramwatch's classes in this (benchmark) process only; a few clock reads per sample."""
+    from vramwatch import runtime
+    from vramwatch.exporter import allocator, heartbeat, spool
+
+    acc: dict[str, float] = {}
+
+    def wrap(cls: Any, name: str, part: str) -> None:
+        orig = getattr(cls, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return orig(*a, **k)
+            finally:
+                acc[part] = acc.get(part, 0.0) + time.thread_time() - t0
+
+        setattr(cls, name, timed)
+
+    wrap(runtime.Handle, "tick", "tick")
+    wrap(allocator.AllocatorSampler, "read", "allocator_read")
+    wrap(allocator.TorchSource, "snapshot", "largest_block_snapshot")
+    wrap(heartbeat.Heartbeat, "snapshot", "heartbeat_and_loss")
+    wrap(spool.RankPublisher, "publish", "publish")
+    return acc
+
+
 def _measure(fn: Any, sync: Any, spec: dict[str, Any], run_s: float, server_pid: int | None,
-             watched: bool) -> dict[str, Any]:
-    """Warm up, then time ``run_s`` of steps; with vramwatch running, the CPU its threads and server spent."""
+             watched: bool, parts: dict[str, float] | None = None) -> dict[str, Any]:
+    """Warm up, then time ``run_s`` of steps; with vramwatch running, the CPU its threads and server spent
+    (and, given ``parts`` from instrument_sample_parts, how the samples in the window spent theirs)."""
     before = common.thread_cpu_seconds("vramwatch")
     marks: dict[str, Any] = {}
 
@@ -257,6 +287,7 @@ def _measure(fn: Any, sync: Any, spec: dict[str, Any], run_s: float, server_pid:
             marks["t0"] = time.perf_counter()
             marks["threads0"] = common.thread_cpu_seconds("vramwatch")
             marks["server0"] = common.proc_cpu_seconds(server_pid) if server_pid else None
+            marks["parts0"] = dict(parts or {})
 
     tw = time.perf_counter()
     r = _timed(fn, sync_and_mark, spec["warmup_s"], spec["warmup_steps"], run_s)
@@ -272,6 +303,8 @@ def _measure(fn: Any, sync: Any, spec: dict[str, Any], run_s: float, server_pid:
         r["vramwatch_threads_cpu_s_incl_warmup"] = common.cpu_delta(before, threads1)
         if server1 is not None and marks.get("server0") is not None:
             r["server_cpu_share"] = (server1 - marks["server0"]) / window if window > 0 else None
+        if parts is not None and window > 0:
+            r["sample_parts_cpu_share"] = {k: (v - marks["parts0"].get(k, 0.0)) / window for k, v in parts.items()}
     return r
 
 
@@ -315,6 +348,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     tp = time.perf_counter()
     vw = None
     server_pid = None
+    parts = instrument_sample_parts() if spec.get("direct") else None
     if spec.get("vramwatch") is not None:
         vw, _, info = _start_vramwatch(spec["vramwatch"], pin, others)
         out.update(info)
@@ -335,7 +369,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     sync = torch.cuda.synchronize if dev.type == "cuda" else _noop
     fn = _with_step(vw, step_fn, spec.get("pass_loss", True)) if vw is not None else step_fn
     run_s = spec["direct_s"] if spec.get("direct") else spec["run_s"]
-    r = _measure(fn, sync, spec, run_s, server_pid, watched=vw is not None)
+    r = _measure(fn, sync, spec, run_s, server_pid, watched=vw is not None, parts=parts)
     phases["warmup"] = r.pop("warmup_s")
     out.update(r)
     if vw is not None and spec.get("direct"):
@@ -652,6 +686,10 @@ def run_direct(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
                     f"({res.get('scrapes', {}).get('ok', 0)} scrapes ok); step() {sc.get('median_us', 0):.3f} us "
                     f"median (with loss {sc.get('with_loss_median_us', 0):.3f} us, empty call "
                     f"{sc.get('noop_call_us', 0):.3f} us)")
+    parts = res.get("sample_parts_cpu_share") or {}
+    if parts:
+        common.progress("direct cost by part of a sample (% of a core): " + ", ".join(
+            f"{k} {v * 100:.4f}" for k, v in sorted(parts.items())))
     return {"in_process_cpu_share": share, "step_call_us": sc.get("median_us"), "direct": res}
 
 

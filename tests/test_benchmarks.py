@@ -146,6 +146,10 @@ def test_smoke_overhead_json_has_the_required_layout(smoke):
     assert direct["vramwatch_loaded"] and "vramwatch-sampler" in direct["vramwatch_threads_cpu_s"]
     assert direct["scrapes"]["ok"] >= 1, "the 1 Hz scraper hit the direct run's server"
     assert direct["step_call"]["number"] == 20000 and len(direct["step_call"]["step_us"]) == 3
+    parts = direct["sample_parts_cpu_share"]  # where a sample's CPU goes, for attributing the share
+    assert {"tick", "allocator_read", "heartbeat_and_loss", "publish"} <= set(parts)
+    inside = ("allocator_read", "heartbeat_and_loss", "publish")  # the snapshot is part of allocator_read
+    assert 0 < parts["publish"] <= parts["tick"] and sum(parts[k] for k in inside) <= parts["tick"]
     pin = data["metadata"]["pinned_core"]
     assert pin is None or pin == max(os.sched_getaffinity(0)), "smoke mode pins the training thread when it can"
     for w in ("launch_bound", "launch_bound_fresh", "transformer", "transformer_full"):
