@@ -8,8 +8,10 @@
 #   bash benchmarks/run_gpu.sh --plan --full part1            # print the commands only
 #   OUT=/tmp/x bash benchmarks/run_gpu.sh --smoke all         # no GPU: tiny CPU/simulated runs (CI smoke test)
 #
-# Parts: tests direct launch launch_fresh transformer scrape fragmentation, or the groups part1 (tests
-# direct launch launch_fresh), part2 (transformer scrape), part3 (fragmentation), all. launch_fresh
+# Parts: tests direct launch launch_fresh transformer scrape fragmentation direct_nopin launch_short, or the
+# groups part1 (tests direct launch launch_fresh), part2 (transformer scrape), part3 (fragmentation),
+# part4 (direct_nopin: the direct cost with placement left to the scheduler; launch_short: 100 pairs of
+# 1 s launch-bound segments against one sidecar server), all (parts 1-3). launch_fresh
 # (launch-bound pairs with every run a process of its own, a cross-check) takes what part1 leaves.
 # BUDGET (seconds, default 570) bounds one invocation: each phase gets at most what is left (the
 # overhead benchmark stops starting pairs in time and keeps what it measured; the others are cut by
@@ -33,12 +35,13 @@ for a in "$@"; do
     --full) MODE=full ;;
     --smoke) MODE=smoke ;;
     --plan) PLAN=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     part1) PARTS+=(tests direct launch launch_fresh) ;;
     part2) PARTS+=(transformer scrape) ;;
     part3) PARTS+=(fragmentation) ;;
+    part4) PARTS+=(direct_nopin launch_short) ;;
     all) PARTS+=(tests direct launch launch_fresh transformer scrape fragmentation) ;;
-    tests|direct|launch|launch_fresh|transformer|scrape|fragmentation) PARTS+=("$a") ;;
+    tests|direct|launch|launch_fresh|transformer|scrape|fragmentation|direct_nopin|launch_short) PARTS+=("$a") ;;
     *) echo "unknown argument: $a" >&2; exit 2 ;;
   esac
 done
@@ -73,6 +76,9 @@ overhead_cmd() {  # $1 workloads, $2 out file, $3 deadline seconds, $4 extra arg
 }
 # a transformer step is ~100 ms: 0.5 s (and at least 3 steps) warms it; 60 runs share the budget
 TF_WARMUP="--warmup-seconds 0.5"; [ "$MODE" = smoke ] && TF_WARMUP=""
+SHORT="--run-seconds 1 --segment-warmup-seconds 0.25 --segment-server external --pairs-per-process 50"
+[ "$MODE" = full ] && SHORT="$SHORT --pairs 100"
+[ "$MODE" = smoke ] && SHORT="--run-seconds 0.2 --segment-warmup-seconds 0 --segment-server external"
 CMD_SCRAPE="$PY benchmarks/scrape.py $SCRAPE_ARGS --out $OUT/scrape.json"
 CMD_FRAG="$PY benchmarks/fragmentation.py $FRAG_ARGS --out $OUT/fragmentation.json"
 
@@ -82,6 +88,8 @@ if [ "$PLAN" = 1 ]; then
   W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"; has launch_fresh && W="${W:+$W,}launch_bound_fresh"
   [ -n "$W" ] && echo "overhead: $(overhead_cmd "$W" "$OUT/overhead-part1.json" '<left>')"
   has transformer && echo "overhead: $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" '<left>' "$TF_WARMUP")"
+  has direct_nopin && echo "overhead: $(overhead_cmd direct "$OUT/overhead-direct-nopin.json" 120 "--pin-core none")"
+  has launch_short && echo "overhead: $(overhead_cmd launch_bound "$OUT/overhead-short.json" '<left>' "$SHORT")"
   has scrape && echo "scrape: $CMD_SCRAPE"
   has fragmentation && echo "fragmentation: $CMD_FRAG"
   exit 0
@@ -157,6 +165,14 @@ if has transformer; then
   D=$(( $(left) - RESERVE - ${TF_MARGIN:-40} )); [ "$D" -lt 30 ] && D=30
   phase overhead-part2 $((D + 60)) $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" "$D" "$TF_WARMUP")
 fi
+# part4, for attributing the direct cost and resolving the launch-bound loop below the host's drift
+if has direct_nopin; then
+  phase overhead-direct-nopin 150 $(overhead_cmd direct "$OUT/overhead-direct-nopin.json" 120 "--pin-core none")
+fi
+if has launch_short; then
+  D=$(( $(left) - 40 )); [ "$D" -lt 30 ] && D=30
+  phase overhead-short $((D + 60)) $(overhead_cmd launch_bound "$OUT/overhead-short.json" "$D" "$SHORT")
+fi
 has scrape && phase scrape 150 $CMD_SCRAPE
 has fragmentation && phase fragmentation 240 $CMD_FRAG
 if [ -f "$OUT/overhead-part1.json" ] && [ -f "$OUT/overhead-part2.json" ]; then
@@ -177,18 +193,21 @@ def r4(v):
     return "n/a" if v is None else f"{v:.4f}"
 def ms(v):
     return "n/a" if v is None else f"{v * 1000:.2f} ms"
-for n in ("overhead-part1.json", "overhead-part2.json"):
+for n in ("overhead-part1.json", "overhead-part2.json", "overhead-direct-nopin.json", "overhead-short.json"):
     d = load(n)
     if not d:
         continue
     if d.get("in_process_cpu_share") is not None:
-        print(f"in_process_cpu_share {d['in_process_cpu_share'] * 100:.4f}% of a core (target <= 0.05%); "
-              f"step() {d.get('step_call_us'):.3f} us (target <= 5)")
+        print(f"{n}: in_process_cpu_share {d['in_process_cpu_share'] * 100:.4f}% of a core (target <= 0.05%); "
+              f"step() {d.get('step_call_us'):.3f} us (target <= 5); pinned core {d['metadata'].get('pinned_core')}")
+        parts = (d.get("direct") or {}).get("sample_parts_cpu_share") or {}
+        if parts:
+            print("  by part (% of a core): " + ", ".join(f"{k} {v * 100:.4f}" for k, v in sorted(parts.items())))
     for w in ("launch_bound", "launch_bound_fresh", "transformer", "transformer_full"):
         o = d.get(w)
         if o and o.get("median_ratio") is not None:
             st = o["step_times"]["without"]
-            print(f"{w}: ratio {r4(o['median_ratio'])} [{r4(o['min_ratio'])}, {r4(o['max_ratio'])}], A/A null "
+            print(f"{n} {w}: ratio {r4(o['median_ratio'])} [{r4(o['min_ratio'])}, {r4(o['max_ratio'])}], A/A null "
                   f"{r4(o['null_median_ratio'])} [{r4(o['null_min_ratio'])}, {r4(o['null_max_ratio'])}], "
                   f"{o['pairs']} pairs, step {ms(sorted(st)[len(st) // 2])}, truncated={o['truncated']}, "
                   f"errors={o['errors']}")

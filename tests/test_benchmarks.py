@@ -116,8 +116,8 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("run_gpu")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     env.update(OUT=str(out), PYTHON=sys.executable, BUDGET="300")
-    p = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "all"], capture_output=True,
-                       text=True, env=env, timeout=400, stdin=subprocess.DEVNULL)
+    p = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "all", "part4"],
+                       capture_output=True, text=True, env=env, timeout=400, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     return out, p.stdout
 
@@ -126,7 +126,8 @@ def smoke(tmp_path_factory):
 def test_smoke_every_phase_ran(smoke):
     out, stdout = smoke
     phases = dict(line.split(": ", 1) for line in (out / "phases.txt").read_text().splitlines())
-    for name in ("pytest-gpu", "overhead-part1", "overhead-part2", "scrape", "fragmentation"):
+    for name in ("pytest-gpu", "overhead-part1", "overhead-part2", "scrape", "fragmentation", "overhead-direct-nopin",
+                 "overhead-short"):
         assert phases.get(name, "").startswith("rc=0"), (name, phases, stdout[-3000:])
     assert "=== summary ===" in stdout and "in_process_cpu_share" in stdout
     # the GPU suite skips cleanly without a GPU
@@ -290,3 +291,18 @@ def test_short_segments_against_one_sidecar_server(tmp_path):
     assert all(r["server_up"] and r["vramwatch_start_s"] < 0.5 for r in b)
     assert all(r["warmup_steps"] == o["runs"]["without"][0]["warmup_steps"] for r in b)
     assert all(r["vramwatch_threads"] == [] for r in o["runs"]["without"]), "A segments: nothing of ours running"
+
+
+@pytest.mark.slow
+def test_smoke_part4_attribution_and_short_segments(smoke):
+    out, stdout = smoke
+    nopin = common.read_json(out / "overhead-direct-nopin.json")
+    assert nopin["metadata"]["pinned_core"] is None and nopin["direct"]["pinned_core"] is None
+    assert "publish" in nopin["direct"]["sample_parts_cpu_share"] and "by part" in stdout
+    short = common.read_json(out / "overhead-short.json")["launch_bound"]
+    assert short["pairs"] == 2 and short["errors"] == 0
+    assert all(p["segment_server"] == "external" for p in short["processes"])
+    servers = {}  # one sidecar server per process, whatever its segments
+    for r in short["runs"]["with"]:
+        servers.setdefault(r["pid"], set()).add(r["server_pid"])
+    assert len(servers) == len(short["processes"]) and all(len(v) == 1 for v in servers.values())
