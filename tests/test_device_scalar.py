@@ -46,7 +46,8 @@ def reader():
     r = Reader()
     r.queued = []
 
-    def copy_behind(t):
+    def copy_behind(t, slots):
+        assert slots is r._slots, "the reader's own buffers, reused from one copy to the next"
         ev = FakeEvent()
         r.queued.append(ev)
         return FakeHost(t.value), ev
@@ -68,6 +69,16 @@ def test_a_cuda_scalar_is_read_at_a_later_sample_never_waited_for(reader):
     assert reader.read(FakeCudaScalar(4.0)) == 3.0
 
 
+def test_no_new_step_means_no_new_copy(reader):
+    loss = FakeCudaScalar(5.0)
+    reader.read(loss)
+    reader.queued[0].done = True
+    for _ in range(10):  # the job is between steps (or stalled in Python): the same tensor each sample
+        assert reader.read(loss) == 5.0
+    assert len(reader.queued) == 1, "the value is known: nothing more queued on the GPU"
+    assert reader.read(FakeCudaScalar(6.0)) == 5.0 and len(reader.queued) == 2, "a new step's loss is queued"
+
+
 def test_a_stuck_gpu_leaves_the_last_value_and_the_sampler_free(reader):
     reader.read(FakeCudaScalar(1.0))
     reader.queued[0].done = True
@@ -83,7 +94,7 @@ def test_a_failing_event_or_copy_never_raises(reader):
     assert reader.read(FakeCudaScalar(2.0)) is None, "the broken copy is dropped, another queued"
     assert len(reader.queued) == 2
 
-    def broken(_t):
+    def broken(_t, _slots):
         raise RuntimeError("CUDA error: out of memory")
 
     reader.copy_behind = broken
@@ -111,7 +122,7 @@ def test_the_heartbeat_reads_a_device_loss_through_the_reader():
     hb = Heartbeat()
     queued = []
     for r in hb._reads:
-        r.copy_behind = lambda t: (FakeHost(t.value), queued.append(FakeEvent()) or queued[-1])
+        r.copy_behind = lambda t, _slots: (FakeHost(t.value), queued.append(FakeEvent()) or queued[-1])
     hb.step(loss=FakeCudaScalar(0.75), grad_norm=FakeCudaScalar(12.0))
     snap = hb.snapshot()
     assert snap["loss"] is None and snap["grad_norm"] is None and len(queued) == 2
@@ -119,3 +130,41 @@ def test_the_heartbeat_reads_a_device_loss_through_the_reader():
         ev.done = True
     snap = hb.snapshot()
     assert (snap["loss"], snap["grad_norm"]) == (0.75, 12.0)
+
+
+def test_queue_copy_reuses_one_pinned_buffer_and_event_per_device_and_dtype(monkeypatch):
+    """queue_copy itself, with torch's CUDA pieces stood in for (no GPU here): real tensors are copied."""
+    import torch
+
+    from vramwatch.exporter.device_scalar import queue_copy
+
+    made = {"empty": 0, "event": 0}
+    real_empty = torch.empty
+
+    def empty(*a, pin_memory=False, **k):
+        assert pin_memory, "the host buffer is pinned, so the copy is truly asynchronous"
+        made["empty"] += 1
+        return real_empty(*a, **k)
+
+    class Event:
+        def __init__(self):
+            made["event"] += 1
+            self.streams = []
+
+        def record(self, stream):
+            self.streams.append(stream)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device: f"default stream of {device}")
+    slots: dict = {}
+    w = torch.tensor(2.0, requires_grad=True)
+    buf1, ev1 = queue_copy(w * 1.5, slots)  # a loss with a graph: copied detached
+    assert buf1.item() == 3.0 and not buf1.requires_grad and ev1.streams == ["default stream of cpu"]
+    buf2, ev2 = queue_copy(torch.tensor([4.0]), slots)  # one element, any shape
+    assert (buf2, ev2) == (buf1, ev1) and buf2.item() == 4.0, "the same buffer and event, reused"
+    assert made == {"empty": 1, "event": 1}
+    buf3, _ = queue_copy(torch.tensor(1.0, dtype=torch.float64), slots)
+    assert buf3 is not buf1 and buf3.dtype == torch.float64 and made == {"empty": 2, "event": 2}
+    with pytest.raises(RuntimeError):
+        queue_copy(torch.ones(3), slots)  # not a scalar: the reader turns this into no value
