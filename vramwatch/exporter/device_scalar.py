@@ -3,10 +3,10 @@
 ``float(tensor)`` on a CUDA tensor waits until the GPU has run everything queued before it: in a
 GPU-bound job that is up to a whole step, spent spinning a core (CUDA's default wait spins), and
 while a collective hangs it never returns, which would stop the sampler publishing memory exactly
-when a stall needs it. Instead each sample queues a copy into pinned host memory behind that work,
-with an event after it, and a later sample reads the copy once the event has completed
-(``Event.query()`` never blocks). The published loss is therefore one sample older than the step
-counter; until the GPU gets there, the last value read stands.
+when a stall needs it. Instead a sample that sees a new loss queues a copy into a pinned host buffer
+behind that work, with an event after it, and a later sample reads the copy once the event has
+completed (``Event.query()`` never blocks). The published loss is therefore one sample older than the
+step counter; until the GPU gets there, the last value read stands.
 
 The copy runs on the default stream of the tensor's device, where the job's own ``loss.item()``
 would read it; it touches only that device, which already has a context since the tensor lives there.
