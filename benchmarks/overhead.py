@@ -219,7 +219,7 @@ def _cpus_of(tid: int) -> list[int] | None:
         return None
 
 
-def _start_vramwatch(settings: dict[str, Any], pin: int | None, others: set[int] | None) -> tuple[Any, Any, dict]:
+def _start_vramwatch(settings: dict[str, Any], pin: int | None, others: set[int] | None) -> tuple[Any, dict]:
     """Start vramwatch with the training thread unpinned, so its sampler thread and the server it spawns
     get the CPUs the training thread does not use; then pin again."""
     import vramwatch
@@ -241,7 +241,7 @@ def _start_vramwatch(settings: dict[str, Any], pin: int | None, others: set[int]
         info["server_cpus"] = _cpus_of(server_pid) if server_pid else None
         info["sampler_cpus"] = next((_cpus_of(t.native_id) for t in threading.enumerate()
                                      if t.name == "vramwatch-sampler" and t.native_id), None)
-    return vramwatch, handle, info
+    return vramwatch, info
 
 
 def instrument_sample_parts() -> dict[str, float]:
@@ -350,7 +350,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     server_pid = None
     parts = instrument_sample_parts() if spec.get("direct") else None
     if spec.get("vramwatch") is not None:
-        vw, _, info = _start_vramwatch(spec["vramwatch"], pin, others)
+        vw, info = _start_vramwatch(spec["vramwatch"], pin, others)
         out.update(info)
         server_pid = info.get("server_pid")
     else:
@@ -428,7 +428,7 @@ def _b_segment(spec: dict[str, Any], step_fn: Any, sync: Any, pin: int | None,
         settings = {"port": port, "spool_dir": spool, "linger": 0.0, **spec["vramwatch"]}
     url = f"http://127.0.0.1:{port}/metrics"
     try:
-        vw, _, seg = _start_vramwatch(settings, pin, others)
+        vw, seg = _start_vramwatch(settings, pin, others)
         if not external:
             common.write_url_file(spec["scrape_url_file"], url)  # the parent's 1 Hz scraper follows it
         seg["scrape_url"] = url

@@ -71,12 +71,22 @@ def test_a_cuda_scalar_is_read_at_a_later_sample_never_waited_for(reader):
 
 def test_no_new_step_means_no_new_copy(reader):
     loss = FakeCudaScalar(5.0)
-    reader.read(loss)
+    reader.read(loss, step=1)
     reader.queued[0].done = True
-    for _ in range(10):  # the job is between steps (or stalled in Python): the same tensor each sample
-        assert reader.read(loss) == 5.0
+    for _ in range(10):  # the job is between steps (or stalled in Python): the same step each sample
+        assert reader.read(loss, step=1) == 5.0
     assert len(reader.queued) == 1, "the value is known: nothing more queued on the GPU"
-    assert reader.read(FakeCudaScalar(6.0)) == 5.0 and len(reader.queued) == 2, "a new step's loss is queued"
+    assert reader.read(FakeCudaScalar(6.0), step=2) == 5.0 and len(reader.queued) == 2, "a new step's loss is queued"
+
+
+def test_one_tensor_updated_in_place_is_read_again_after_each_step(reader):
+    running = FakeCudaScalar(1.0)  # e.g. a running-mean loss the job keeps and passes every step
+    reader.read(running, step=1)
+    reader.queued[0].done = True
+    running.value = 2.0  # the job updated it in place and stepped
+    assert reader.read(running, step=2) == 1.0 and len(reader.queued) == 2, "same tensor, new step: copied again"
+    reader.queued[1].done = True
+    assert reader.read(running, step=2) == 2.0
 
 
 def test_a_stuck_gpu_leaves_the_last_value_and_the_sampler_free(reader):

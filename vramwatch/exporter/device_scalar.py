@@ -40,20 +40,23 @@ def scalar(v: Any) -> float | None:
 class DeviceScalar:
     """The last value of a series of scalars the job hands over, read without blocking."""
 
-    __slots__ = ("value", "_pending", "_last", "_slots", "copy_behind")
+    __slots__ = ("value", "_pending", "_copied_at", "_slots", "copy_behind")
 
     def __init__(self) -> None:
         self.value: float | None = None
         self._pending: Any = None  # (pinned host tensor, event) of the copy in flight
-        self._last: Any = None  # the tensor the newest copy was taken from
+        self._copied_at: Any = None  # the step count the newest copy was taken at
         self._slots: dict[Any, Any] = {}  # (device, dtype) -> reused pinned buffer, event, stream
         self.copy_behind = queue_copy  # a seam for tests without a GPU
 
-    def read(self, v: Any) -> float | None:
+    def read(self, v: Any, step: int | None = None) -> float | None:
+        """The newest value the GPU has finished; ``step`` (the job's step count) spares a copy when no
+        step came since the last one. Not the tensor's identity: a job may pass one tensor it updates
+        in place."""
         if v is None:
             return self.value
         if not getattr(v, "is_cuda", False):
-            self._pending = self._last = None
+            self._pending = self._copied_at = None
             self.value = scalar(v)
             return self.value
         pending = self._pending
@@ -62,19 +65,19 @@ class DeviceScalar:
             try:
                 done = event.query()
             except Exception:  # noqa: BLE001 - a broken context: drop this copy, queue another
-                done, buf, self._last = True, None, None
+                done, buf, self._copied_at = True, None, None
             if not done:
                 return self.value  # the GPU has not got there yet (or is stuck): keep the last value
             self._pending = None
             if buf is not None:
                 self.value = scalar(buf)  # read before the buffer is reused below
-        if v is self._last:
+        if step is not None and step == self._copied_at:
             return self.value  # no step since the last copy: nothing new to read
         try:
             self._pending = self.copy_behind(v, self._slots)
-            self._last = v
+            self._copied_at = step
         except Exception:  # noqa: BLE001 - never raise into the sampler
-            self._pending = self._last = None
+            self._pending = self._copied_at = None
         return self.value
 
 

@@ -55,8 +55,8 @@ class Heartbeat:
             "buckets": list(BUCKETS),
             "counts": list(self.counts),
             "sum": self.sum,
-            "loss": self._reads[0].read(self.loss),
-            "grad_norm": self._reads[1].read(self.grad_norm),
+            "loss": self._reads[0].read(self.loss, self.steps),
+            "grad_norm": self._reads[1].read(self.grad_norm, self.steps),
         }
 
 
