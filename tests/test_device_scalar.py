@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from vramwatch.exporter.device_scalar import DeviceScalar, finite, scalar
+from vramwatch.exporter.device_scalar import READ_MAX_GAP, READ_MAX_SHARE, DeviceScalar, finite, scalar
 from vramwatch.exporter.heartbeat import Heartbeat
 
 
@@ -53,6 +53,7 @@ def reader():
         return FakeHost(t.value), ev
 
     r.copy_behind = copy_behind
+    r.cpu_clock = lambda: 0.0  # reads that cost nothing: no spacing (tested on its own below)
     return r
 
 
@@ -113,6 +114,62 @@ def test_a_failing_event_or_copy_never_raises(reader):
     assert reader.read(FakeCudaScalar(3.0)) == 2.0
 
 
+class Clocks:
+    """Wall and CPU clocks a test moves; a copy "costs" ``copy_cpu`` seconds of the sampler's CPU."""
+
+    def __init__(self, r: Reader, copy_cpu: float) -> None:
+        self.wall = self.cpu = 0.0
+        inner = r.copy_behind
+
+        def costly_copy(t, slots):
+            self.cpu += copy_cpu
+            return inner(t, slots)
+
+        r.copy_behind, r.clock, r.cpu_clock = costly_copy, lambda: self.wall, lambda: self.cpu
+
+
+def test_gpu_reads_are_spaced_by_their_own_cost(reader):
+    clocks = Clocks(reader, copy_cpu=100e-6)  # 0.1 ms a read: 2 s apart keeps it at 0.005% of a core
+    gap = 100e-6 / READ_MAX_SHARE
+    assert gap == pytest.approx(2.0)
+    reader.read(FakeCudaScalar(1.0), step=1)
+    reader.queued[0].done = True
+    for k in range(1, 20):  # samples every 0.1 s, a new step each time: nothing looked at inside the gap
+        clocks.wall = k * 0.1
+        assert reader.read(FakeCudaScalar(2.0), step=1 + k) is None
+    assert len(reader.queued) == 1
+    clocks.wall = gap
+    assert reader.read(FakeCudaScalar(3.0), step=30) == 1.0, "after the gap: the finished copy is read"
+    assert len(reader.queued) == 2, "and the newest loss queued"
+    for k in range(1, 2001):  # 200 s more of samples at 10 Hz, the GPU always done by the next read
+        reader.queued[-1].done = True
+        clocks.wall = gap + k * 0.1
+        reader.read(FakeCudaScalar(float(k)), step=30 + k)
+    assert clocks.cpu / clocks.wall == pytest.approx(READ_MAX_SHARE, rel=0.03), "the reads' share of a core"
+    assert len(reader.queued) == pytest.approx(clocks.wall / gap, abs=1.5)
+
+
+def test_a_costly_read_still_comes_back_within_the_longest_gap(reader):
+    clocks = Clocks(reader, copy_cpu=0.05)  # a first copy that allocates its pinned buffer, say
+    reader.read(FakeCudaScalar(1.0), step=1)
+    reader.queued[0].done = True
+    clocks.wall = READ_MAX_GAP - 0.01
+    assert reader.read(FakeCudaScalar(2.0), step=2) is None
+    clocks.wall = READ_MAX_GAP
+    assert reader.read(FakeCudaScalar(2.0), step=2) == 1.0, "never staler than the longest gap allows"
+
+
+def test_a_pending_copy_is_looked_at_again_soon(reader):
+    clocks = Clocks(reader, copy_cpu=0.0)  # queries and copies that cost (next to) nothing
+    reader.read(FakeCudaScalar(1.0), step=1)
+    for k in range(1, 4):
+        clocks.wall = k * 0.1
+        assert reader.read(FakeCudaScalar(1.0), step=1) is None  # not done yet: asked again each sample
+    reader.queued[0].done = True
+    clocks.wall = 0.5
+    assert reader.read(FakeCudaScalar(1.0), step=1) == 1.0
+
+
 def test_host_values_are_read_at_once(reader):
     assert reader.read(0.5) == 0.5
     assert reader.read(None) == 0.5, "no new value: the last one stands"
@@ -132,6 +189,7 @@ def test_the_heartbeat_reads_a_device_loss_through_the_reader():
     hb = Heartbeat()
     queued = []
     for r in hb._reads:
+        r.cpu_clock = lambda: 0.0
         r.copy_behind = lambda t, _slots: (FakeHost(t.value), queued.append(FakeEvent()) or queued[-1])
     hb.step(loss=FakeCudaScalar(0.75), grad_norm=FakeCudaScalar(12.0))
     snap = hb.snapshot()

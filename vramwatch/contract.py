@@ -17,6 +17,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from vramwatch.exporter.device_scalar import READ_MAX_GAP
+
 RANK = ("rank", "local_rank")
 RANK_DEVICE = ("uuid", "device", "rank", "local_rank")
 GPU = ("gpu", "uuid")
@@ -117,11 +119,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("vramwatch_training_step_duration_seconds", "histogram", "seconds", RANK,
        "Time between consecutive steps.", "heartbeat"),
     _m("vramwatch_training_loss", "gauge", "", RANK,
-       "Loss the job passed with its newest step (a GPU tensor: as the GPU had it one sample earlier).",
+       f"Loss the job passed with its newest step (a GPU tensor: copied without waiting for the GPU, "
+       f"at most {READ_MAX_GAP:g} s apart, so it may trail the step counter by two of those).",
        "heartbeat", "the job passes no loss"),
     _m("vramwatch_training_grad_norm", "gauge", "", RANK,
-       "Gradient norm the job passed with its newest step (a GPU tensor: as the GPU had it one sample "
-       "earlier).", "heartbeat", "the job passes no grad norm"),
+       f"Gradient norm the job passed with its newest step (a GPU tensor: read like the loss, at most "
+       f"{READ_MAX_GAP:g} s apart).", "heartbeat", "the job passes no grad norm"),
     _m("vramwatch_sample_age_seconds", "gauge", "seconds", RANK,
        "Age of the rank's newest published sample: grows while the rank is wedged.", "heartbeat"),
     _m("vramwatch_rank_info", "info", "", RANK + ("world_size", "hostname"),

@@ -5,8 +5,14 @@ GPU-bound job that is up to a whole step, spent spinning a core (CUDA's default 
 while a collective hangs it never returns, which would stop the sampler publishing memory exactly
 when a stall needs it. Instead a sample that sees a new loss queues a copy into a pinned host buffer
 behind that work, with an event after it, and a later sample reads the copy once the event has
-completed (``Event.query()`` never blocks). The published loss is therefore one sample older than the
+completed (``Event.query()`` never blocks). The published loss is therefore one read older than the
 step counter; until the GPU gets there, the last value read stands.
+
+A read of a GPU value costs more CPU than the rest of a sample (~0.27 ms on an H200 host whose sampler
+core is idle between samples: cold caches, three CUDA calls; RESULTS.md, run 3), so reads are spaced by
+their own measured cost to keep them at or below ``READ_MAX_SHARE`` of a core, and at most
+``READ_MAX_GAP`` apart: on that host, one read every 5 s instead of every sample. Host numbers are read
+every sample (they cost nothing).
 
 The copy runs on the default stream of the tensor's device, where the job's own ``loss.item()``
 would read it; it touches only that device, which already has a context since the tensor lives there.
@@ -15,7 +21,11 @@ would read it; it touches only that device, which already has a context since th
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
+
+READ_MAX_SHARE = 5e-5  # of one core, per value read from a GPU (loss, grad norm): 0.005%
+READ_MAX_GAP = 5.0  # seconds: however slow a read, the value is never staler than two of these
 
 
 def finite(v: Any) -> float | None:
@@ -40,14 +50,17 @@ def scalar(v: Any) -> float | None:
 class DeviceScalar:
     """The last value of a series of scalars the job hands over, read without blocking."""
 
-    __slots__ = ("value", "_pending", "_copied_at", "_slots", "copy_behind")
+    __slots__ = ("value", "_pending", "_copied_at", "_slots", "_next_read", "copy_behind", "clock", "cpu_clock")
 
     def __init__(self) -> None:
         self.value: float | None = None
         self._pending: Any = None  # (pinned host tensor, event) of the copy in flight
         self._copied_at: Any = None  # the step count the newest copy was taken at
         self._slots: dict[Any, Any] = {}  # (device, dtype) -> reused pinned buffer, event, stream
-        self.copy_behind = queue_copy  # a seam for tests without a GPU
+        self._next_read = 0.0  # monotonic time before which a GPU value is not looked at again
+        self.copy_behind = queue_copy  # seams for tests without a GPU
+        self.clock = time.monotonic
+        self.cpu_clock = time.thread_time  # this thread's CPU: what the read costs the job's process
 
     def read(self, v: Any, step: int | None = None) -> float | None:
         """The newest value the GPU has finished; ``step`` (the job's step count) spares a copy when no
@@ -59,6 +72,16 @@ class DeviceScalar:
             self._pending = self._copied_at = None
             self.value = scalar(v)
             return self.value
+        now = self.clock()
+        if now < self._next_read:
+            return self.value
+        t0 = self.cpu_clock()
+        try:
+            return self._read_gpu(v, step)
+        finally:
+            self._next_read = now + min((self.cpu_clock() - t0) / READ_MAX_SHARE, READ_MAX_GAP)
+
+    def _read_gpu(self, v: Any, step: int | None) -> float | None:
         pending = self._pending
         if pending is not None:
             buf, event = pending
