@@ -17,7 +17,8 @@
 # overhead benchmark stops starting pairs in time and keeps what it measured; the others are cut by
 # `timeout`). Wheels in .whl/ (nvitop, nvitop-exporter, pytest)
 # are unpacked into a private directory when the interpreter lacks them. VW_BENCH_COMMIT names the
-# commit when .git did not travel. GPU_TESTS narrows the suite (default tests/gpu); STEP_CALLS (1e6) and
+# commit when .git did not travel. GPU_TESTS narrows the suite (default tests/gpu); PAIRS (20: the paired
+# workloads stop starting pairs at their deadline, so more only fills the budget); STEP_CALLS (1e6) and
 # TF_MARGIN (40 s left after the transformer pairs) trim a tight command. PACK=1 packs every output into $OUT/results.tgz. Merge the overhead parts afterwards with
 #   python3 benchmarks/overhead.py --merge OUT1/overhead-part1.json OUT2/overhead-part2.json --out overhead.json
 set -u
@@ -65,7 +66,7 @@ elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothin
   SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5"
   FRAG_ARGS="--device cpu --seconds 1.5 --poll 0.2 --interval 0.2"
 else
-  PAIRS=20; DIRECT=60; CALLS=${STEP_CALLS:-1000000}; TESTS_CAP=200; SCRAPE_ARGS=""; FRAG_ARGS=""
+  PAIRS=${PAIRS:-20}; DIRECT=60; CALLS=${STEP_CALLS:-1000000}; TESTS_CAP=200; SCRAPE_ARGS=""; FRAG_ARGS=""
 fi
 
 # --- commands ---
