@@ -930,14 +930,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 # merge and check
 # ----------------------------------------------------------------------------------------------
-def merge(paths: list[str]) -> dict[str, Any]:
-    """Combine part files (one per device command) into the one file the issue asks for."""
+def merge(paths: list[str], out_dir: str = ".") -> dict[str, Any]:
+    """Combine part files (one per device command) into the one file the issue asks for; each part is
+    named by its path from ``out_dir`` (where the merged file goes)."""
     out: dict[str, Any] = {}
     parts = []
     for p in paths:
         data = common.read_json(p)
         meta = data.get("metadata", {})
-        parts.append({"file": os.path.basename(p), "date": meta.get("date"), "workloads": meta.get("workloads"),
+        parts.append({"file": os.path.relpath(p, out_dir), "date": meta.get("date"), "workloads": meta.get("workloads"),
                       "elapsed_s": meta.get("elapsed_s"), "vramwatch_commit": meta.get("vramwatch_commit"),
                       "vramwatch_source_sha256": meta.get("vramwatch_source_sha256")})
         for k, v in data.items():
@@ -1037,7 +1038,7 @@ def main(argv: list[str] | None = None) -> int:
         print("ok")
         return 0
     if args.merge:
-        data = merge(args.merge)
+        data = merge(args.merge, os.path.dirname(os.path.abspath(args.out)) if args.out else ".")
         if args.out:
             common.write_json(args.out, data)
         else:
