@@ -236,3 +236,11 @@ def test_queue_copy_reuses_one_pinned_buffer_and_event_per_device_and_dtype(monk
     assert buf3 is not buf1 and buf3.dtype == torch.float64 and made == {"empty": 2, "event": 2}
     with pytest.raises(RuntimeError):
         queue_copy(torch.ones(3), slots)  # not a scalar: the reader turns this into no value
+
+
+def test_the_readme_states_the_read_budget_the_code_has():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"at most {READ_MAX_SHARE * 100:g}% of a core" in readme
+    assert f"one every\n{READ_MAX_GAP:g} s" in readme or f"one every {READ_MAX_GAP:g} s" in readme
