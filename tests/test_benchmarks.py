@@ -92,7 +92,7 @@ def test_merge_parts_into_the_issue_layout(tmp_path):
     assert check.returncode == 1 and "transformer.null_min_ratio" in check.stdout
 
 
-def test_run_gpu_plan_splits_the_work_into_two_commands(tmp_path):
+def test_run_gpu_plan_splits_the_work_into_parts(tmp_path):
     def plan(*args):
         p = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--plan", *args],
                            capture_output=True, text=True, env=dict(os.environ, OUT=str(tmp_path)), check=True)

@@ -60,7 +60,6 @@ def done(res):
 '''
 
 
-
 def job_env(one_device: bool = False, **extra: str) -> dict[str, str]:
     """The job's environment: no VRAMWATCH_* of ours, the repo importable, unbuffered output.
 

@@ -290,7 +290,6 @@ def test_cuda_malloc_async_backend_reports_what_it_can(tmp_path):
         assert absent not in fams, f"{absent}: this backend reports it as zero; it must be absent, not 0"
 
 
-
 # ------------------------------------------------------------------------------------------------
 LOSS_BEHIND_GPU_WORK_JOB = r"""
 import threading
