@@ -184,7 +184,7 @@ def proc_cpu_seconds(pid: int) -> float | None:
             raw = fh.read()
     except OSError:
         return None
-    fields = raw[raw.rindex(")") + 2:].split()
+    fields = raw[raw.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
 
 
@@ -195,7 +195,7 @@ def pid_alive(pid: int) -> bool:
             raw = fh.read()
     except OSError:
         return False
-    return raw[raw.rindex(")") + 2:].split()[0] not in ("Z", "X")
+    return raw[raw.rindex(")") + 2 :].split()[0] not in ("Z", "X")
 
 
 def stop_pid(pid: int, timeout: float = 3.0) -> None:
@@ -270,9 +270,15 @@ def paired_stats(without: Sequence[float], with_: Sequence[float]) -> dict[str, 
     null = [without[i + 1] / without[i] for i in range(len(without) - 1) if without[i] > 0]
     r, z = spread(ratios), spread(null)
     return {
-        "median_ratio": r["median"], "min_ratio": r["min"], "max_ratio": r["max"],
-        "null_median_ratio": z["median"], "null_min_ratio": z["min"], "null_max_ratio": z["max"],
-        "pairs": n, "ratios": ratios, "null_ratios": null,
+        "median_ratio": r["median"],
+        "min_ratio": r["min"],
+        "max_ratio": r["max"],
+        "null_median_ratio": z["median"],
+        "null_min_ratio": z["min"],
+        "null_max_ratio": z["max"],
+        "pairs": n,
+        "ratios": ratios,
+        "null_ratios": null,
     }
 
 
@@ -291,11 +297,14 @@ def vramwatch_commit(root: Path = ROOT) -> str:
     if env:
         return env
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
         if out.returncode == 0:
-            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "vramwatch"],
-                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(root), "status", "--porcelain", "--", "vramwatch"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
@@ -401,9 +410,22 @@ class Scraper:
         self.interval = interval
         self.set_url("")
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "scrape-loop", "--url-file", self.url_file,
-             "--out", self.out, "--interval", str(interval), "--parent", str(os.getpid())],
-            stdin=subprocess.DEVNULL, env=child_env())
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "scrape-loop",
+                "--url-file",
+                self.url_file,
+                "--out",
+                self.out,
+                "--interval",
+                str(interval),
+                "--parent",
+                str(os.getpid()),
+            ],
+            stdin=subprocess.DEVNULL,
+            env=child_env(),
+        )
         deadline = time.monotonic() + 15  # up before the first run, so its start-up overlaps none
         while not os.path.exists(self.out) and self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -451,8 +473,10 @@ def scrape_loop(url_file: str, out: str, interval: float, parent: int) -> int:
             now = time.monotonic()
             if url and (url != last_url or now >= next_due):
                 status, body, elapsed = http_get(url, timeout=max(2.0, interval))
-                fh.write(json.dumps({"t": time.time(), "url": url, "status": status, "seconds": elapsed,
-                                     "bytes": len(body)}) + "\n")
+                fh.write(
+                    json.dumps({"t": time.time(), "url": url, "status": status, "seconds": elapsed, "bytes": len(body)})
+                    + "\n"
+                )
                 fh.flush()
                 next_due = now + interval
             last_url = url
@@ -462,8 +486,13 @@ def scrape_loop(url_file: str, out: str, interval: float, parent: int) -> int:
 def summarize_scrapes(rows: Iterable[dict]) -> dict[str, Any]:
     rows = list(rows)
     ok = [r["seconds"] for r in rows if r["status"] == 200]
-    return {"count": len(rows), "ok": len(ok),
-            "p50_ms": _ms(percentile(ok, 50)), "p99_ms": _ms(percentile(ok, 99)), "max_ms": _ms(max(ok, default=None))}
+    return {
+        "count": len(rows),
+        "ok": len(ok),
+        "p50_ms": _ms(percentile(ok, 50)),
+        "p99_ms": _ms(percentile(ok, 99)),
+        "max_ms": _ms(max(ok, default=None)),
+    }
 
 
 def _ms(v: float | None) -> float | None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 GIB = 1 << 30
 VARIANTS = {
@@ -149,16 +149,31 @@ def run_cuda(a: dict[str, Any], vw: Any) -> dict[str, Any]:
     torch.cuda.synchronize()
     st = torch.cuda.memory_stats(0)
     return {
-        "steps": steps, "caught_ooms": ooms, "big_requests": big,
+        "steps": steps,
+        "caught_ooms": ooms,
+        "big_requests": big,
         "step_time_mean_s": sum(step_times) / len(step_times) if step_times else None,
-        "memory_fraction": frac, "total_memory_bytes": total,
-        "final_stats": {k: st.get(k) for k in (
-            "allocated_bytes.all.current", "reserved_bytes.all.current", "allocated_bytes.all.peak",
-            "reserved_bytes.all.peak", "inactive_split_bytes.all.current", "num_alloc_retries", "num_ooms",
-            "num_device_alloc", "num_device_free", "segment.all.current")},
+        "memory_fraction": frac,
+        "total_memory_bytes": total,
+        "final_stats": {
+            k: st.get(k)
+            for k in (
+                "allocated_bytes.all.current",
+                "reserved_bytes.all.current",
+                "allocated_bytes.all.peak",
+                "reserved_bytes.all.peak",
+                "inactive_split_bytes.all.current",
+                "num_alloc_retries",
+                "num_ooms",
+                "num_device_alloc",
+                "num_device_free",
+                "segment.all.current",
+            )
+        },
         "allocator_backend": torch.cuda.get_allocator_backend(),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        "torch": torch.__version__, "device_name": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(0),
     }
 
 
@@ -191,17 +206,25 @@ def run_sim(a: dict[str, Any], handle: Any) -> dict[str, Any]:
             ooms += 1
         handle.step()
         time.sleep(0.02)
-    return {"steps": steps, "caught_ooms": ooms, "simulated": True,
-            "final_stats": {"allocated_bytes.all.current": sim.allocated(), "reserved_bytes.all.current":
-                            sim.reserved()}}
+    return {
+        "steps": steps,
+        "caught_ooms": ooms,
+        "simulated": True,
+        "final_stats": {"allocated_bytes.all.current": sim.allocated(), "reserved_bytes.all.current": sim.reserved()},
+    }
 
 
 def child(a: dict[str, Any]) -> int:
     try:
         import vramwatch
 
-        settings = {"port": a["port"], "spool_dir": a["spool"], "interval": a["interval"],
-                    "largest_block_interval": a["largest_block_interval"], "linger": 0.0}
+        settings = {
+            "port": a["port"],
+            "spool_dir": a["spool"],
+            "interval": a["interval"],
+            "largest_block_interval": a["largest_block_interval"],
+            "linger": 0.0,
+        }
         if a["device"] == "cpu":
             settings["simulate"] = True
         handle = vramwatch.start(**settings)
@@ -248,10 +271,27 @@ def run_variant(name: str, conf: str, args: argparse.Namespace, workdir: str) ->
     port = common.free_port()
     spool = tempfile.mkdtemp(prefix="vwbench-frag-", dir="/dev/shm" if os.path.isdir("/dev/shm") else workdir)
     result = os.path.join(workdir, f"{name}.json")
-    spec = {k: getattr(args, k) for k in ("device", "cap_gib", "seconds", "seed", "hidden", "vocab", "batch",
-                                          "min_len", "max_len", "frozen_layers", "trainable_layers",
-                                          "keep_steps", "big_every", "big_gib", "interval",
-                                          "largest_block_interval")}
+    spec = {
+        k: getattr(args, k)
+        for k in (
+            "device",
+            "cap_gib",
+            "seconds",
+            "seed",
+            "hidden",
+            "vocab",
+            "batch",
+            "min_len",
+            "max_len",
+            "frozen_layers",
+            "trainable_layers",
+            "keep_steps",
+            "big_every",
+            "big_gib",
+            "interval",
+            "largest_block_interval",
+        )
+    }
     spec.update(port=port, spool=spool, result=result)
     env = common.child_env()
     env.pop("PYTORCH_ALLOC_CONF", None)
@@ -261,8 +301,13 @@ def run_variant(name: str, conf: str, args: argparse.Namespace, workdir: str) ->
     log = open(os.path.join(workdir, f"{name}.log"), "ab")
     t_start = time.monotonic()
     t_start_epoch = time.time()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+    )
     url = f"http://127.0.0.1:{port}/metrics"
     series: list[dict[str, Any]] = []
     info = None
@@ -300,9 +345,16 @@ def run_variant(name: str, conf: str, args: argparse.Namespace, workdir: str) ->
     if args.out:  # the whole scrape, for `promtool tsdb create-blocks-from openmetrics` and a report
         om = f"{os.path.splitext(os.path.basename(args.out))[0]}.{name}.om.gz"
         recorder.write(os.path.join(os.path.dirname(os.path.abspath(args.out)), om))
-    return {"alloc_conf": conf, "allocator_info": info, "series": series, "scrape_errors": scrape_errors,
-            "openmetrics_file": om, "t_start_epoch": t_start_epoch,
-            "summary": summarize(series), "run": own}
+    return {
+        "alloc_conf": conf,
+        "allocator_info": info,
+        "series": series,
+        "scrape_errors": scrape_errors,
+        "openmetrics_file": om,
+        "t_start_epoch": t_start_epoch,
+        "summary": summarize(series),
+        "run": own,
+    }
 
 
 def summarize(series: list[dict[str, Any]]) -> dict[str, Any]:
@@ -315,19 +367,24 @@ def summarize(series: list[dict[str, Any]]) -> dict[str, Any]:
     last = series[-1]
     out: dict[str, Any] = {
         "samples": len(series),
-        "final_allocated_bytes": last.get("allocated"), "final_reserved_bytes": last.get("reserved"),
+        "final_allocated_bytes": last.get("allocated"),
+        "final_reserved_bytes": last.get("reserved"),
         "final_reserved_minus_allocated_bytes": (last.get("reserved", 0) - last.get("allocated", 0)),
         "peak_allocated_bytes": max(col("allocated"), default=None),
         "peak_reserved_bytes": max(col("reserved"), default=None),
         "allocator_peak_reserved_bytes": last.get("peak_reserved"),
         "max_fragmentation_ratio": max(col("fragmentation"), default=None),
-        "mean_fragmentation_ratio": (sum(col("fragmentation")) / len(col("fragmentation"))
-                                     if col("fragmentation") else None),
+        "mean_fragmentation_ratio": (
+            sum(col("fragmentation")) / len(col("fragmentation")) if col("fragmentation") else None
+        ),
         "final_fragmentation_ratio": last.get("fragmentation"),
         "max_inactive_split_bytes": max(col("inactive_split"), default=None),
         "min_largest_free_block_bytes": min(col("largest_free_block"), default=None),
-        "retries": last.get("retries"), "ooms": last.get("ooms"), "steps": last.get("steps"),
-        "limit_bytes": last.get("limit"), "device_allocs": last.get("device_allocs"),
+        "retries": last.get("retries"),
+        "ooms": last.get("ooms"),
+        "steps": last.get("steps"),
+        "limit_bytes": last.get("limit"),
+        "device_allocs": last.get("device_allocs"),
         "device_frees": last.get("device_frees"),
     }
     return out
@@ -373,26 +430,60 @@ def report(json_path: str, report_dir: str, variants: list[str] | None = None) -
                 with gzip.open(src, "rb") as fin, open(plain, "wb") as fout:
                     shutil.copyfileobj(fin, fout)
                 src = plain
-            subprocess.run([promtool, "tsdb", "create-blocks-from", "openmetrics", src, tsdb],
-                           check=True, capture_output=True, timeout=120)
+            subprocess.run(
+                [promtool, "tsdb", "create-blocks-from", "openmetrics", src, tsdb],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
             cfg = os.path.join(tmp, "prometheus.yml")
             with open(cfg, "w", encoding="utf-8") as fh:
                 fh.write("global:\n  scrape_interval: 1s\nscrape_configs: []\n")
             port = common.free_port()
             log = open(os.path.join(tmp, "prometheus.log"), "ab")
-            proc = subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tsdb}",
-                                     f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=10y"],
-                                    stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [
+                    prometheus,
+                    f"--config.file={cfg}",
+                    f"--storage.tsdb.path={tsdb}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                    "--storage.tsdb.retention.time=10y",
+                ],
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+            )
             url = f"http://127.0.0.1:{port}"
             if not common.wait_http(url + "/-/ready", timeout=60):
                 raise RuntimeError("prometheus did not become ready")
             t0 = v["series"][0]["t"] + v.get("t_start_epoch", 0.0)
             t1 = v["series"][-1]["t"] + v.get("t_start_epoch", 0.0)
             html = os.path.join(report_dir, f"fragmentation-{name}.html")
-            r = subprocess.run([sys.executable, "-m", "vramwatch", "report", "--prometheus", url,
-                                "--start", str(t0 - 1), "--end", str(t1 + 1), "--scrape-interval", "1s",
-                                "--var", "job=vramwatch-fragmentation", "--out", html, "--quiet"],
-                               capture_output=True, text=True, timeout=600, env=common.child_env())
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "vramwatch",
+                    "report",
+                    "--prometheus",
+                    url,
+                    "--start",
+                    str(t0 - 1),
+                    "--end",
+                    str(t1 + 1),
+                    "--scrape-interval",
+                    "1s",
+                    "--var",
+                    "job=vramwatch-fragmentation",
+                    "--out",
+                    html,
+                    "--quiet",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env=common.child_env(),
+            )
             done[name] = html if r.returncode == 0 else f"vramwatch report exit {r.returncode}: {r.stderr[-1500:]}"
             common.progress(f"report {name}: {done[name]}")
         except (subprocess.SubprocessError, OSError, RuntimeError) as e:
@@ -411,11 +502,16 @@ def report(json_path: str, report_dir: str, variants: list[str] | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/fragmentation.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu", "cpu-torch"),
-                   help="cuda; cpu: the simulated GPU (a harness check); cpu-torch: the torch loop on the CPU "
-                        "(a code check, no allocator series)")
+    p = argparse.ArgumentParser(
+        prog="benchmarks/fragmentation.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu", "cpu-torch"),
+        help="cuda; cpu: the simulated GPU (a harness check); cpu-torch: the torch loop on the CPU "
+        "(a code check, no allocator series)",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
     p.add_argument("--cap-gib", type=float, default=8.0, help="per-process budget (the 8 GB card)")
     p.add_argument("--seconds", type=float, default=20.0, help="training seconds per variant")
@@ -435,10 +531,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll", type=float, default=0.5, help="seconds between scrapes of /metrics")
     p.add_argument("--quick", action="store_true", help="10 s per variant")
     p.add_argument("--out", default="")
-    p.add_argument("--report", metavar="FRAGMENTATION_JSON",
-                   help="instead of running: turn a recorded run into one `vramwatch report` HTML per variant "
-                        "(backfills each .om recording into a throwaway Prometheus; needs promtool, prometheus "
-                        "and the report extras)")
+    p.add_argument(
+        "--report",
+        metavar="FRAGMENTATION_JSON",
+        help="instead of running: turn a recorded run into one `vramwatch report` HTML per variant "
+        "(backfills each .om recording into a throwaway Prometheus; needs promtool, prometheus "
+        "and the report extras)",
+    )
     p.add_argument("--report-dir", default="reports", help="where --report writes the HTML files")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -461,18 +560,25 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown variant {n!r}; choose from {', '.join(VARIANTS)}")
     workdir = tempfile.mkdtemp(prefix="vwbench-frag-")
     out: dict[str, Any] = {
-        "metadata": common.metadata(benchmark="fragmentation", device=args.device,
-                                    settings={k: v for k, v in vars(args).items() if k not in ("out", "child")}),
+        "metadata": common.metadata(
+            benchmark="fragmentation",
+            device=args.device,
+            settings={k: v for k, v in vars(args).items() if k not in ("out", "child")},
+        ),
         "variants": {},
-        "notes": ["series rows come from vramwatch's own /metrics (rank 0), polled every --poll seconds",
-                  "each variant is a fresh process with the same seed and sequence lengths"],
+        "notes": [
+            "series rows come from vramwatch's own /metrics (rank 0), polled every --poll seconds",
+            "each variant is a fresh process with the same seed and sequence lengths",
+        ],
     }
     if args.device == "cpu":
         out["notes"].append("SIMULATED allocator: the variants do not change it; this run only checks the harness")
     try:
         for name in names:
-            common.progress(f"fragmentation: variant {name} (PYTORCH_CUDA_ALLOC_CONF={VARIANTS[name]!r}), "
-                            f"{args.seconds:g} s capped at {args.cap_gib:g} GiB")
+            common.progress(
+                f"fragmentation: variant {name} (PYTORCH_CUDA_ALLOC_CONF={VARIANTS[name]!r}), "
+                f"{args.seconds:g} s capped at {args.cap_gib:g} GiB"
+            )
             res = run_variant(name, VARIANTS[name], args, workdir)
             out["variants"][name] = res
             s, r = res["summary"], res["run"]
@@ -483,18 +589,33 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name}: {s['samples']} samples, steps {s['steps']:.0f}, final alloc "
                     f"{s['final_allocated_bytes'] / GIB:.2f} GiB / reserved {s['final_reserved_bytes'] / GIB:.2f} GiB, "
                     f"peak reserved {s['peak_reserved_bytes'] / GIB:.2f} GiB, max frag "
-                    f"{s['max_fragmentation_ratio']:.3f}, retries {s['retries']}, ooms {s['ooms']}")
+                    f"{s['max_fragmentation_ratio']:.3f}, retries {s['retries']}, ooms {s['ooms']}"
+                )
             if args.out:
                 common.write_json(args.out, out)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    out["comparison"] = {n: {k: v["summary"].get(k) for k in (
-        "final_allocated_bytes", "final_reserved_bytes", "peak_reserved_bytes", "max_fragmentation_ratio",
-        "max_inactive_split_bytes", "retries", "ooms", "steps")} for n, v in out["variants"].items()}
+    out["comparison"] = {
+        n: {
+            k: v["summary"].get(k)
+            for k in (
+                "final_allocated_bytes",
+                "final_reserved_bytes",
+                "peak_reserved_bytes",
+                "max_fragmentation_ratio",
+                "max_inactive_split_bytes",
+                "retries",
+                "ooms",
+                "steps",
+            )
+        }
+        for n, v in out["variants"].items()
+    }
     if args.out:
         common.write_json(args.out, out)
-    failed = [n for n, v in out["variants"].items()
-              if "error" in v["run"] or (not v["series"] and args.device != "cpu-torch")]
+    failed = [
+        n for n, v in out["variants"].items() if "error" in v["run"] or (not v["series"] and args.device != "cpu-torch")
+    ]
     return 1 if failed else 0
 
 

@@ -37,21 +37,47 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 WORKLOADS = ("direct", "launch_bound", "launch_bound_fresh", "transformer", "transformer_full")
-PAIR_KEYS = ("median_ratio", "min_ratio", "max_ratio", "null_median_ratio", "null_min_ratio",
-             "null_max_ratio", "pairs", "step_times")
+PAIR_KEYS = (
+    "median_ratio",
+    "min_ratio",
+    "max_ratio",
+    "null_median_ratio",
+    "null_min_ratio",
+    "null_max_ratio",
+    "pairs",
+    "step_times",
+)
 TOP_KEYS = ("in_process_cpu_share", "step_call_us", "launch_bound", "transformer", "transformer_full", "metadata")
 TARGETS = {"in_process_cpu_share_max": 0.0005, "step_call_us_max": 5.0, "median_ratio_max": 1.005}
 
 SIZES = {
     # ~2 ms launch-bound steps on an H200: ~110 small kernels per step
-    "full": dict(mlp_layers=16, mlp_width=512, mlp_batch=256,
-                 tf_layers=12, tf_embd=768, tf_heads=12, tf_vocab=50257, tf_seq=1024, tf_batch=32),
+    "full": dict(
+        mlp_layers=16,
+        mlp_width=512,
+        mlp_batch=256,
+        tf_layers=12,
+        tf_embd=768,
+        tf_heads=12,
+        tf_vocab=50257,
+        tf_seq=1024,
+        tf_batch=32,
+    ),
     # CPU smoke tests
-    "tiny": dict(mlp_layers=2, mlp_width=32, mlp_batch=8,
-                 tf_layers=1, tf_embd=32, tf_heads=2, tf_vocab=128, tf_seq=16, tf_batch=2),
+    "tiny": dict(
+        mlp_layers=2,
+        mlp_width=32,
+        mlp_batch=8,
+        tf_layers=1,
+        tf_embd=32,
+        tf_heads=2,
+        tf_vocab=128,
+        tf_seq=16,
+        tf_batch=2,
+    ),
 }
 
 
@@ -99,8 +125,9 @@ def _builtin_gpt(sz: dict, dev: Any) -> Any:
             e = sz["tf_embd"]
             self.tok = nn.Embedding(sz["tf_vocab"], e)
             self.pos = nn.Embedding(sz["tf_seq"], e)
-            layer = nn.TransformerEncoderLayer(e, sz["tf_heads"], 4 * e, dropout=0.1, activation="gelu",
-                                               batch_first=True, norm_first=True)
+            layer = nn.TransformerEncoderLayer(
+                e, sz["tf_heads"], 4 * e, dropout=0.1, activation="gelu", batch_first=True, norm_first=True
+            )
             self.blocks = nn.TransformerEncoder(layer, sz["tf_layers"], enable_nested_tensor=False)
             self.norm = nn.LayerNorm(e)
             self.head = nn.Linear(e, sz["tf_vocab"], bias=False)
@@ -128,8 +155,13 @@ def build_transformer(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any
             from transformers.utils import logging as hf_logging
 
             hf_logging.set_verbosity_error()
-            cfg = GPT2Config(n_layer=sz["tf_layers"], n_embd=sz["tf_embd"], n_head=sz["tf_heads"],
-                             vocab_size=sz["tf_vocab"], n_positions=sz["tf_seq"])
+            cfg = GPT2Config(
+                n_layer=sz["tf_layers"],
+                n_embd=sz["tf_embd"],
+                n_head=sz["tf_heads"],
+                vocab_size=sz["tf_vocab"],
+                n_positions=sz["tf_seq"],
+            )
             try:
                 with torch.device(dev):  # random weights made on the device: no slow CPU init
                     model = GPT2LMHeadModel(cfg)
@@ -157,8 +189,14 @@ def build_transformer(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any
         return loss
 
     n = sum(p.numel() for p in model.parameters())
-    return step, {"model": impl, "parameters": n, "batch": sz["tf_batch"], "seq": sz["tf_seq"],
-                  "precision": "fp32 weights, bf16 autocast", "optimizer": "AdamW"}
+    return step, {
+        "model": impl,
+        "parameters": n,
+        "batch": sz["tf_batch"],
+        "seq": sz["tf_seq"],
+        "precision": "fp32 weights, bf16 autocast",
+        "optimizer": "AdamW",
+    }
 
 
 def _timed(fn, sync, warmup_s: float, warmup_steps: int, run_s: float) -> dict[str, Any]:
@@ -180,9 +218,14 @@ def _timed(fn, sync, warmup_s: float, warmup_steps: int, run_s: float) -> dict[s
             break
     sync()
     end = time.perf_counter()
-    return {"warmup_steps": n, "steps": len(steps), "wall_s": end - start,
-            "step_time_s": (end - start) / len(steps), "median_step_s": statistics.median(steps),
-            "window": [wall0, time.time()]}
+    return {
+        "warmup_steps": n,
+        "steps": len(steps),
+        "wall_s": end - start,
+        "step_time_s": (end - start) / len(steps),
+        "median_step_s": statistics.median(steps),
+        "window": [wall0, time.time()],
+    }
 
 
 # --- CPU placement: the training thread alone on one core, everything else off it ---
@@ -201,8 +244,7 @@ def resolve_pin(value: str) -> int | None:
     except ValueError:
         raise SystemExit(f"--pin-core {value!r}: give auto, none or a CPU number") from None
     if core not in allowed or len(allowed) < 2:
-        raise SystemExit(f"--pin-core {core}: needs a CPU of this process other than the only one; "
-                         f"allowed: {allowed}")
+        raise SystemExit(f"--pin-core {core}: needs a CPU of this process other than the only one; allowed: {allowed}")
     return core
 
 
@@ -233,14 +275,18 @@ def _start_vramwatch(settings: dict[str, Any], pin: int | None, others: set[int]
     info: dict[str, Any] = {"server_up": up, "vramwatch_start_s": time.perf_counter() - t0}
     _pin_training_thread(pin)
     if not up:  # a B run without its server is not the condition we claim to measure
-        raise RuntimeError("vramwatch's server did not answer within 20 s; server.log:\n"
-                           + _tail(os.path.join(handle.spool_dir, "server.log")))
+        raise RuntimeError(
+            "vramwatch's server did not answer within 20 s; server.log:\n"
+            + _tail(os.path.join(handle.spool_dir, "server.log"))
+        )
     server_pid = _server_pid(handle)
     info["server_pid"] = server_pid
     if pin is not None:
         info["server_cpus"] = _cpus_of(server_pid) if server_pid else None
-        info["sampler_cpus"] = next((_cpus_of(t.native_id) for t in threading.enumerate()
-                                     if t.name == "vramwatch-sampler" and t.native_id), None)
+        info["sampler_cpus"] = next(
+            (_cpus_of(t.native_id) for t in threading.enumerate() if t.name == "vramwatch-sampler" and t.native_id),
+            None,
+        )
     return vramwatch, info
 
 
@@ -273,8 +319,15 @@ def instrument_sample_parts() -> dict[str, float]:
     return acc
 
 
-def _measure(fn: Any, sync: Any, spec: dict[str, Any], run_s: float, server_pid: int | None,
-             watched: bool, parts: dict[str, float] | None = None) -> dict[str, Any]:
+def _measure(
+    fn: Any,
+    sync: Any,
+    spec: dict[str, Any],
+    run_s: float,
+    server_pid: int | None,
+    watched: bool,
+    parts: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """Warm up, then time ``run_s`` of steps; with vramwatch running, the CPU its threads and server spent
     (and, given ``parts`` from instrument_sample_parts, how the samples in the window spent theirs)."""
     before = common.thread_cpu_seconds("vramwatch")
@@ -311,12 +364,15 @@ def _measure(fn: Any, sync: Any, spec: dict[str, Any], run_s: float, server_pid:
 def _with_step(vw: Any, step_fn: Any, pass_loss: bool) -> Any:
     vstep = vw.step
     if pass_loss:
+
         def fn():
             vstep(loss=step_fn())
     else:
+
         def fn():
             step_fn()
             vstep()
+
     return fn
 
 
@@ -403,9 +459,15 @@ def child_segments(spec: dict[str, Any]) -> dict[str, Any]:
     out["segments"] = segments
     for i in range(spec["pairs_in_process"]):
         for kind in ("A", "B"):
-            seg: dict[str, Any] = {"kind": kind, "workload": spec["workload"], "pair_in_process": i,
-                                   "pid": os.getpid(), "pinned_core": pin, "model": winfo,
-                                   "vramwatch_loaded": "vramwatch" in sys.modules}
+            seg: dict[str, Any] = {
+                "kind": kind,
+                "workload": spec["workload"],
+                "pair_in_process": i,
+                "pid": os.getpid(),
+                "pinned_core": pin,
+                "model": winfo,
+                "vramwatch_loaded": "vramwatch" in sys.modules,
+            }
             if kind == "A" or spec.get("vramwatch") is None:  # None: --sham, B segments left alone too
                 seg.update(_measure(step_fn, sync, spec, spec["run_s"], None, watched=False))
                 seg["vramwatch_threads"] = sorted(common.thread_cpu_seconds("vramwatch"))
@@ -416,8 +478,9 @@ def child_segments(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _b_segment(spec: dict[str, Any], step_fn: Any, sync: Any, pin: int | None,
-               others: set[int] | None) -> dict[str, Any]:
+def _b_segment(
+    spec: dict[str, Any], step_fn: Any, sync: Any, pin: int | None, others: set[int] | None
+) -> dict[str, Any]:
     external = spec.get("external_server")  # a sidecar-style server the harness runs for the whole process
     if external:
         port, spool = external["port"], external["spool_dir"]
@@ -432,8 +495,16 @@ def _b_segment(spec: dict[str, Any], step_fn: Any, sync: Any, pin: int | None,
         if not external:
             common.write_url_file(spec["scrape_url_file"], url)  # the parent's 1 Hz scraper follows it
         seg["scrape_url"] = url
-        seg.update(_measure(_with_step(vw, step_fn, spec.get("pass_loss", True)), sync, spec, spec["run_s"],
-                            seg.get("server_pid"), watched=True))
+        seg.update(
+            _measure(
+                _with_step(vw, step_fn, spec.get("pass_loss", True)),
+                sync,
+                spec,
+                spec["run_s"],
+                seg.get("server_pid"),
+                watched=True,
+            )
+        )
         seg["threads"] = sorted(common.thread_cpu_seconds(""))
         seg["vramwatch_loaded"] = "vramwatch" in sys.modules
     finally:
@@ -472,10 +543,16 @@ def _time_step_calls(vw: Any, step_fn: Any, number: int, repeats: int) -> dict[s
     plain = per_call_us("step()", {"step": vw.step})
     with_loss = per_call_us("step(loss=loss)", {"step": vw.step, "loss": loss})
     noop = per_call_us("f()", {"f": _noop})
-    return {"number": number, "repeats": repeats,
-            "step_us": plain, "median_us": statistics.median(plain), "min_us": min(plain),
-            "step_with_loss_us": with_loss, "with_loss_median_us": statistics.median(with_loss),
-            "noop_call_us": statistics.median(noop)}
+    return {
+        "number": number,
+        "repeats": repeats,
+        "step_us": plain,
+        "median_us": statistics.median(plain),
+        "min_us": min(plain),
+        "step_with_loss_us": with_loss,
+        "with_loss_median_us": statistics.median(with_loss),
+        "noop_call_us": statistics.median(noop),
+    }
 
 
 def _child_entry(spec: dict[str, Any]) -> int:
@@ -512,9 +589,18 @@ class Runner:
         result = os.path.join(self.workdir, f"run-{self.n:03d}.json")
         logf = os.path.join(self.workdir, f"run-{self.n:03d}.log")
         spec: dict[str, Any] = {
-            "workload": workload, "kind": kind, "device": a.device, "sizes": a.sizes, "model": a.model,
-            "warmup_s": a.warmup_seconds, "warmup_steps": a.warmup_steps, "run_s": a.run_seconds,
-            "result": result, "pass_loss": not a.no_loss, "pin_core": a.pin, **extra,
+            "workload": workload,
+            "kind": kind,
+            "device": a.device,
+            "sizes": a.sizes,
+            "model": a.model,
+            "warmup_s": a.warmup_seconds,
+            "warmup_steps": a.warmup_steps,
+            "run_s": a.run_seconds,
+            "result": result,
+            "pass_loss": not a.no_loss,
+            "pin_core": a.pin,
+            **extra,
         }
         return spec, result, logf
 
@@ -559,8 +645,14 @@ class Runner:
     def run_segments(self, workload: str, pairs: int, vw: dict[str, Any] | None) -> dict[str, Any]:
         """``pairs`` A B pairs of segments in one fresh process (see child_segments)."""
         a = self.args
-        spec, result, logf = self._spec(workload, "AB", pairs_in_process=pairs, vramwatch=vw,
-                                        spool_root=self.shm, scrape_url_file=self.scraper.url_file)
+        spec, result, logf = self._spec(
+            workload,
+            "AB",
+            pairs_in_process=pairs,
+            vramwatch=vw,
+            spool_root=self.shm,
+            scrape_url_file=self.scraper.url_file,
+        )
         if a.segment_warmup_seconds is not None:
             spec["warmup_s"] = a.segment_warmup_seconds
         server = self._external_server() if a.segment_server == "external" and vw is not None else None
@@ -569,8 +661,9 @@ class Runner:
             self.scraper.set_url(f"http://127.0.0.1:{server['port']}/metrics")
         t0 = time.monotonic()
         try:
-            res = self._run_spec(spec, result, logf,
-                                 a.run_timeout + pairs * 2 * (a.run_seconds + a.warmup_seconds + 25))
+            res = self._run_spec(
+                spec, result, logf, a.run_timeout + pairs * 2 * (a.run_seconds + a.warmup_seconds + 25)
+            )
         finally:
             if server:
                 server["proc"].terminate()
@@ -590,9 +683,14 @@ class Runner:
         """``vramwatch serve`` as a sidecar runs it, for one process of segments (on the harness's CPUs)."""
         port = common.free_port()
         spool = tempfile.mkdtemp(prefix="vwbench-", dir=self.shm)
-        log = open(os.path.join(self.workdir, f"server-{self.n:03d}.log"), "ab")  # noqa: SIM115 - the server's life
-        proc = subprocess.Popen([sys.executable, "-m", "vramwatch", "serve", "--port", str(port), "--spool-dir", spool],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=common.child_env())
+        log = open(os.path.join(self.workdir, f"server-{self.n:03d}.log"), "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vramwatch", "serve", "--port", str(port), "--spool-dir", spool],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=common.child_env(),
+        )
         log.close()
         if not common.wait_http(f"http://127.0.0.1:{port}/-/healthy", timeout=20.0):
             proc.kill()
@@ -619,9 +717,14 @@ class Runner:
         if self.args.isolation == "exec":
             with open(logf, "ab") as log:
                 try:
-                    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=common.child_env(),
-                                       timeout=timeout)
+                    p = subprocess.run(
+                        [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=log,
+                        env=common.child_env(),
+                        timeout=timeout,
+                    )
                     return p.returncode
                 except subprocess.TimeoutExpired:
                     return -9
@@ -656,8 +759,11 @@ class Runner:
 
 
 # what a forked child says when its parent had initialised the CUDA driver after all
-_FORK_TROUBLE = re.compile(r"re-initialize CUDA in forked|initialization error|cudaErrorInitializationError|"
-                           r"CUDA driver initialization failed|_is_in_bad_fork", re.I)
+_FORK_TROUBLE = re.compile(
+    r"re-initialize CUDA in forked|initialization error|cudaErrorInitializationError|"
+    r"CUDA driver initialization failed|_is_in_bad_fork",
+    re.I,
+)
 
 
 def _tail(path: str, n: int = 3000) -> str:
@@ -672,29 +778,48 @@ def _tail(path: str, n: int = 3000) -> str:
 
 
 def run_direct(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
-    common.progress(f"direct cost: launch-bound loop with vramwatch at defaults, {args.direct_seconds:.0f} s "
-                    f"window, scraped every {args.scrape_interval:g} s; then {args.step_repeats} x "
-                    f"{args.step_calls} step() calls")
-    res = runner.run("launch_bound", "B", {}, direct=True, direct_s=args.direct_seconds,
-                     step_calls=args.step_calls, step_repeats=args.step_repeats)
+    common.progress(
+        f"direct cost: launch-bound loop with vramwatch at defaults, {args.direct_seconds:.0f} s "
+        f"window, scraped every {args.scrape_interval:g} s; then {args.step_repeats} x "
+        f"{args.step_calls} step() calls"
+    )
+    res = runner.run(
+        "launch_bound",
+        "B",
+        {},
+        direct=True,
+        direct_s=args.direct_seconds,
+        step_calls=args.step_calls,
+        step_repeats=args.step_repeats,
+    )
     if "error" in res:
         common.progress("direct cost run FAILED:\n" + res["error"] + res.get("log_tail", ""))
         return {"direct": res}
     share = res.get("vramwatch_cpu_share")
     sc = res.get("step_call", {})
-    common.progress(f"direct cost: vramwatch threads {share * 100:.4f}% of a core over {res['wall_s']:.1f} s "
-                    f"({res.get('scrapes', {}).get('ok', 0)} scrapes ok); step() {sc.get('median_us', 0):.3f} us "
-                    f"median (with loss {sc.get('with_loss_median_us', 0):.3f} us, empty call "
-                    f"{sc.get('noop_call_us', 0):.3f} us)")
+    common.progress(
+        f"direct cost: vramwatch threads {share * 100:.4f}% of a core over {res['wall_s']:.1f} s "
+        f"({res.get('scrapes', {}).get('ok', 0)} scrapes ok); step() {sc.get('median_us', 0):.3f} us "
+        f"median (with loss {sc.get('with_loss_median_us', 0):.3f} us, empty call "
+        f"{sc.get('noop_call_us', 0):.3f} us)"
+    )
     parts = res.get("sample_parts_cpu_share") or {}
     if parts:
-        common.progress("direct cost by part of a sample (% of a core): " + ", ".join(
-            f"{k} {v * 100:.4f}" for k, v in sorted(parts.items())))
+        common.progress(
+            "direct cost by part of a sample (% of a core): "
+            + ", ".join(f"{k} {v * 100:.4f}" for k, v in sorted(parts.items()))
+        )
     return {"in_process_cpu_share": share, "step_call_us": sc.get("median_us"), "direct": res}
 
 
-def run_pairs(runner: Runner, args: argparse.Namespace, workload: str,
-              variants: list[tuple[str, str, dict | None]], deadline: float, label: str = "") -> dict[str, Any]:
+def run_pairs(
+    runner: Runner,
+    args: argparse.Namespace,
+    workload: str,
+    variants: list[tuple[str, str, dict | None]],
+    deadline: float,
+    label: str = "",
+) -> dict[str, Any]:
     """variants: (name, kind, vramwatch settings or None); the first is the shared baseline (A).
     ``label`` names the figure in progress lines (default: the workload)."""
     tag = label or workload
@@ -720,8 +845,9 @@ def run_pairs(runner: Runner, args: argparse.Namespace, workload: str,
                 row.append(f"{name} {res['step_time_s'] * 1000:.3f} ms x{res['steps']}")
         tuple_s.append(time.monotonic() - t0)
         left = (args.pairs - i - 1) * statistics.mean(tuple_s)
-        common.progress(f"{tag} pair {i + 1}/{args.pairs}: " + ", ".join(row) +
-                        f" ({tuple_s[-1]:.1f} s; ~{left:.0f} s left)")
+        common.progress(
+            f"{tag} pair {i + 1}/{args.pairs}: " + ", ".join(row) + f" ({tuple_s[-1]:.1f} s; ~{left:.0f} s left)"
+        )
         if i == 0 and errors:
             common.progress(f"{tag}: the first pair failed; skipping this workload")
             break
@@ -749,8 +875,10 @@ def run_segment_pairs(runner: Runner, args: argparse.Namespace, workload: str, d
             errors += 1
             common.progress(f"{workload} process {len(processes)} FAILED:\n{res['error']}{res.get('log_tail', '')}")
             if not runs["with"] or errors >= 3:
-                common.progress(f"{workload}: {'the first process' if not runs['with'] else 'three processes'} "
-                                "failed; skipping the rest of this workload")
+                common.progress(
+                    f"{workload}: {'the first process' if not runs['with'] else 'three processes'} "
+                    "failed; skipping the rest of this workload"
+                )
                 break
             continue
         proc_s.append(res["process_s"])
@@ -759,14 +887,23 @@ def run_segment_pairs(runner: Runner, args: argparse.Namespace, workload: str, d
         done = len(runs["with"])
         left = (args.pairs - done) / args.pairs_per_process * statistics.mean(proc_s)
         pairs = zip(segs[0::2], segs[1::2], strict=True)
-        common.progress(f"{workload} process {len(processes)} ({done}/{args.pairs} pairs): " + ", ".join(
-            f"{a['step_time_s'] * 1000:.3f}/{b['step_time_s'] * 1000:.3f} ms" for a, b in pairs) +
-            f" ({res['process_s']:.1f} s; ~{left:.0f} s left)")
+        common.progress(
+            f"{workload} process {len(processes)} ({done}/{args.pairs} pairs): "
+            + ", ".join(f"{a['step_time_s'] * 1000:.3f}/{b['step_time_s'] * 1000:.3f} ms" for a, b in pairs)
+            + f" ({res['process_s']:.1f} s; ~{left:.0f} s left)"
+        )
     return {"runs": runs, "truncated": truncated, "errors": errors, "processes": processes}
 
 
-def summarize(workload: str, runs: dict[str, list[dict]], base: str, name: str, settings: dict | None,
-              truncated: bool, shared_with: list[str]) -> dict[str, Any]:
+def summarize(
+    workload: str,
+    runs: dict[str, list[dict]],
+    base: str,
+    name: str,
+    settings: dict | None,
+    truncated: bool,
+    shared_with: list[str],
+) -> dict[str, Any]:
     a, b = runs[base], runs[name]
     ok = [i for i in range(min(len(a), len(b))) if "error" not in a[i] and "error" not in b[i]]
     # the null needs consecutive baselines: use all good baselines in order
@@ -783,36 +920,54 @@ def summarize(workload: str, runs: dict[str, list[dict]], base: str, name: str, 
     base_med_ok = [r["median_step_s"] for r in a if "error" not in r]
     zm = common.spread(common.paired_stats(base_med_ok, base_med_ok)["null_ratios"])
     # B between its own baseline and the next one: a drift that is linear over a pair cancels out
-    bracket = [b[i]["step_time_s"] / (a[i]["step_time_s"] * a[i + 1]["step_time_s"]) ** 0.5
-               for i in ok if i + 1 < len(a) and "error" not in a[i + 1]]
+    bracket = [
+        b[i]["step_time_s"] / (a[i]["step_time_s"] * a[i + 1]["step_time_s"]) ** 0.5
+        for i in ok
+        if i + 1 < len(a) and "error" not in a[i + 1]
+    ]
     zb = common.spread(bracket)
     first = next((r for r in b if "error" not in r), {})
     out: dict[str, Any] = dict(st)
-    out.update({
-        "ratio_basis": "mean step time of each run: wall time of N steps ended by one synchronize, / N",
-        "step_times": {"without": mean_a, "with": mean_b},
-        "median_step_times": {"without": med_a, "with": med_b},
-        "median_basis": {k: med[k] for k in ("median_ratio", "min_ratio", "max_ratio")} | {
-            "null_median_ratio": zm["median"], "null_min_ratio": zm["min"], "null_max_ratio": zm["max"]},
-        "bracketed": {"basis": "with[i] / geometric mean of without[i] and without[i+1]", "ratios": bracket,
-                      "median_ratio": zb["median"], "min_ratio": zb["min"], "max_ratio": zb["max"]},
-        "steps_per_run": {"without": [a[i]["steps"] for i in ok], "with": [b[i]["steps"] for i in ok]},
-        "vramwatch_cpu_share_per_run": [b[i].get("vramwatch_cpu_share") for i in ok],
-        "scrapes_per_run": [b[i].get("scrapes", {}).get("ok") for i in ok],
-        "model": first.get("model"),
-        "settings": {k: v for k, v in (settings or {}).items()},
-        "baseline": base, "baseline_shared_with": shared_with, "truncated": truncated,
-        "errors": sum(1 for r in a + b if "error" in r),
-        "within_null": (st["median_ratio"] is not None and st["null_min_ratio"] is not None
-                        and st["null_min_ratio"] <= st["median_ratio"] <= st["null_max_ratio"]),
-        "meets_target": (st["median_ratio"] is not None and st["median_ratio"] <= TARGETS["median_ratio_max"]),
-        "runs": {"without": a, "with": b},
-    })
+    out.update(
+        {
+            "ratio_basis": "mean step time of each run: wall time of N steps ended by one synchronize, / N",
+            "step_times": {"without": mean_a, "with": mean_b},
+            "median_step_times": {"without": med_a, "with": med_b},
+            "median_basis": {k: med[k] for k in ("median_ratio", "min_ratio", "max_ratio")}
+            | {"null_median_ratio": zm["median"], "null_min_ratio": zm["min"], "null_max_ratio": zm["max"]},
+            "bracketed": {
+                "basis": "with[i] / geometric mean of without[i] and without[i+1]",
+                "ratios": bracket,
+                "median_ratio": zb["median"],
+                "min_ratio": zb["min"],
+                "max_ratio": zb["max"],
+            },
+            "steps_per_run": {"without": [a[i]["steps"] for i in ok], "with": [b[i]["steps"] for i in ok]},
+            "vramwatch_cpu_share_per_run": [b[i].get("vramwatch_cpu_share") for i in ok],
+            "scrapes_per_run": [b[i].get("scrapes", {}).get("ok") for i in ok],
+            "model": first.get("model"),
+            "settings": {k: v for k, v in (settings or {}).items()},
+            "baseline": base,
+            "baseline_shared_with": shared_with,
+            "truncated": truncated,
+            "errors": sum(1 for r in a + b if "error" in r),
+            "within_null": (
+                st["median_ratio"] is not None
+                and st["null_min_ratio"] is not None
+                and st["null_min_ratio"] <= st["median_ratio"] <= st["null_max_ratio"]
+            ),
+            "meets_target": (st["median_ratio"] is not None and st["median_ratio"] <= TARGETS["median_ratio_max"]),
+            "runs": {"without": a, "with": b},
+        }
+    )
     if st["median_ratio"] is not None:
-        common.progress(f"{workload}: median ratio {st['median_ratio']:.4f} [{st['min_ratio']:.4f}, "
-                        f"{st['max_ratio']:.4f}] over {st['pairs']} pairs; A/A null {z['median']:.4f} "
-                        f"[{z['min']:.4f}, {z['max']:.4f}]" if z["median"] is not None else
-                        f"{workload}: median ratio {st['median_ratio']:.4f} over {st['pairs']} pairs; no null")
+        common.progress(
+            f"{workload}: median ratio {st['median_ratio']:.4f} [{st['min_ratio']:.4f}, "
+            f"{st['max_ratio']:.4f}] over {st['pairs']} pairs; A/A null {z['median']:.4f} "
+            f"[{z['min']:.4f}, {z['max']:.4f}]"
+            if z["median"] is not None
+            else f"{workload}: median ratio {st['median_ratio']:.4f} over {st['pairs']} pairs; no null"
+        )
     return out
 
 
@@ -846,15 +1001,24 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     _prewarm(args, wanted)
     if args.pin is not None:  # this thread's mask passes to the scraper and every run: all CPUs but the pinned one
         os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {args.pin})
-        common.progress(f"training threads pinned to CPU {args.pin}; the harness, vramwatch's threads and "
-                        "its server get the others")
+        common.progress(
+            f"training threads pinned to CPU {args.pin}; the harness, vramwatch's threads and its server get the others"
+        )
     workdir = tempfile.mkdtemp(prefix="vwbench-overhead-")
     out: dict[str, Any] = {
-        "metadata": common.metadata(benchmark="overhead", device=args.device, isolation=args.isolation,
-                                    sizes=args.sizes, pairs_requested=args.pairs, run_seconds=args.run_seconds,
-                                    warmup_seconds=args.warmup_seconds, workloads=wanted, pinned_core=args.pin,
-                                    pairs_per_process=args.pairs_per_process,
-                                    pytorch_nvml_based_cuda_check=os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")),
+        "metadata": common.metadata(
+            benchmark="overhead",
+            device=args.device,
+            isolation=args.isolation,
+            sizes=args.sizes,
+            pairs_requested=args.pairs,
+            run_seconds=args.run_seconds,
+            warmup_seconds=args.warmup_seconds,
+            workloads=wanted,
+            pinned_core=args.pin,
+            pairs_per_process=args.pairs_per_process,
+            pytorch_nvml_based_cuda_check=os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
+        ),
         "targets": TARGETS,
         "notes": [
             "A runs have no vramwatch (never imported) and are not scraped: nothing listens there.",
@@ -879,19 +1043,30 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             out.update(run_direct(runner, args))
             save()
         if "launch_bound" in wanted:
-            common.progress(f"launch_bound: {args.pairs} pairs of {args.run_seconds:g} s segments (A B A B ...), "
-                            f"{args.pairs_per_process} pairs to a process")
+            common.progress(
+                f"launch_bound: {args.pairs} pairs of {args.run_seconds:g} s segments (A B A B ...), "
+                f"{args.pairs_per_process} pairs to a process"
+            )
             r = run_segment_pairs(runner, args, "launch_bound", deadline)
             out["launch_bound"] = summarize("launch_bound", r["runs"], "without", "with", {}, r["truncated"], [])
             out["launch_bound"].update(design="segments", processes=r["processes"])
             save()
         if "launch_bound_fresh" in wanted:
-            common.progress(f"launch_bound_fresh: {args.pairs} pairs of {args.run_seconds:g} s runs (A B A B ...), "
-                            "every run a fresh process")
-            r = run_pairs(runner, args, "launch_bound", [("without", "A", None), ("with", "B", {})], deadline,
-                          label="launch_bound_fresh")
-            out["launch_bound_fresh"] = summarize("launch_bound_fresh", r["runs"], "without", "with", {},
-                                                  r["truncated"], [])
+            common.progress(
+                f"launch_bound_fresh: {args.pairs} pairs of {args.run_seconds:g} s runs (A B A B ...), "
+                "every run a fresh process"
+            )
+            r = run_pairs(
+                runner,
+                args,
+                "launch_bound",
+                [("without", "A", None), ("with", "B", {})],
+                deadline,
+                label="launch_bound_fresh",
+            )
+            out["launch_bound_fresh"] = summarize(
+                "launch_bound_fresh", r["runs"], "without", "with", {}, r["truncated"], []
+            )
             out["launch_bound_fresh"]["design"] = "fresh processes"
             save()
         tf = [w for w in ("transformer", "transformer_full") if w in wanted]
@@ -903,8 +1078,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if "transformer_full" in tf:
                 variants.append(("transformer_full", "C", full))
             order = " ".join(k for _, k, _ in variants)
-            common.progress(f"transformer: {args.pairs} rounds of {order} ({args.run_seconds:g} s runs; "
-                            "one baseline shared by the variants)")
+            common.progress(
+                f"transformer: {args.pairs} rounds of {order} ({args.run_seconds:g} s runs; "
+                "one baseline shared by the variants)"
+            )
             r = run_pairs(runner, args, "transformer", variants, deadline)
             for name, _, vw in variants[1:]:
                 others = [n for n, _, _ in variants[1:] if n != name]
@@ -913,8 +1090,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         runner.close()
         out["metadata"]["elapsed_s"] = time.monotonic() - started
-        first = next((x for w in ("launch_bound", "transformer") if isinstance(out.get(w), dict)
-                      for x in out[w].get("runs", {}).get("without", []) if "error" not in x), None)
+        first = next(
+            (
+                x
+                for w in ("launch_bound", "transformer")
+                if isinstance(out.get(w), dict)
+                for x in out[w].get("runs", {}).get("without", [])
+                if "error" not in x
+            ),
+            None,
+        )
         if first:
             out["metadata"].setdefault("torch", first.get("torch"))
             out["metadata"].setdefault("torch_cuda", first.get("torch_cuda"))
@@ -938,9 +1123,16 @@ def merge(paths: list[str], out_dir: str = ".") -> dict[str, Any]:
     for p in paths:
         data = common.read_json(p)
         meta = data.get("metadata", {})
-        parts.append({"file": os.path.relpath(p, out_dir), "date": meta.get("date"), "workloads": meta.get("workloads"),
-                      "elapsed_s": meta.get("elapsed_s"), "vramwatch_commit": meta.get("vramwatch_commit"),
-                      "vramwatch_source_sha256": meta.get("vramwatch_source_sha256")})
+        parts.append(
+            {
+                "file": os.path.relpath(p, out_dir),
+                "date": meta.get("date"),
+                "workloads": meta.get("workloads"),
+                "elapsed_s": meta.get("elapsed_s"),
+                "vramwatch_commit": meta.get("vramwatch_commit"),
+                "vramwatch_source_sha256": meta.get("vramwatch_source_sha256"),
+            }
+        )
         for k, v in data.items():
             if k == "metadata":
                 out.setdefault("metadata", dict(v))
@@ -959,17 +1151,24 @@ def missing_keys(data: dict[str, Any]) -> list[str]:
         if isinstance(obj, dict):
             miss += [f"{w}.{k}" for k in PAIR_KEYS if obj.get(k) is None]
     meta = data.get("metadata") or {}
-    miss += [f"metadata.{k}" for k in ("date", "gpu_name", "driver", "torch", "python", "vramwatch_commit")
-             if not meta.get(k)]
+    miss += [
+        f"metadata.{k}"
+        for k in ("date", "gpu_name", "driver", "torch", "python", "vramwatch_commit")
+        if not meta.get(k)
+    ]
     return miss
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="benchmarks/overhead.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="benchmarks/overhead.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke tests: tiny sizes)")
-    p.add_argument("--workloads", default="direct,launch_bound,transformer,transformer_full",
-                   help="comma list of " + ", ".join(WORKLOADS))
+    p.add_argument(
+        "--workloads",
+        default="direct,launch_bound,transformer,transformer_full",
+        help="comma list of " + ", ".join(WORKLOADS),
+    )
     p.add_argument("--quick", action="store_true", help="few pairs, short direct window: a check of the pipeline")
     p.add_argument("--pairs", type=int, default=None, help="pairs of runs per workload (default 20; quick 4)")
     p.add_argument("--run-seconds", type=float, default=3.0, help="timed seconds per run (default 3)")
@@ -981,30 +1180,56 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", choices=sorted(SIZES), default=None, help="model sizes (default: full; cpu: tiny)")
     for k, v in SIZES["full"].items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"(full: {v})")
-    p.add_argument("--model", choices=("auto", "hf", "builtin"), default="auto",
-                   help="transformer implementation: transformers' GPT-2 (hf), a plain-torch one (builtin), "
-                        "or hf when importable (auto)")
+    p.add_argument(
+        "--model",
+        choices=("auto", "hf", "builtin"),
+        default="auto",
+        help="transformer implementation: transformers' GPT-2 (hf), a plain-torch one (builtin), "
+        "or hf when importable (auto)",
+    )
     p.add_argument("--no-loss", action="store_true", help="call step() without the loss tensor")
-    p.add_argument("--sham", action="store_true",
-                   help="a check of the harness: the 'with' runs run without vramwatch too (an A/A through "
-                        "the whole A B sequence; any ratio away from 1 is the harness's own bias)")
+    p.add_argument(
+        "--sham",
+        action="store_true",
+        help="a check of the harness: the 'with' runs run without vramwatch too (an A/A through "
+        "the whole A B sequence; any ratio away from 1 is the harness's own bias)",
+    )
     p.add_argument("--status-every", type=int, default=10, help="transformer_full: status line every N steps")
     p.add_argument("--oom-history-entries", type=int, default=100000, help="transformer_full: allocator history")
     p.add_argument("--scrape-interval", type=float, default=1.0)
     p.add_argument("--isolation", choices=("fork", "exec"), default="fork")
-    p.add_argument("--pin-core", default="auto",
-                   help="CPU for the training thread alone: auto (the highest, given 4 or more CPUs), none, or N")
-    p.add_argument("--pairs-per-process", type=int, default=5,
-                   help="launch_bound: A B segment pairs in each fresh process (default 5)")
-    p.add_argument("--segment-warmup-seconds", type=float, default=None,
-                   help="launch_bound: warm-up before each segment (default: --warmup-seconds)")
-    p.add_argument("--segment-server", choices=("spawned", "external"), default="spawned",
-                   help="launch_bound: each B segment's rank spawns its server (default), or one `vramwatch "
-                        "serve` runs beside the whole process as a sidecar would (B segments start in "
-                        "milliseconds, so segments can be short)")
+    p.add_argument(
+        "--pin-core",
+        default="auto",
+        help="CPU for the training thread alone: auto (the highest, given 4 or more CPUs), none, or N",
+    )
+    p.add_argument(
+        "--pairs-per-process",
+        type=int,
+        default=5,
+        help="launch_bound: A B segment pairs in each fresh process (default 5)",
+    )
+    p.add_argument(
+        "--segment-warmup-seconds",
+        type=float,
+        default=None,
+        help="launch_bound: warm-up before each segment (default: --warmup-seconds)",
+    )
+    p.add_argument(
+        "--segment-server",
+        choices=("spawned", "external"),
+        default="spawned",
+        help="launch_bound: each B segment's rank spawns its server (default), or one `vramwatch "
+        "serve` runs beside the whole process as a sidecar would (B segments start in "
+        "milliseconds, so segments can be short)",
+    )
     p.add_argument("--run-timeout", type=float, default=180.0, help="kill a run after this many seconds")
-    p.add_argument("--deadline", type=float, default=0.0,
-                   help="stop starting pairs once this many seconds have passed (0: no limit)")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=0.0,
+        help="stop starting pairs once this many seconds have passed (0: no limit)",
+    )
     p.add_argument("--keep-workdir", action="store_true", help="keep the per-run logs")
     p.add_argument("--out", default="", help="JSON file to write (rewritten after every pair)")
     p.add_argument("--merge", nargs="+", metavar="PART", help="merge part files into --out and exit")

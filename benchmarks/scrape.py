@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 RANK_SCRIPT = r"""
 import os, sys, time
@@ -65,8 +65,13 @@ class Node:
             SimNode.default(1).save(state_path(self.spool))
             env["VRAMWATCH_SIMULATE"] = "true"
         self.env = common.child_env(**env)
-        self.server = subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=self.env,
-                                       stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "vramwatch", "serve"],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=self.log,
+        )
         if not common.wait_http(self.url("/-/healthy"), timeout=30):
             raise RuntimeError("vramwatch serve did not come up; see " + self.log.name)
 
@@ -76,15 +81,26 @@ class Node:
     def add_ranks(self, n: int) -> None:
         while len(self.ranks) < n:
             r = len(self.ranks)
-            env = dict(self.env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.world_size),
-                       VRAMWATCH_SERVE="external")
+            env = dict(
+                self.env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.world_size), VRAMWATCH_SERVE="external"
+            )
             if self.simulate:
-                cmd = [sys.executable, "-m", "vramwatch.sim.worker", "--duration", "3600", "--fill-gib", "1",
-                       "--activation-gib", "0.1"]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "vramwatch.sim.worker",
+                    "--duration",
+                    "3600",
+                    "--fill-gib",
+                    "1",
+                    "--activation-gib",
+                    "0.1",
+                ]
             else:
                 cmd = [sys.executable, "-c", RANK_SCRIPT]
-            self.ranks.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
-                                               stderr=self.log))
+            self.ranks.append(
+                subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             for p in self.ranks:
@@ -148,15 +164,25 @@ def measure(url: str, pid: int, scrapes: int, rate: float, idle_s: float) -> dic
     last_text = body.decode(errors="replace") if status == 200 else ""
     series = sum(1 for line in last_text.splitlines() if line and not line.startswith("#"))
     return {
-        "scrapes": scrapes, "rate_per_s": rate, "errors": errors,
-        "p50_ms": _ms(common.percentile(lat, 50)), "p99_ms": _ms(common.percentile(lat, 99)),
-        "max_ms": _ms(max(lat, default=None)), "mean_ms": _ms(sum(lat) / len(lat) if lat else None),
+        "scrapes": scrapes,
+        "rate_per_s": rate,
+        "errors": errors,
+        "p50_ms": _ms(common.percentile(lat, 50)),
+        "p99_ms": _ms(common.percentile(lat, 99)),
+        "max_ms": _ms(max(lat, default=None)),
+        "mean_ms": _ms(sum(lat) / len(lat) if lat else None),
         "bytes": int(sorted(sizes)[len(sizes) // 2]) if sizes else None,
-        "bytes_min": min(sizes, default=None), "bytes_max": max(sizes, default=None),
-        "bytes_gzip": gz_bytes, "bytes_gzip_plain": plain_check, "series": series,
-        "cpu_per_scrape_s": gross, "cpu_per_scrape_net_s": net,
-        "idle_cpu_share": idle_rate, "cpu_clock_resolution_s": 1.0 / common.CLK_TCK,
-        "window_s": t3 - t2, "pid": pid,
+        "bytes_min": min(sizes, default=None),
+        "bytes_max": max(sizes, default=None),
+        "bytes_gzip": gz_bytes,
+        "bytes_gzip_plain": plain_check,
+        "series": series,
+        "cpu_per_scrape_s": gross,
+        "cpu_per_scrape_net_s": net,
+        "idle_cpu_share": idle_rate,
+        "cpu_clock_resolution_s": 1.0 / common.CLK_TCK,
+        "window_s": t3 - t2,
+        "pid": pid,
     }
 
 
@@ -167,8 +193,13 @@ def _ms(v: float | None) -> float | None:
 def nvitop_available(python: str) -> str:
     """'' if nvitop-exporter can be imported by ``python``, else why not."""
     try:
-        p = subprocess.run([python, "-c", "import nvitop_exporter, nvitop; print(nvitop_exporter.__version__)"],
-                           capture_output=True, text=True, timeout=60, env=common.child_env())
+        p = subprocess.run(
+            [python, "-c", "import nvitop_exporter, nvitop; print(nvitop_exporter.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=common.child_env(),
+        )
     except (OSError, subprocess.SubprocessError) as e:
         return repr(e)
     if p.returncode != 0:
@@ -183,18 +214,36 @@ def run_nvitop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         return {"skipped": why}
     port = common.free_port()
     log = open(os.path.join(workdir, "nvitop-exporter.log"), "ab")
-    cmd = [python, "-m", "nvitop_exporter", "--bind-address", "127.0.0.1", "--port", str(port),
-           "--interval", str(args.nvitop_interval), "--hostname", "bench"]
+    cmd = [
+        python,
+        "-m",
+        "nvitop_exporter",
+        "--bind-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--interval",
+        str(args.nvitop_interval),
+        "--hostname",
+        "bench",
+    ]
     p = subprocess.Popen(cmd, env=common.child_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
         url = f"http://127.0.0.1:{port}/metrics"
         if not common.wait_http(url, timeout=60):
-            return {"skipped": f"nvitop-exporter did not answer (exit {p.poll()}); see its log",
-                    "log_tail": _tail(log.name)}
+            return {
+                "skipped": f"nvitop-exporter did not answer (exit {p.poll()}); see its log",
+                "log_tail": _tail(log.name),
+            }
         time.sleep(2.0)  # a couple of its collection cycles
         res = measure(url, p.pid, args.scrapes, args.rate, args.idle_seconds)
-        ver = subprocess.run([python, "-m", "nvitop_exporter", "--version"], capture_output=True, text=True,
-                             timeout=30, env=common.child_env())
+        ver = subprocess.run(
+            [python, "-m", "nvitop_exporter", "--version"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=common.child_env(),
+        )
         res["version"] = ver.stdout.strip()
         res["command"] = " ".join(cmd[1:])
         return res
@@ -217,8 +266,9 @@ def _tail(path: str, n: int = 2000) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/scrape.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="benchmarks/scrape.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--simulate", action="store_true", help="simulated ranks and GPU (no NVML, no nvitop)")
     p.add_argument("--device", default="cuda", help="cpu implies --simulate")
     p.add_argument("--ranks", default="1,8", help="rank counts to measure, ascending (default 1,8)")
@@ -239,12 +289,19 @@ def main(argv: list[str] | None = None) -> int:
     counts = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
     workdir = tempfile.mkdtemp(prefix="vwbench-scrape-")
     out: dict[str, Any] = {
-        "metadata": common.metadata(benchmark="scrape", simulate=args.simulate, scrapes=args.scrapes,
-                                    rate_per_s=args.rate, idle_seconds=args.idle_seconds),
+        "metadata": common.metadata(
+            benchmark="scrape",
+            simulate=args.simulate,
+            scrapes=args.scrapes,
+            rate_per_s=args.rate,
+            idle_seconds=args.idle_seconds,
+        ),
         "vramwatch": {},
-        "notes": ["latency: request sent to last byte received, one connection per scrape (urllib)",
-                  "cpu_per_scrape_s: server utime+stime over the scrapes / scrapes (10 ms /proc ticks); "
-                  "net subtracts the server's idle CPU rate measured just before"],
+        "notes": [
+            "latency: request sent to last byte received, one connection per scrape (urllib)",
+            "cpu_per_scrape_s: server utime+stime over the scrapes / scrapes (10 ms /proc ticks); "
+            "net subtracts the server's idle CPU rate measured just before",
+        ],
     }
 
     def save() -> None:
@@ -262,9 +319,11 @@ def main(argv: list[str] | None = None) -> int:
             res = measure(node.url(), node.server.pid, args.scrapes, args.rate, args.idle_seconds)
             res["ranks"] = n
             out["vramwatch"][str(n)] = res
-            common.progress(f"vramwatch, {n} rank(s): p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, "
-                            f"{res['bytes']} bytes ({res['series']} samples), CPU/scrape "
-                            f"{_fmt_ms(res['cpu_per_scrape_s'])} gross, {_fmt_ms(res['cpu_per_scrape_net_s'])} net")
+            common.progress(
+                f"vramwatch, {n} rank(s): p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, "
+                f"{res['bytes']} bytes ({res['series']} samples), CPU/scrape "
+                f"{_fmt_ms(res['cpu_per_scrape_s'])} gross, {_fmt_ms(res['cpu_per_scrape_net_s'])} net"
+            )
             save()
         if args.nvitop == "off":
             out["nvitop_exporter"] = {"skipped": "--nvitop off"}
@@ -277,11 +336,13 @@ def main(argv: list[str] | None = None) -> int:
                 common.progress("nvitop-exporter skipped: " + res["skipped"])
             else:
                 res["ranks_on_gpu"] = len(node.ranks)
-                common.progress(f"nvitop-exporter: p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, "
-                                f"{res['bytes']} bytes, CPU/scrape {_fmt_ms(res['cpu_per_scrape_s'])} gross, "
-                                f"{_fmt_ms(res['cpu_per_scrape_net_s'])} net")
+                common.progress(
+                    f"nvitop-exporter: p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, "
+                    f"{res['bytes']} bytes, CPU/scrape {_fmt_ms(res['cpu_per_scrape_s'])} gross, "
+                    f"{_fmt_ms(res['cpu_per_scrape_net_s'])} net"
+                )
         save()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the partial results and the log tail are the report
         out["error"] = repr(e)
         out["log_tail"] = _tail(os.path.join(workdir, "processes.log"))
         save()

@@ -46,9 +46,11 @@ FLEET_NODES, FLEET_GPUS_PER_NODE, FLEET_SCRAPE_INTERVAL = 1000, 8, 15.0
 # does Prometheus 2.x need for cardinality and ingestion?", Robust Perception, 2019 (Prometheus 2.9 profile:
 # ~732 B per series + 32 B per label pair + 120 B per unique label value + the name twice, doubled for Go's GC;
 # "a million series costs around 2GiB of RAM" with ingestion). Worst-case assumptions by the author's design.
-BYTES_PER_SERIES = 2 * 1024 ** 3 / 1e6
-BYTES_PER_SERIES_SOURCE = ("Robust Perception, 'How much RAM does Prometheus 2.x need for cardinality and "
-                           "ingestion?' (2019): about 2 GiB per million series")
+BYTES_PER_SERIES = 2 * 1024**3 / 1e6
+BYTES_PER_SERIES_SOURCE = (
+    "Robust Perception, 'How much RAM does Prometheus 2.x need for cardinality and "
+    "ingestion?' (2019): about 2 GiB per million series"
+)
 
 
 def free_port() -> int:
@@ -94,8 +96,9 @@ def by_family_and_kind(text: str) -> Counter[tuple[str, str]]:
     return Counter((name, kind(labels)) for name, labels in parse(text))
 
 
-def predict(small: Counter[tuple[str, str]], ranks_gpus_small: tuple[int, int],
-            ranks_gpus: tuple[int, int]) -> dict[str, int]:
+def predict(
+    small: Counter[tuple[str, str]], ranks_gpus_small: tuple[int, int], ranks_gpus: tuple[int, int]
+) -> dict[str, int]:
     """Series per family on a node of another size: per-rank and per-GPU series scale, per-target ones stay."""
     (r0, g0), (r1, g1) = ranks_gpus_small, ranks_gpus
     out: Counter[str] = Counter()
@@ -141,15 +144,26 @@ def prometheus_view(tmp: Path, target: str, prometheus: str) -> dict[str, Any]:
     """A real Prometheus (Debian's 2.42) scrapes the target twice over: as is, and with the fleet relabelling."""
     port = free_port()
     fleet = fleet_relabel_configs()
-    cfg = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-           "scrape_configs": [{"job_name": "vramwatch", "static_configs": [{"targets": [target]}]},
-                              {"job_name": "vramwatch-fleet", "static_configs": [{"targets": [target]}],
-                               "metric_relabel_configs": fleet}]}
+    cfg = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {"job_name": "vramwatch", "static_configs": [{"targets": [target]}]},
+            {"job_name": "vramwatch-fleet", "static_configs": [{"targets": [target]}], "metric_relabel_configs": fleet},
+        ],
+    }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     log = open(tmp / "prometheus.log", "ab")
-    proc = subprocess.Popen([prometheus, f"--config.file={tmp / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def query(expr: str) -> float | None:
@@ -159,14 +173,15 @@ def prometheus_view(tmp: Path, target: str, prometheus: str) -> dict[str, Any]:
 
     try:
         wait_until(lambda: http_get(url + "/-/ready", 1), 60, "Prometheus to be ready")
-        wait_until(lambda: (query('count(up == 1)') or 0) >= 2, 60, "both scrapes to succeed")
+        wait_until(lambda: (query("count(up == 1)") or 0) >= 2, 60, "both scrapes to succeed")
         time.sleep(3)  # a few scrapes: the counts are per scrape
         out = {
             "version": http_get(url + "/api/v1/status/buildinfo").decode(),
             "scrape_samples_scraped": query('scrape_samples_scraped{job="vramwatch"}'),
             "head_series_of_job": query('count({job="vramwatch"})'),
             "fleet_relabelled_samples_per_scrape": query(
-                'scrape_samples_post_metric_relabeling{job="vramwatch-fleet"}'),
+                'scrape_samples_post_metric_relabeling{job="vramwatch-fleet"}'
+            ),
             "fleet_relabelled_head_series": query('count({job="vramwatch-fleet"})'),
         }
         out["version"] = json.loads(out["version"])["data"]["version"]
@@ -192,71 +207,96 @@ def render_doc_blocks(r: dict[str, Any]) -> dict[str, str]:
     st, prom, fleet = r["steady"], r.get("prometheus") or {}, r["fleet"]
     kinds, fams, gpus, ranks = st["by_kind"], st["families"], r["gpus"], r["ranks"]
     buckets = st["histogram_bucket_series"]
-    seen = f" (Prometheus {prom['version']}: `scrape_samples_scraped` {_n(prom['scrape_samples_scraped'])})" \
-        if prom else ""
+    seen = (
+        f" (Prometheus {prom['version']}: `scrape_samples_scraped` {_n(prom['scrape_samples_scraped'])})"
+        if prom
+        else ""
+    )
     events = ", ".join(f"+{n} `{f}`" for f, n in sorted(r["events_add"].items())) or "none"
-    measured = "\n".join([
-        "| | series |",
-        "|---|---|",
-        f"| one target ({gpus} GPUs, {ranks} ranks), one scrape | **{_n(st['series'])}**{seen} |",
-        f"| per GPU (one rank each) | **{r['per_gpu_series']}** |",
-        f"| per-GPU device families (NVML, Xid), all GPUs | {_n(kinds.get('per_gpu', 0))} |",
-        f"| per-rank families (allocator, heartbeat), all ranks | {_n(kinds.get('per_rank', 0))}, of which "
-        f"{_n(buckets)} are step-time histogram buckets |",
-        f"| per target (build info, rank count, the server's collectors) | {_n(kinds.get('per_target', 0))} |",
-        f"| stored by Prometheus per target (+ `up`, `scrape_*`) | "
-        f"{_n(prom['head_series_of_job']) if prom else 'n/a'} |",
-        f"| after one Xid event | {events} |",
-        f"| exposition per scrape | {st['exposition_bytes'] / 1000:.1f} kB, "
-        f"{st['exposition_gzip_bytes'] / 1000:.1f} kB gzipped |",
-        "",
-        "Largest families: " + ", ".join(f"`{f}` {n}" for f, n in
-                                         sorted(fams.items(), key=lambda kv: -kv[1])[:5]) + ".",
-    ])
+    measured = "\n".join(
+        [
+            "| | series |",
+            "|---|---|",
+            f"| one target ({gpus} GPUs, {ranks} ranks), one scrape | **{_n(st['series'])}**{seen} |",
+            f"| per GPU (one rank each) | **{r['per_gpu_series']}** |",
+            f"| per-GPU device families (NVML, Xid), all GPUs | {_n(kinds.get('per_gpu', 0))} |",
+            f"| per-rank families (allocator, heartbeat), all ranks | {_n(kinds.get('per_rank', 0))}, of which "
+            f"{_n(buckets)} are step-time histogram buckets |",
+            f"| per target (build info, rank count, the server's collectors) | {_n(kinds.get('per_target', 0))} |",
+            f"| stored by Prometheus per target (+ `up`, `scrape_*`) | "
+            f"{_n(prom['head_series_of_job']) if prom else 'n/a'} |",
+            f"| after one Xid event | {events} |",
+            f"| exposition per scrape | {st['exposition_bytes'] / 1000:.1f} kB, "
+            f"{st['exposition_gzip_bytes'] / 1000:.1f} kB gzipped |",
+            "",
+            "Largest families: "
+            + ", ".join(f"`{f}` {n}" for f, n in sorted(fams.items(), key=lambda kv: -kv[1])[:5])
+            + ".",
+        ]
+    )
     a, f = fleet["all_series"], fleet.get("fleet_relabelled")
     per_day = a["samples_per_second"] * 86400
     col = (lambda k, fmt: f" | {fmt(f[k])}") if f else (lambda k, fmt: " | n/a")
-    fleet_md = "\n".join([
-        "| | all series | with the fleet relabelling below |",
-        "|---|---|---|",
-        f"| active series ({_n(fleet['nodes'])} targets, {_n(fleet['gpus'])} GPUs) | {_n(a['series'])}"
-        + col("series", _n) + " |",
-        f"| samples per second at a {fleet['scrape_interval_s']:.0f} s interval | {_n(a['samples_per_second'])}"
-        + col("samples_per_second", _n) + " |",
-        f"| head memory at ~{fleet['bytes_per_series'] / 1024:.1f} KiB per series | ~{a['head_memory_gib']} GiB"
-        + col("head_memory_gib", lambda v: f"~{v} GiB") + " |",
-        "",
-        f"Disk, at the Prometheus documentation's 1-2 bytes per sample: {per_day / 1e9:.1f} billion samples a "
-        f"day, {per_day / 1e9:.0f}-{2 * per_day / 1e9:.0f} GB. Scrape traffic: {_n(fleet['nodes'])} targets every "
-        f"{fleet['scrape_interval_s']:.0f} s at {st['exposition_gzip_bytes'] / 1000:.1f} kB gzipped is "
-        f"{fleet['nodes'] / fleet['scrape_interval_s'] * st['exposition_gzip_bytes'] / 1e6:.1f} MB/s.",
-    ])
+    fleet_md = "\n".join(
+        [
+            "| | all series | with the fleet relabelling below |",
+            "|---|---|---|",
+            f"| active series ({_n(fleet['nodes'])} targets, {_n(fleet['gpus'])} GPUs) | {_n(a['series'])}"
+            + col("series", _n)
+            + " |",
+            f"| samples per second at a {fleet['scrape_interval_s']:.0f} s interval | {_n(a['samples_per_second'])}"
+            + col("samples_per_second", _n)
+            + " |",
+            f"| head memory at ~{fleet['bytes_per_series'] / 1024:.1f} KiB per series | ~{a['head_memory_gib']} GiB"
+            + col("head_memory_gib", lambda v: f"~{v} GiB")
+            + " |",
+            "",
+            f"Disk, at the Prometheus documentation's 1-2 bytes per sample: {per_day / 1e9:.1f} billion samples a "
+            f"day, {per_day / 1e9:.0f}-{2 * per_day / 1e9:.0f} GB. Scrape traffic: {_n(fleet['nodes'])} targets every "
+            f"{fleet['scrape_interval_s']:.0f} s at {st['exposition_gzip_bytes'] / 1000:.1f} kB gzipped is "
+            f"{fleet['nodes'] / fleet['scrape_interval_s'] * st['exposition_gzip_bytes'] / 1e6:.1f} MB/s.",
+        ]
+    )
     return {"MEASURED": measured, "FLEET": fleet_md}
 
 
 def update_doc(result: dict[str, Any], path: Path = DOC) -> None:
     text = path.read_text()
     for name, body in render_doc_blocks(result).items():
-        text = re.sub(rf"(<!-- BEGIN {name} [^\n]*-->\n).*?(<!-- END {name} -->)",
-                      lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text, flags=re.S)
+        text = re.sub(
+            rf"(<!-- BEGIN {name} [^\n]*-->\n).*?(<!-- END {name} -->)",
+            lambda m, body=body: m.group(1) + body + "\n" + m.group(2),
+            text,
+            flags=re.S,
+        )
     path.write_text(text)
 
 
 def doc_blocks(path: Path = DOC) -> dict[str, str]:
     text = path.read_text()
-    return {m.group(1): m.group(2).rstrip("\n")
-            for m in re.finditer(r"<!-- BEGIN (\w+) [^\n]*-->\n(.*?)<!-- END \1 -->", text, re.S)}
+    return {
+        m.group(1): m.group(2).rstrip("\n")
+        for m in re.finditer(r"<!-- BEGIN (\w+) [^\n]*-->\n(.*?)<!-- END \1 -->", text, re.S)
+    }
 
 
 def fleet_cost(per_target: int, per_target_fleet: int | None) -> dict[str, Any]:
     def cost(series_per_node: int) -> dict[str, Any]:
         series = series_per_node * FLEET_NODES
-        return {"series": series, "samples_per_second": round(series / FLEET_SCRAPE_INTERVAL),
-                "head_memory_gib": round(series * BYTES_PER_SERIES / 1024 ** 3, 1)}
+        return {
+            "series": series,
+            "samples_per_second": round(series / FLEET_SCRAPE_INTERVAL),
+            "head_memory_gib": round(series * BYTES_PER_SERIES / 1024**3, 1),
+        }
 
-    out = {"nodes": FLEET_NODES, "gpus": FLEET_NODES * FLEET_GPUS_PER_NODE, "scrape_interval_s": FLEET_SCRAPE_INTERVAL,
-           "bytes_per_series": round(BYTES_PER_SERIES), "bytes_per_series_source": BYTES_PER_SERIES_SOURCE,
-           "all_series": cost(per_target)}
+    out = {
+        "nodes": FLEET_NODES,
+        "gpus": FLEET_NODES * FLEET_GPUS_PER_NODE,
+        "scrape_interval_s": FLEET_SCRAPE_INTERVAL,
+        "bytes_per_series": round(BYTES_PER_SERIES),
+        "bytes_per_series_source": BYTES_PER_SERIES_SOURCE,
+        "all_series": cost(per_target),
+    }
     if per_target_fleet is not None:
         out["fleet_relabelled"] = cost(per_target_fleet)
     return out
@@ -278,18 +318,42 @@ class SimulatedNode:
         self.spool.mkdir()
         SimNode.default(self.gpus).save(state_path(str(self.spool)))
         env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
-        env.update(VRAMWATCH_SIMULATE="true", VRAMWATCH_SPOOL_DIR=str(self.spool), VRAMWATCH_PORT=str(self.port),
-                   PYTHONPATH=str(ROOT), **{"VRAMWATCH_" + k.upper(): v for k, v in self.settings.items()})
+        env.update(
+            VRAMWATCH_SIMULATE="true",
+            VRAMWATCH_SPOOL_DIR=str(self.spool),
+            VRAMWATCH_PORT=str(self.port),
+            PYTHONPATH=str(ROOT),
+            **{"VRAMWATCH_" + k.upper(): v for k, v in self.settings.items()},
+        )
         self.log = open(self.tmp / "exporter.log", "ab")
         try:
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=env,
-                                               stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "vramwatch", "serve"],
+                    env=env,
+                    stdout=self.log,
+                    stderr=self.log,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
             for r in range(self.ranks):
-                renv = dict(env, VRAMWATCH_SERVE="external", RANK=str(r), LOCAL_RANK=str(r),
-                            WORLD_SIZE=str(self.ranks), CUDA_VISIBLE_DEVICES=str(r % self.gpus))
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "vramwatch.sim.worker", "--duration", "600", "--fill-gib", "8"],
-                    env=renv, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL))
+                renv = dict(
+                    env,
+                    VRAMWATCH_SERVE="external",
+                    RANK=str(r),
+                    LOCAL_RANK=str(r),
+                    WORLD_SIZE=str(self.ranks),
+                    CUDA_VISIBLE_DEVICES=str(r % self.gpus),
+                )
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "vramwatch.sim.worker", "--duration", "600", "--fill-gib", "8"],
+                        env=renv,
+                        stdout=self.log,
+                        stderr=self.log,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
         except BaseException:
             self.__exit__()
             raise
@@ -297,6 +361,7 @@ class SimulatedNode:
 
     def wait_complete(self, timeout: float = 120) -> None:
         """Until every rank (allocator and heartbeat) and every GPU is in the exposition."""
+
         def complete() -> bool:
             samples = parse(http_get(self.url).decode())
             ranks = {lb["rank"] for n, lb in samples if n == "torch_cuda_memory_allocated_bytes"}
@@ -349,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
             state.inject_xid(0, 13)
         time.sleep(4)
         after = summarize(http_get(node.url).decode())
-    event_families = {f: n - steady["families"].get(f, 0) for f, n in after["families"].items()
-                      if n != steady["families"].get(f)}
+    event_families = {
+        f: n - steady["families"].get(f, 0) for f, n in after["families"].items() if n != steady["families"].get(f)
+    }
 
     # what Prometheus stores per target: the samples plus its 5 per-target series (up, scrape_*)
     head = int(prom["head_series_of_job"]) if prom else steady["series"] + 5
@@ -360,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "vramwatch_commit": _git_commit(),
         "python": platform.python_version(),
-        "ranks": args.ranks, "gpus": args.gpus,
+        "ranks": args.ranks,
+        "gpus": args.gpus,
         "steady": steady,
         "per_gpu_series": round(steady["series"] / args.gpus, 1),
         "events_add": event_families,
@@ -380,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 

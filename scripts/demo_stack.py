@@ -51,8 +51,9 @@ def find_tool(*names: str) -> str:
     raise StackError(f"{names[0]} not found: `make tools` unpacks Debian's packages into .cache/debian")
 
 
-def loopback_prometheus_config(src: dict[str, Any], exporter: str, alertmanager: str,
-                               scrape_interval: str | None = None) -> dict[str, Any]:
+def loopback_prometheus_config(
+    src: dict[str, Any], exporter: str, alertmanager: str, scrape_interval: str | None = None
+) -> dict[str, Any]:
     """deploy/prometheus/prometheus.yml for loopback: only addresses, rule paths and the cluster job change."""
     cfg = yaml.safe_load(yaml.safe_dump(src))  # a deep copy
     base = PROMETHEUS_YML.parent
@@ -91,8 +92,9 @@ def _wait_ready(name: str, proc: subprocess.Popen, url: str, log: Path, timeout:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-2000:]
-            hint = ("\n(`make tools` installs the templates Debian's alertmanager reads)"
-                    if "default.tmpl" in tail else "")
+            hint = (
+                "\n(`make tools` installs the templates Debian's alertmanager reads)" if "default.tmpl" in tail else ""
+            )
             raise StackError(f"{name} exited with {proc.returncode}:\n{tail}{hint}")
         if _get(url) == 200:
             return
@@ -113,6 +115,7 @@ def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
 
 def _die_with(sig: int) -> Any:
     """For preexec_fn (Linux): the child gets ``sig`` when this script dies, even by SIGKILL."""
+
     def set_death_signal() -> None:
         try:
             import ctypes
@@ -200,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         am_addr, prom_addr = f"127.0.0.1:{args.alertmanager_port}", f"127.0.0.1:{args.prometheus_port}"
         if not args.alertmanager_config.exists():
             raise StackError(f"{args.alertmanager_config} is missing: `make generate` writes it")
-        cfg = loopback_prometheus_config(yaml.safe_load(PROMETHEUS_YML.read_text()), exporter, am_addr,
-                                         args.scrape_interval)
+        cfg = loopback_prometheus_config(
+            yaml.safe_load(PROMETHEUS_YML.read_text()), exporter, am_addr, args.scrape_interval
+        )
         config_file = work / "prometheus.yml"
         config_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
@@ -210,15 +214,33 @@ def main(argv: list[str] | None = None) -> int:
         # Every child runs in its own session, so a terminal's Ctrl-C reaches only this script, which then
         # stops them in order; each also gets a signal should this script die without cleaning up.
         procs["alertmanager"] = subprocess.Popen(
-            [alertmanager, f"--config.file={args.alertmanager_config}", f"--storage.path={work / 'alertmanager'}",
-             f"--web.listen-address={am_addr}", "--cluster.listen-address="],  # no gossip port on 0.0.0.0
-            stdin=subprocess.DEVNULL, stdout=logs[0], stderr=logs[0], start_new_session=True,
-            preexec_fn=_die_with(signal.SIGTERM))
+            [
+                alertmanager,
+                f"--config.file={args.alertmanager_config}",
+                f"--storage.path={work / 'alertmanager'}",
+                f"--web.listen-address={am_addr}",
+                "--cluster.listen-address=",
+            ],  # no gossip port on 0.0.0.0
+            stdin=subprocess.DEVNULL,
+            stdout=logs[0],
+            stderr=logs[0],
+            start_new_session=True,
+            preexec_fn=_die_with(signal.SIGTERM),
+        )
         procs["prometheus"] = subprocess.Popen(
-            [prometheus, f"--config.file={config_file}", f"--storage.tsdb.path={work / 'prometheus'}",
-             f"--web.listen-address={prom_addr}", "--storage.tsdb.retention.time=1d"],
-            stdin=subprocess.DEVNULL, stdout=logs[1], stderr=logs[1], start_new_session=True,
-            preexec_fn=_die_with(signal.SIGTERM))
+            [
+                prometheus,
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={work / 'prometheus'}",
+                f"--web.listen-address={prom_addr}",
+                "--storage.tsdb.retention.time=1d",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=logs[1],
+            stderr=logs[1],
+            start_new_session=True,
+            preexec_fn=_die_with(signal.SIGTERM),
+        )
         _wait_ready("Alertmanager", procs["alertmanager"], f"http://{am_addr}/-/ready", am_log)
         _wait_ready("Prometheus", procs["prometheus"], f"http://{prom_addr}/-/ready", prom_log)
         print(f"vramwatch stack: Prometheus   http://{prom_addr}  (targets: /targets, alerts: /alerts)", flush=True)
@@ -226,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vramwatch stack: scraping {exporter} as job {EXPORTER_JOB!r}; files and logs in {work}", flush=True)
         host_args = ["--host", args.host] if args.host else []
         # the demo stops its ranks on SIGINT (KeyboardInterrupt); its group holds them all
-        demo = subprocess.Popen([sys.executable, "-m", "vramwatch", "demo", "--port", str(port), *host_args,
-                                 *demo_args], stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with(signal.SIGINT))
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "vramwatch", "demo", "--port", str(port), *host_args, *demo_args],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with(signal.SIGINT),
+        )
         code = demo.wait()
     except KeyboardInterrupt:
         code = 130

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Exporter, Prometheus  # noqa: E402
+from harness import Exporter, Prometheus
 
 
 @pytest.fixture

@@ -117,10 +117,18 @@ class Exporter:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 15.0) -> Exporter:
-        self.proc = subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=self.env,
-                                     stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
-        wait_until(lambda: self.proc.poll() is None and http_get(self.url + "/-/healthy", 1)[0] == 200,
-                   timeout, "the exporter to answer")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vramwatch", "serve"],
+            env=self.env,
+            stdout=self.log,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+        )
+        wait_until(
+            lambda: self.proc.poll() is None and http_get(self.url + "/-/healthy", 1)[0] == 200,
+            timeout,
+            "the exporter to answer",
+        )
         return self
 
     def scrape(self) -> str:
@@ -152,16 +160,33 @@ class Exporter:
         self.log.close()
 
 
-def start_sim_rank(exporter: Exporter, rank: int, *args: str, world_size: int = 1, local_rank: int | None = None,
-                   cuda_visible: str | None = None, **settings: Any) -> subprocess.Popen:
+def start_sim_rank(
+    exporter: Exporter,
+    rank: int,
+    *args: str,
+    world_size: int = 1,
+    local_rank: int | None = None,
+    cuda_visible: str | None = None,
+    **settings: Any,
+) -> subprocess.Popen:
     """A simulated training rank publishing into ``exporter``'s spool (it never starts a server)."""
     env = base_env(exporter.spool, exporter.port, simulate=True, serve="external", interval=0.2, **settings)
-    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank if local_rank is None else local_rank),
-                "WORLD_SIZE": str(world_size)})
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+            "WORLD_SIZE": str(world_size),
+        }
+    )
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
-    return subprocess.Popen([sys.executable, "-m", "vramwatch.sim.worker", *args], env=env,
-                            stdin=subprocess.DEVNULL, stdout=exporter.log, stderr=exporter.log)
+    return subprocess.Popen(
+        [sys.executable, "-m", "vramwatch.sim.worker", *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=exporter.log,
+        stderr=exporter.log,
+    )
 
 
 def stop_proc(proc: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -177,14 +202,25 @@ def stop_proc(proc: subprocess.Popen, timeout: float = 10.0) -> None:
 class Prometheus:
     """A real Prometheus server on loopback with its own TSDB in a temporary directory."""
 
-    def __init__(self, tmp: Path, targets: list[str], scrape_interval: str = "1s",
-                 evaluation_interval: str = "1s", rule_files: list[str] | None = None,
-                 alertmanager: str | None = None, extra_scrape: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        targets: list[str],
+        scrape_interval: str = "1s",
+        evaluation_interval: str = "1s",
+        rule_files: list[str] | None = None,
+        alertmanager: str | None = None,
+        extra_scrape: dict[str, Any] | None = None,
+    ) -> None:
         self.dir = tmp / f"prometheus-{free_port()}"
         self.dir.mkdir(parents=True)
         self.port = free_port()
-        job: dict[str, Any] = {"job_name": "vramwatch", "static_configs": [{"targets": targets}],
-                               "scrape_interval": scrape_interval, "scrape_timeout": scrape_interval}
+        job: dict[str, Any] = {
+            "job_name": "vramwatch",
+            "static_configs": [{"targets": targets}],
+            "scrape_interval": scrape_interval,
+            "scrape_timeout": scrape_interval,
+        }
         if extra_scrape:
             job.update(extra_scrape)
         cfg: dict[str, Any] = {
@@ -206,12 +242,23 @@ class Prometheus:
 
     def start(self, timeout: float = 30.0) -> Prometheus:
         self.proc = subprocess.Popen(
-            [tool("prometheus"), f"--config.file={self.config}", f"--storage.tsdb.path={self.dir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
-             "--storage.tsdb.retention.time=1h"],
-            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
-        wait_until(lambda: self.proc.poll() is None and http_get(self.url + "/-/ready", 1)[0] == 200,
-                   timeout, "Prometheus to be ready")
+            [
+                tool("prometheus"),
+                f"--config.file={self.config}",
+                f"--storage.tsdb.path={self.dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=self.log,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+        )
+        wait_until(
+            lambda: self.proc.poll() is None and http_get(self.url + "/-/ready", 1)[0] == 200,
+            timeout,
+            "Prometheus to be ready",
+        )
         return self
 
     def query(self, expr: str, time_: float | None = None) -> list[dict[str, Any]]:

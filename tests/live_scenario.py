@@ -33,10 +33,16 @@ RULE = """groups:
 """
 
 # what must have data before the scenario counts as played out
-WAIT_FOR = ("count(torch_cuda_memory_allocated_bytes) == 2", "gpu_last_xid_timestamp_seconds",
-            "torch_cuda_memory_ooms_total > 0", "torch_cuda_memory_largest_free_block_bytes",
-            'ALERTS{alertstate="firing"}', "gpu_foreign_processes > 0", "gpu_ecc_errors_total > 0",
-            'time() - vramwatch_training_last_step_timestamp_seconds{rank="0"} > 3')  # rank 0 has stalled
+WAIT_FOR = (
+    "count(torch_cuda_memory_allocated_bytes) == 2",
+    "gpu_last_xid_timestamp_seconds",
+    "torch_cuda_memory_ooms_total > 0",
+    "torch_cuda_memory_largest_free_block_bytes",
+    'ALERTS{alertstate="firing"}',
+    "gpu_foreign_processes > 0",
+    "gpu_ecc_errors_total > 0",
+    'time() - vramwatch_training_last_step_timestamp_seconds{rank="0"} > 3',
+)  # rank 0 has stalled
 
 
 @dataclass
@@ -98,14 +104,21 @@ def start(tmp: Path, duration: float = 14.0, wait_for: tuple[str, ...] | None = 
     live = Live(exp, prom, t0)
     stall_at = duration * 0.6
     threading.Thread(target=_drive, args=(exp, t0, live.stop, stall_at), daemon=True).start()
-    for rank, extra in ((0, ["--leak-mib", "64", "--fragment-at", "2", "--oom-at", "3.5",
-                             "--stall-at", str(stall_at)]), (1, ["--fill-gib", "96"])):
-        env = base_env(exp.spool, exp.port, simulate=True, serve="external", interval=0.25,
-                       largest_block_interval=1.0)
+    for rank, extra in (
+        (0, ["--leak-mib", "64", "--fragment-at", "2", "--oom-at", "3.5", "--stall-at", str(stall_at)]),
+        (1, ["--fill-gib", "96"]),
+    ):
+        env = base_env(exp.spool, exp.port, simulate=True, serve="external", interval=0.25, largest_block_interval=1.0)
         env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": str(rank)})
-        live.ranks.append(subprocess.Popen(
-            [sys.executable, __file__, "--duration", str(duration + 120), *extra], env=env,
-            stdin=subprocess.DEVNULL, stdout=exp.log, stderr=exp.log))
+        live.ranks.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--duration", str(duration + 120), *extra],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=exp.log,
+                stderr=exp.log,
+            )
+        )
     try:
         for expr in WAIT_FOR if wait_for is None else wait_for:
             prom.wait_for(expr, timeout=duration + 30)

@@ -6,12 +6,58 @@ import re
 
 from vramwatch import contract
 
-_FUNCS = {"abs", "absent", "avg", "ceil", "changes", "clamp_max", "clamp_min", "count", "delta", "deriv",
-          "floor", "group", "histogram_quantile", "increase", "irate", "label_replace", "label_values", "max",
-          "min", "predict_linear", "quantile", "rate", "round", "scalar", "sort", "sort_desc", "sum", "time",
-          "topk", "bottomk", "vector", "avg_over_time", "max_over_time", "min_over_time", "stddev"}
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-             "offset", "inf", "nan"}
+_FUNCS = {
+    "abs",
+    "absent",
+    "avg",
+    "ceil",
+    "changes",
+    "clamp_max",
+    "clamp_min",
+    "count",
+    "delta",
+    "deriv",
+    "floor",
+    "group",
+    "histogram_quantile",
+    "increase",
+    "irate",
+    "label_replace",
+    "label_values",
+    "max",
+    "min",
+    "predict_linear",
+    "quantile",
+    "rate",
+    "round",
+    "scalar",
+    "sort",
+    "sort_desc",
+    "sum",
+    "time",
+    "topk",
+    "bottomk",
+    "vector",
+    "avg_over_time",
+    "max_over_time",
+    "min_over_time",
+    "stddev",
+}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 _PROMETHEUS_OWN = {"ALERTS", "ALERTS_FOR_STATE"}
 
 
@@ -24,7 +70,7 @@ def metric_names(expr: str) -> set[str]:
     e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)  # label lists
     names = set()
     for mt in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", e):
-        word, rest = mt.group(0), e[mt.end():].lstrip()
+        word, rest = mt.group(0), e[mt.end() :].lstrip()
         if word in _KEYWORDS or (word in _FUNCS and rest.startswith("(")):
             continue
         if re.fullmatch(r"\d*e\d*", word):

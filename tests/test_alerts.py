@@ -28,6 +28,7 @@ EVERYTHING = dataclasses.replace(DEFAULT, target_absent_for="15m")
 
 # --- structure ---
 
+
 def test_every_rule_has_severity_summary_description_and_runbook():
     names = [g["name"] for g in groups()]
     assert len(names) == len(set(names))
@@ -52,33 +53,66 @@ def test_the_issue_rule_set_is_there():
         assert "> 0.85" in warn["expr"] and warn["for"] == "5m"
         assert "> 0.95" in crit["expr"] and parse_duration(crit["for"]) <= 60
     assert "gpu_memory_used_bytes / gpu_memory_total_bytes" in by[("GPUMemoryUsageHigh", "critical")]["expr"]
-    assert ("torch_cuda_memory_reserved_bytes / torch_cuda_memory_limit_bytes"
-            in by[("TorchMemoryBudgetHigh", "critical")]["expr"])
+    assert (
+        "torch_cuda_memory_reserved_bytes / torch_cuda_memory_limit_bytes"
+        in by[("TorchMemoryBudgetHigh", "critical")]["expr"]
+    )
     assert "predict_linear(torch_cuda_memory_step_peak_allocated_bytes" in by[("TorchMemoryLeak", "warning")]["expr"]
-    assert {("TrainingStalled", "critical"), ("TrainingStalled", "warning"), ("GPUXidError", "critical"),
-            ("GPUXidError", "warning"), ("GPULost", "critical"), ("TorchAllocatorRetries", "warning"),
-            ("TorchOutOfMemory", "warning"), ("TorchMemoryFragmented", "warning"),
-            ("GPUForeignProcess", "warning"), ("TrainingRankMemorySkew", "warning"),
-            ("GPUClockThrottled", "warning"), ("VramwatchTargetDown", "warning"),
-            ("VramwatchSamplesStale", "warning"), ("VramwatchCollectorDown", "warning")} <= set(by)
+    assert {
+        ("TrainingStalled", "critical"),
+        ("TrainingStalled", "warning"),
+        ("GPUXidError", "critical"),
+        ("GPUXidError", "warning"),
+        ("GPULost", "critical"),
+        ("TorchAllocatorRetries", "warning"),
+        ("TorchOutOfMemory", "warning"),
+        ("TorchMemoryFragmented", "warning"),
+        ("GPUForeignProcess", "warning"),
+        ("TrainingRankMemorySkew", "warning"),
+        ("GPUClockThrottled", "warning"),
+        ("VramwatchTargetDown", "warning"),
+        ("VramwatchSamplesStale", "warning"),
+        ("VramwatchCollectorDown", "warning"),
+    } <= set(by)
     # only these page
-    assert {a for a, s in by if s == "critical"} == {"GPUMemoryUsageHigh", "TorchMemoryBudgetHigh",
-                                                      "TrainingStalled", "GPUXidError", "GPULost"}
+    assert {a for a, s in by if s == "critical"} == {
+        "GPUMemoryUsageHigh",
+        "TorchMemoryBudgetHigh",
+        "TrainingStalled",
+        "GPUXidError",
+        "GPULost",
+    }
 
 
 def test_warning_critical_pairs_share_a_name_and_the_labels_alertmanager_inhibits_on():
     am = yaml.safe_load(ALERTMANAGER.read_text())
     equal = set(am["inhibit_rules"][0]["equal"])
     assert {"alertname", "uuid"} <= equal
-    pairs = {a for a in alert_names() if {r["labels"]["severity"] for r in alerts() if r["alert"] == a}
-             == {"critical", "warning"}}
+    pairs = {
+        a
+        for a in alert_names()
+        if {r["labels"]["severity"] for r in alerts() if r["alert"] == a} == {"critical", "warning"}
+    }
     assert pairs == {"GPUMemoryUsageHigh", "TorchMemoryBudgetHigh", "TrainingStalled", "GPUXidError"}
 
 
 # --- metric names come from the contract ---
 
-_KEYWORDS = {"and", "or", "unless", "offset", "bool", "by", "without", "on", "ignoring", "group_left",
-             "group_right", "inf", "nan"}
+_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "bool",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -96,8 +130,10 @@ def metric_names(expr: str) -> set[str]:
 
 
 def test_the_scanner_finds_metric_names():
-    expr = ('rate(a_total{x="1", y=~"b|c"}[5m]) / on(job, uuid) group_left(name) b_info offset 1h'
-            ' > 0.5 and ignoring(gpu) sum by (job) (c_bytes)')
+    expr = (
+        'rate(a_total{x="1", y=~"b|c"}[5m]) / on(job, uuid) group_left(name) b_info offset 1h'
+        " > 0.5 and ignoring(gpu) sum by (job) (c_bytes)"
+    )
     assert metric_names(expr) == {"a_total", "b_info", "c_bytes"}
 
 
@@ -109,8 +145,15 @@ def test_every_metric_in_every_expr_is_in_the_contract():
             assert base in contract.BY_NAME or name == "up", f"{r['alert']}: {name} is not in the contract"
             used.add(base)
     # the scanner is not vacuous: the families the issue names are all found
-    assert {"gpu_memory_used_bytes", "torch_cuda_memory_limit_bytes", "vramwatch_training_step_duration_seconds",
-            "gpu_xid_errors_total", "gpu_last_xid_timestamp_seconds", "gpu_clock_throttle", "up"} <= used
+    assert {
+        "gpu_memory_used_bytes",
+        "torch_cuda_memory_limit_bytes",
+        "vramwatch_training_step_duration_seconds",
+        "gpu_xid_errors_total",
+        "gpu_last_xid_timestamp_seconds",
+        "gpu_clock_throttle",
+        "up",
+    } <= used
 
 
 def test_selector_reaches_every_vramwatch_series():
@@ -182,8 +225,9 @@ def _perturbed(f: dataclasses.Field, v):
     return 'job="x"'
 
 
-@pytest.mark.parametrize("field", [f for f in dataclasses.fields(MonitoringConfig) if f.name != "dashboard_tags"],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "field", [f for f in dataclasses.fields(MonitoringConfig) if f.name != "dashboard_tags"], ids=lambda f: f.name
+)
 def test_every_parameter_changes_the_rules(field):
     """Each knob of MonitoringConfig is one the rules actually read (dashboard_tags: dashboards only)."""
     base = to_yaml(rule_file(EVERYTHING))
@@ -201,8 +245,7 @@ def test_scaled_config_shrinks_every_time_and_nothing_else():
     assert "[15s]" in by[("GPUXidError", "critical")]["expr"]
 
 
-@pytest.mark.parametrize("text,seconds", [("5m", 300), ("1h30m", 5400), ("500ms", 0.5), ("1d", 86400),
-                                          ("90s", 90)])
+@pytest.mark.parametrize("text,seconds", [("5m", 300), ("1h30m", 5400), ("500ms", 0.5), ("1d", 86400), ("90s", 90)])
 def test_durations_round_trip(text, seconds):
     assert parse_duration(text) == seconds
     assert parse_duration(format_duration(seconds)) == seconds
@@ -215,6 +258,7 @@ def test_bad_durations_are_rejected(bad):
 
 
 # --- rendering and the generated files ---
+
 
 def _run(*argv: str) -> int:
     p = argparse.ArgumentParser()
@@ -275,6 +319,7 @@ def test_prometheusrule_validates_against_the_operator_crd():
 
 # --- Alertmanager ---
 
+
 def _amtool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([tool("amtool"), *args], capture_output=True, text=True, timeout=60)
 
@@ -284,12 +329,15 @@ def test_amtool_accepts_the_shipped_alertmanager_config():
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("labels,receiver", [
-    (["severity=critical", "alertname=GPUMemoryUsageHigh"], "pager"),
-    (["severity=critical", "alertname=GPUXidError", "xid=79"], "pager"),
-    (["severity=warning", "alertname=GPUMemoryUsageHigh"], "warnings"),
-    (["alertname=SomethingElse"], "warnings"),
-])
+@pytest.mark.parametrize(
+    "labels,receiver",
+    [
+        (["severity=critical", "alertname=GPUMemoryUsageHigh"], "pager"),
+        (["severity=critical", "alertname=GPUXidError", "xid=79"], "pager"),
+        (["severity=warning", "alertname=GPUMemoryUsageHigh"], "warnings"),
+        (["alertname=SomethingElse"], "warnings"),
+    ],
+)
 def test_routes(labels, receiver):
     r = _amtool("config", "routes", "test", f"--config.file={ALERTMANAGER}", *labels)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -314,6 +362,7 @@ def test_every_severity_of_the_rules_has_a_route():
 
 # --- runbooks ---
 
+
 def _github_slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
@@ -335,8 +384,15 @@ def test_a_runbook_section_for_every_alert():
 
 def test_runbooks_carry_the_field_notes_remedies():
     text = RUNBOOKS.read_text()
-    for remedy in ("expandable_segments:True", "garbage_collection_threshold:0.8", "max_split_size_mb:128",
-                   "empty_cache()", "exclusive", "checkpoint", "reboot"):
+    for remedy in (
+        "expandable_segments:True",
+        "garbage_collection_threshold:0.8",
+        "max_split_size_mb:128",
+        "empty_cache()",
+        "exclusive",
+        "checkpoint",
+        "reboot",
+    ):
         assert remedy in text, remedy
     for xid in DEFAULT.xid_critical + DEFAULT.xid_warning:
         assert re.search(rf"\|\s*{xid}\s*\|", text), f"Xid {xid} missing from the runbook's Xid table"
@@ -350,6 +406,11 @@ def test_the_readme_alerts_snippet_runs_and_its_rules_pass_promtool(tmp_path, mo
     exec(compile(snippet, "README.md#alerts", "exec"), {})
     text = (tmp_path / "vramwatch.rules.yml").read_text()
     assert "> 0.8\n" in text and 'job="train"' in text and "team: ml" in text
-    r = subprocess.run([tool("promtool"), "check", "rules", "vramwatch.rules.yml"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [tool("promtool"), "check", "rules", "vramwatch.rules.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr

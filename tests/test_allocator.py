@@ -113,10 +113,10 @@ def test_cuda_malloc_async_reports_only_what_it_has():
 
 
 def test_alloc_conf_labels_are_bounded():
-    labels = alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,garbage_collection_threshold:0.8,"
-                                                    "max_split_size_mb:128"})
-    assert labels == {"expandable_segments": "true", "garbage_collection_threshold": "0.8",
-                      "max_split_size_mb": "128"}
+    labels = alloc_conf(
+        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,garbage_collection_threshold:0.8,max_split_size_mb:128"}
+    )
+    assert labels == {"expandable_segments": "true", "garbage_collection_threshold": "0.8", "max_split_size_mb": "128"}
     assert alloc_conf({"PYTORCH_ALLOC_CONF": "max_split_size_mb:" + "9" * 100})["max_split_size_mb"] == "9" * 16
     assert alloc_conf({})["expandable_segments"] == "false"
 

@@ -107,9 +107,11 @@ def test_step_costs_microseconds(started):
 
 
 def test_import_does_not_import_torch_or_frameworks():
-    code = ("import sys, vramwatch, vramwatch.cli, vramwatch.exporter.server; "
-            "print(sorted(m for m in ('torch','transformers','lightning','pytorch_lightning','grafana_foundation_sdk',"
-            "'matplotlib') if m in sys.modules))")
+    code = (
+        "import sys, vramwatch, vramwatch.cli, vramwatch.exporter.server; "
+        "print(sorted(m for m in ('torch','transformers','lightning','pytorch_lightning','grafana_foundation_sdk',"
+        "'matplotlib') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.replace("'", '"')) == []
 
@@ -127,8 +129,13 @@ def test_rank_starts_the_server_and_it_leaves_after_the_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     try:
-        body = wait_until(lambda: (lambda r: r[0] == 200 and b"torch_cuda_memory_allocated_bytes{" in r[1] and r)(
-            http_get(f"http://127.0.0.1:{port}/metrics", 1)), 15, "the rank-started server")
+        body = wait_until(
+            lambda: (lambda r: r[0] == 200 and b"torch_cuda_memory_allocated_bytes{" in r[1] and r)(
+                http_get(f"http://127.0.0.1:{port}/metrics", 1)
+            ),
+            15,
+            "the rank-started server",
+        )
         assert b'rank="0"' in body[1]
         proc.wait(timeout=30)
         wait_until(lambda: not spool.server_running(str(tmp_path / "s")), 15, "the server to leave")
@@ -166,8 +173,10 @@ def test_a_rank_started_server_leaves_even_when_its_rank_died_at_once(tmp_path):
 
     port = free_port()
     spool_dir = str(tmp_path / "s")
-    code = (f"import os, vramwatch\nvramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, linger=1)\n"
-            "os._exit(0)\n")  # gone before the server's idle loop ever sees it alive
+    code = (
+        f"import os, vramwatch\nvramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, linger=1)\n"
+        "os._exit(0)\n"
+    )  # gone before the server's idle loop ever sees it alive
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=30)
     wait_until(lambda: spool.server_running(spool_dir), 10, "the server to start")
@@ -179,15 +188,20 @@ def test_eight_ranks_starting_together_spawn_one_server(tmp_path):
 
     port = free_port()
     spool_dir = str(tmp_path / "s")
-    code = ("import sys, time, vramwatch\n"
-            f"vramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, interval=0.1, linger=1, "
-            "rank=int(sys.argv[1]))\n"
-            "for _ in range(80):\n    vramwatch.step(); time.sleep(0.05)\n")
+    code = (
+        "import sys, time, vramwatch\n"
+        f"vramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, interval=0.1, linger=1, "
+        "rank=int(sys.argv[1]))\n"
+        "for _ in range(80):\n    vramwatch.step(); time.sleep(0.05)\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env) for r in range(8)]
     try:
-        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/metrics", 1)[1].count(b"vramwatch_rank_info{") == 8,
-                   20, "all eight ranks in one target")
+        wait_until(
+            lambda: http_get(f"http://127.0.0.1:{port}/metrics", 1)[1].count(b"vramwatch_rank_info{") == 8,
+            20,
+            "all eight ranks in one target",
+        )
         log = open(os.path.join(spool_dir, "server.log")).read()
         assert log.count("serving http") == 1, log
         assert "another server already serves" not in log, "only one rank should have tried"

@@ -64,8 +64,17 @@ def test_thread_cpu_clock_sees_a_busy_thread():
 
 def _part(**kw):
     pair = {k: 1.0 for k in overhead.PAIR_KEYS}
-    base = {"metadata": {"date": "d", "gpu_name": "g", "driver": "v", "torch": "t", "python": "p",
-                         "vramwatch_commit": "c", "workloads": list(kw)}}
+    base = {
+        "metadata": {
+            "date": "d",
+            "gpu_name": "g",
+            "driver": "v",
+            "torch": "t",
+            "python": "p",
+            "vramwatch_commit": "c",
+            "workloads": list(kw),
+        }
+    }
     base.update({k: (dict(pair) if isinstance(v, str) else v) for k, v in kw.items()})
     return base
 
@@ -77,25 +86,35 @@ def test_merge_parts_into_the_issue_layout(tmp_path):
     common.write_json(b, _part(transformer="x", transformer_full="x"))
     assert overhead.missing_keys(common.read_json(a))  # one part alone is incomplete
     out = tmp_path / "all.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--merge", str(a), str(b),
-                    "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--merge", str(a), str(b), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     merged = common.read_json(out)
     assert overhead.missing_keys(merged) == []
     assert [p["file"] for p in merged["metadata"]["parts"]] == ["a.json", "b.json"]
-    check = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--check", str(out)],
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--check", str(out)], capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout
     del merged["transformer"]["null_min_ratio"]
     common.write_json(out, merged)
-    check = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--check", str(out)],
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--check", str(out)], capture_output=True, text=True
+    )
     assert check.returncode == 1 and "transformer.null_min_ratio" in check.stdout
 
 
 def test_run_gpu_plan_splits_the_work_into_parts(tmp_path):
     def plan(*args):
-        p = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--plan", *args],
-                           capture_output=True, text=True, env=dict(os.environ, OUT=str(tmp_path)), check=True)
+        p = subprocess.run(
+            ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--plan", *args],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, OUT=str(tmp_path)),
+            check=True,
+        )
         return p.stdout
 
     one, two, three = plan("--full", "part1"), plan("--full", "part2"), plan("--full", "part3")
@@ -116,8 +135,14 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("run_gpu")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     env.update(OUT=str(out), PYTHON=sys.executable, BUDGET="300")
-    p = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "all", "part4"],
-                       capture_output=True, text=True, env=env, timeout=400, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "all", "part4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     return out, p.stdout
 
@@ -126,8 +151,15 @@ def smoke(tmp_path_factory):
 def test_smoke_every_phase_ran(smoke):
     out, stdout = smoke
     phases = dict(line.split(": ", 1) for line in (out / "phases.txt").read_text().splitlines())
-    for name in ("pytest-gpu", "overhead-part1", "overhead-part2", "scrape", "fragmentation", "overhead-direct-nopin",
-                 "overhead-short"):
+    for name in (
+        "pytest-gpu",
+        "overhead-part1",
+        "overhead-part2",
+        "scrape",
+        "fragmentation",
+        "overhead-direct-nopin",
+        "overhead-short",
+    ):
         assert phases.get(name, "").startswith("rc=0"), (name, phases, stdout[-3000:])
     assert "=== summary ===" in stdout and "in_process_cpu_share" in stdout
     # the GPU suite skips cleanly without a GPU
@@ -218,17 +250,19 @@ def test_smoke_fragmentation_json(smoke):
 
 
 def test_fragmentation_row_parser_reads_one_rank():
-    text = "\n".join([
-        '# TYPE torch_cuda_memory_allocated_bytes gauge',
-        'torch_cuda_memory_allocated_bytes{uuid="GPU-a",device="0",rank="0",local_rank="0"} 10',
-        'torch_cuda_memory_allocated_bytes{uuid="GPU-b",device="0",rank="1",local_rank="1"} 99',
-        '# TYPE torch_cuda_memory_reserved_bytes gauge',
-        'torch_cuda_memory_reserved_bytes{uuid="GPU-a",device="0",rank="0",local_rank="0"} 40',
-        '# TYPE gpu_memory_used_bytes gauge',
-        'gpu_memory_used_bytes{gpu="0",uuid="GPU-a"} 1000',
-        'gpu_memory_used_bytes{gpu="1",uuid="GPU-b"} 2000',
-        '',
-    ])
+    text = "\n".join(
+        [
+            "# TYPE torch_cuda_memory_allocated_bytes gauge",
+            'torch_cuda_memory_allocated_bytes{uuid="GPU-a",device="0",rank="0",local_rank="0"} 10',
+            'torch_cuda_memory_allocated_bytes{uuid="GPU-b",device="0",rank="1",local_rank="1"} 99',
+            "# TYPE torch_cuda_memory_reserved_bytes gauge",
+            'torch_cuda_memory_reserved_bytes{uuid="GPU-a",device="0",rank="0",local_rank="0"} 40',
+            "# TYPE gpu_memory_used_bytes gauge",
+            'gpu_memory_used_bytes{gpu="0",uuid="GPU-a"} 1000',
+            'gpu_memory_used_bytes{gpu="1",uuid="GPU-b"} 2000',
+            "",
+        ]
+    )
     import fragmentation
 
     row = fragmentation.row_from_scrape(text)
@@ -252,9 +286,22 @@ def test_smoke_fragmentation_recording_becomes_a_report(smoke, tmp_path):
     out, _ = smoke
     data = common.read_json(out / "fragmentation.json")
     assert all((out / v["openmetrics_file"]).exists() for v in data["variants"].values())
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fragmentation.py"), "--report",
-                        str(out / "fragmentation.json"), "--report-dir", str(tmp_path), "--variants", "default"],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, TEST_TOOLS_DIR=tools))
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "fragmentation.py"),
+            "--report",
+            str(out / "fragmentation.json"),
+            "--report-dir",
+            str(tmp_path),
+            "--variants",
+            "default",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TEST_TOOLS_DIR=tools),
+    )
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     html = (tmp_path / "fragmentation-default.html").read_text()
     assert "vramwatch report" in html and "job = vramwatch-fragmentation" in html
@@ -264,11 +311,43 @@ def test_smoke_fragmentation_recording_becomes_a_report(smoke, tmp_path):
 def test_fragmentation_training_loop_runs_on_the_cpu(tmp_path):
     """The GPU run's torch loop (frozen base, trainable blocks, kept slices, big requests), on the CPU."""
     out = tmp_path / "f.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fragmentation.py"), "--device", "cpu-torch",
-                        "--variants", "default", "--seconds", "1", "--hidden", "64", "--vocab", "100",
-                        "--min-len", "8", "--max-len", "64", "--batch", "2", "--frozen-layers", "1",
-                        "--trainable-layers", "1", "--big-every", "2", "--big-gib", "0.001", "--keep-steps", "1",
-                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "fragmentation.py"),
+            "--device",
+            "cpu-torch",
+            "--variants",
+            "default",
+            "--seconds",
+            "1",
+            "--hidden",
+            "64",
+            "--vocab",
+            "100",
+            "--min-len",
+            "8",
+            "--max-len",
+            "64",
+            "--batch",
+            "2",
+            "--frozen-layers",
+            "1",
+            "--trainable-layers",
+            "1",
+            "--big-every",
+            "2",
+            "--big-gib",
+            "0.001",
+            "--keep-steps",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     run = common.read_json(out)["variants"]["default"]["run"]
     assert "error" not in run, run
@@ -279,10 +358,33 @@ def test_short_segments_against_one_sidecar_server(tmp_path):
     """--segment-server external: one `vramwatch serve` beside the process; B segments start in milliseconds."""
     out = tmp_path / "o.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--device", "cpu", "--workloads",
-                        "launch_bound", "--pairs", "3", "--pairs-per-process", "3", "--run-seconds", "0.3",
-                        "--segment-warmup-seconds", "0", "--segment-server", "external", "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "overhead.py"),
+            "--device",
+            "cpu",
+            "--workloads",
+            "launch_bound",
+            "--pairs",
+            "3",
+            "--pairs-per-process",
+            "3",
+            "--run-seconds",
+            "0.3",
+            "--segment-warmup-seconds",
+            "0",
+            "--segment-server",
+            "external",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     o = common.read_json(out)["launch_bound"]
     assert o["pairs"] == 3 and o["errors"] == 0 and o["processes"][0]["segment_server"] == "external"

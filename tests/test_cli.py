@@ -11,15 +11,19 @@ from harness import free_port, http_get
 def _run(*args, env=None, timeout=60):
     e = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "vramwatch", *args], capture_output=True, text=True,
-                          env=e, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "vramwatch", *args], capture_output=True, text=True, env=e, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("args,env,needle", [
-    (["serve", "--port", "70000"], {}, "invalid setting port='70000' (from argument): must be 1-65535"),
-    (["serve"], {"VRAMWATCH_PORT": "x"}, "invalid setting port='x' (from VRAMWATCH_PORT)"),
-    (["serve"], {"VRAMWATCH_NOPE": "1"}, "unknown setting 'nope' (from VRAMWATCH_NOPE)"),
-])
+@pytest.mark.parametrize(
+    "args,env,needle",
+    [
+        (["serve", "--port", "70000"], {}, "invalid setting port='70000' (from argument): must be 1-65535"),
+        (["serve"], {"VRAMWATCH_PORT": "x"}, "invalid setting port='x' (from VRAMWATCH_PORT)"),
+        (["serve"], {"VRAMWATCH_NOPE": "1"}, "unknown setting 'nope' (from VRAMWATCH_NOPE)"),
+    ],
+)
 def test_serve_rejects_bad_config_with_exit_2(args, env, needle):
     r = _run(*args, env=env)
     assert r.returncode == 2
@@ -53,10 +57,27 @@ def test_config_shows_values_and_sources(tmp_path):
 def test_demo_runs_simulated_and_prints_the_url(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vramwatch", "demo", "--real", "no", "--duration", "8", "--port", str(port),
-         "--spool-dir", str(tmp_path / "s"), "--ranks", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")})
+        [
+            sys.executable,
+            "-m",
+            "vramwatch",
+            "demo",
+            "--real",
+            "no",
+            "--duration",
+            "8",
+            "--port",
+            str(port),
+            "--spool-dir",
+            str(tmp_path / "s"),
+            "--ranks",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")},
+    )
     first = proc.stdout.readline()
     assert f"http://127.0.0.1:{port}/metrics" in first
     import time
@@ -83,10 +104,25 @@ def test_demo_sigterm_stops_its_ranks(tmp_path):
 
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vramwatch", "demo", "--real", "no", "--port", str(port),
-         "--spool-dir", str(tmp_path / "s"), "--ranks", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")})
+        [
+            sys.executable,
+            "-m",
+            "vramwatch",
+            "demo",
+            "--real",
+            "no",
+            "--port",
+            str(port),
+            "--spool-dir",
+            str(tmp_path / "s"),
+            "--ranks",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")},
+    )
     assert "metrics" in proc.stdout.readline()
     time.sleep(2)
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()

@@ -45,15 +45,41 @@ def test_no_label_can_grow_without_bound():
 
 def _ctx() -> ScrapeContext:
     sample = {
-        "v": 1, "time": 1000.0, "pid": 42, "rank": 1, "local_rank": 1, "world_size": 2, "hostname": "node-a",
-        "devices": [{"device": 0, "uuid": "GPU-1111", "values": {
-            "torch_cuda_memory_allocated_bytes": 3.08e9, "torch_cuda_memory_reserved_bytes": 3.28e9,
-            "torch_cuda_memory_fragmentation_ratio": 0.2 / 3.28, "torch_cuda_memory_alloc_retries_total": 2.0,
-            "not_in_the_contract": 1.0}}],
-        "allocator_info": {"backend": "native", "expandable_segments": "true",
-                           "garbage_collection_threshold": "0.8", "max_split_size_mb": ""},
-        "heartbeat": {"steps": 3, "last": 999.0, "buckets": [0.1, 1.0], "counts": [1, 1, 0], "sum": 0.55,
-                      "loss": 0.6929, "grad_norm": None},
+        "v": 1,
+        "time": 1000.0,
+        "pid": 42,
+        "rank": 1,
+        "local_rank": 1,
+        "world_size": 2,
+        "hostname": "node-a",
+        "devices": [
+            {
+                "device": 0,
+                "uuid": "GPU-1111",
+                "values": {
+                    "torch_cuda_memory_allocated_bytes": 3.08e9,
+                    "torch_cuda_memory_reserved_bytes": 3.28e9,
+                    "torch_cuda_memory_fragmentation_ratio": 0.2 / 3.28,
+                    "torch_cuda_memory_alloc_retries_total": 2.0,
+                    "not_in_the_contract": 1.0,
+                },
+            }
+        ],
+        "allocator_info": {
+            "backend": "native",
+            "expandable_segments": "true",
+            "garbage_collection_threshold": "0.8",
+            "max_split_size_mb": "",
+        },
+        "heartbeat": {
+            "steps": 3,
+            "last": 999.0,
+            "buckets": [0.1, 1.0],
+            "counts": [1, 1, 0],
+            "sum": 0.55,
+            "loss": 0.6929,
+            "grad_norm": None,
+        },
         "collectors": {"allocator": {"up": 1, "errors": 0, "duration": 0.0001}},
     }
     return ScrapeContext((RankSample(1, 42, sample, 1000.0),), now=1002.5, hostname="node-a")
@@ -93,8 +119,9 @@ def test_every_exposed_family_is_in_the_contract(exporter):
     exp = exporter().start()
     rank = start_sim_rank(exp, 0, "--duration", "30")
     try:
-        text = wait_until(lambda: (lambda t: "torch_cuda_memory_allocated_bytes{" in t and t)(exp.scrape()), 15,
-                          "allocator series")
+        text = wait_until(
+            lambda: (lambda t: "torch_cuda_memory_allocated_bytes{" in t and t)(exp.scrape()), 15, "allocator series"
+        )
         names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
         unknown = contract.exposed_names(names) - set(contract.BY_NAME)
         assert not unknown, f"exposed but not in the contract: {sorted(unknown)}"

@@ -14,12 +14,12 @@ import yaml
 
 pytest.importorskip("grafana_foundation_sdk")
 
-from promql_names import in_contract, metric_names  # noqa: E402
+from promql_names import in_contract, metric_names
 
-from vramwatch.alerts.config import DEFAULT, MonitoringConfig  # noqa: E402
-from vramwatch.dashboards import build_all, render  # noqa: E402
-from vramwatch.dashboards import cli as dcli  # noqa: E402
-from vramwatch.dashboards.walk import (  # noqa: E402
+from vramwatch.alerts.config import DEFAULT, MonitoringConfig
+from vramwatch.dashboards import build_all, render
+from vramwatch.dashboards import cli as dcli
+from vramwatch.dashboards.walk import (
     TimeContext,
     label_values_query,
     spec,
@@ -33,30 +33,52 @@ DEPLOY = ROOT / "deploy"
 # The shape users rely on: dashboard -> row -> [(panel type, title)].
 EXPECTED = {
     "vramwatch-training-memory": {
-        "Memory": [("timeseries", "Allocated, reserved, card total and limit"), ("timeseries", "Memory pressure"),
-                   ("timeseries", "Memory outside PyTorch"), ("timeseries", "Fragmentation"),
-                   ("timeseries", "Largest free block and split leftovers"),
-                   ("table", "Allocator settings in force")],
-        "Allocator events and leaks": [("timeseries", "cudaMalloc retries and OOMs"),
-                                       ("timeseries", "Per-step peak and leak projection")],
-        "Progress": [("timeseries", "Step time"), ("timeseries", "Steps per second"),
-                     ("timeseries", "Heartbeat age"), ("timeseries", "Sample age")],
+        "Memory": [
+            ("timeseries", "Allocated, reserved, card total and limit"),
+            ("timeseries", "Memory pressure"),
+            ("timeseries", "Memory outside PyTorch"),
+            ("timeseries", "Fragmentation"),
+            ("timeseries", "Largest free block and split leftovers"),
+            ("table", "Allocator settings in force"),
+        ],
+        "Allocator events and leaks": [
+            ("timeseries", "cudaMalloc retries and OOMs"),
+            ("timeseries", "Per-step peak and leak projection"),
+        ],
+        "Progress": [
+            ("timeseries", "Step time"),
+            ("timeseries", "Steps per second"),
+            ("timeseries", "Heartbeat age"),
+            ("timeseries", "Sample age"),
+        ],
     },
     "vramwatch-gpu-health": {
-        "Power and utilisation": [("timeseries", "Power against utilisation"), ("timeseries", "Temperature"),
-                                  ("timeseries", "Clocks"), ("timeseries", "Clock throttle reasons"),
-                                  ("timeseries", "GPU memory utilisation")],
-        "Errors and other processes": [("table", "Xid events"),
-                                       ("timeseries", "ECC errors, remapped rows, PCIe replays"),
-                                       ("timeseries", "Foreign processes"), ("timeseries", "GPU answering"),
-                                       ("table", "GPUs")],
+        "Power and utilisation": [
+            ("timeseries", "Power against utilisation"),
+            ("timeseries", "Temperature"),
+            ("timeseries", "Clocks"),
+            ("timeseries", "Clock throttle reasons"),
+            ("timeseries", "GPU memory utilisation"),
+        ],
+        "Errors and other processes": [
+            ("table", "Xid events"),
+            ("timeseries", "ECC errors, remapped rows, PCIe replays"),
+            ("timeseries", "Foreign processes"),
+            ("timeseries", "GPU answering"),
+            ("table", "GPUs"),
+        ],
     },
     "vramwatch-fleet": {
         "Now": [("stat", "GPUs"), ("stat", "Ranks"), ("stat", "Stalled ranks"), ("stat", "Firing alerts")],
-        "Memory pressure": [("table", "GPUs by memory pressure"),
-                            ("timeseries", "Memory pressure, the ten fullest GPUs")],
-        "Progress, errors and alerts": [("table", "Ranks by heartbeat age"), ("bargauge", "Xid events by host"),
-                                        ("table", "Firing alerts")],
+        "Memory pressure": [
+            ("table", "GPUs by memory pressure"),
+            ("timeseries", "Memory pressure, the ten fullest GPUs"),
+        ],
+        "Progress, errors and alerts": [
+            ("table", "Ranks by heartbeat age"),
+            ("bargauge", "Xid events by host"),
+            ("table", "Firing alerts"),
+        ],
     },
 }
 
@@ -84,6 +106,7 @@ def _exprs(d: dict) -> list[str]:
 
 
 # --- structure ---
+
 
 def test_rows_and_panels_are_as_designed(dashboards):
     got = {}
@@ -179,9 +202,12 @@ def test_json_loads_back_into_the_sdk_model(dashboards):
 
 # --- metric names come from the contract ---
 
+
 def test_metric_name_extraction_finds_names_and_only_names():
-    expr = ('sum by (job, le) (rate(foo_bucket{a=~"$x|b", c="d"}[$__rate_interval])) / on (job) group_left (gpu)'
-            ' bar_total{x="y"} > 0.35 * time() - ${__from:date:seconds} or vector(0) and baz')
+    expr = (
+        'sum by (job, le) (rate(foo_bucket{a=~"$x|b", c="d"}[$__rate_interval])) / on (job) group_left (gpu)'
+        ' bar_total{x="y"} > 0.35 * time() - ${__from:date:seconds} or vector(0) and baz'
+    )
     assert metric_names(expr) == {"foo_bucket", "bar_total", "baz"}
     assert not in_contract("torch_cuda_memory_allocated") and not in_contract("gpu_info_bucket")
     assert in_contract("vramwatch_training_step_duration_seconds_bucket")
@@ -197,16 +223,34 @@ def test_every_metric_in_every_query_is_in_the_contract(dashboards):
             assert not bad, f"{uid}: {sorted(bad)} not in vramwatch.contract, in {expr!r}"
             used |= names
     # the families the issue asks the dashboards to show
-    for name in ("torch_cuda_memory_allocated_bytes", "torch_cuda_memory_reserved_bytes", "gpu_memory_total_bytes",
-                 "torch_cuda_memory_limit_bytes", "gpu_non_torch_memory_bytes",
-                 "torch_cuda_memory_fragmentation_ratio", "torch_cuda_memory_largest_free_block_bytes",
-                 "torch_cuda_memory_alloc_retries_total", "torch_cuda_memory_ooms_total",
-                 "torch_cuda_memory_step_peak_allocated_bytes", "torch_cuda_allocator_info",
-                 "vramwatch_training_step_duration_seconds_bucket", "vramwatch_training_last_step_timestamp_seconds",
-                 "vramwatch_sample_age_seconds", "gpu_power_watts", "gpu_utilization_ratio", "gpu_temperature_celsius",
-                 "gpu_sm_clock_hertz", "gpu_clock_throttle", "gpu_xid_errors_total", "gpu_last_xid_timestamp_seconds",
-                 "gpu_ecc_errors_total", "gpu_remapped_rows", "gpu_pcie_replays_total", "gpu_foreign_processes",
-                 "ALERTS"):
+    for name in (
+        "torch_cuda_memory_allocated_bytes",
+        "torch_cuda_memory_reserved_bytes",
+        "gpu_memory_total_bytes",
+        "torch_cuda_memory_limit_bytes",
+        "gpu_non_torch_memory_bytes",
+        "torch_cuda_memory_fragmentation_ratio",
+        "torch_cuda_memory_largest_free_block_bytes",
+        "torch_cuda_memory_alloc_retries_total",
+        "torch_cuda_memory_ooms_total",
+        "torch_cuda_memory_step_peak_allocated_bytes",
+        "torch_cuda_allocator_info",
+        "vramwatch_training_step_duration_seconds_bucket",
+        "vramwatch_training_last_step_timestamp_seconds",
+        "vramwatch_sample_age_seconds",
+        "gpu_power_watts",
+        "gpu_utilization_ratio",
+        "gpu_temperature_celsius",
+        "gpu_sm_clock_hertz",
+        "gpu_clock_throttle",
+        "gpu_xid_errors_total",
+        "gpu_last_xid_timestamp_seconds",
+        "gpu_ecc_errors_total",
+        "gpu_remapped_rows",
+        "gpu_pcie_replays_total",
+        "gpu_foreign_processes",
+        "ALERTS",
+    ):
         assert name in used, name
 
 
@@ -225,6 +269,7 @@ def test_every_template_variable_is_defined(specs):
 
 
 # --- thresholds come from MonitoringConfig ---
+
 
 def _steps(p: dict) -> list[float]:
     return [s["value"] for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"] if s["value"] is not None]
@@ -255,8 +300,7 @@ def _check_thresholds(cfg: MonitoringConfig) -> None:
     (right,) = [o for o in power["fieldConfig"]["overrides"] if o["matcher"]["options"] == "C"]
     props = {p["id"]: p["value"] for p in right["properties"]}
     assert props["custom.axisPlacement"] == "right" and props["unit"] == "percentunit"
-    assert [s["value"] for s in props["thresholds"]["steps"] if s["value"] is not None] == [
-        cfg.busy_utilization_ratio]
+    assert [s["value"] for s in props["thresholds"]["steps"] if s["value"] is not None] == [cfg.busy_utilization_ratio]
     # the leak projection looks as far ahead as the leak alert, over the alert's window
     leak = {t["refId"]: t["expr"] for t in _panel(mem, "Per-step peak and leak projection")["targets"]}
     horizon = cfg.leak_horizon_hours * 3600
@@ -273,10 +317,21 @@ def test_thresholds_are_the_monitoring_config_values():
 
 def test_thresholds_follow_a_changed_config():
     cfg = dataclasses.replace(
-        DEFAULT, memory_warning_ratio=0.71, memory_critical_ratio=0.83, fragmentation_ratio=0.41,
-        sample_stale_seconds=33.0, stall_min_seconds=77.0, stall_factor=6.5, busy_utilization_ratio=0.77,
-        busy_power_ratio=0.22, leak_horizon_hours=2.5, leak_window="45m", stall_window="20m",
-        selector='cluster="a"', dashboard_tags=("x",))
+        DEFAULT,
+        memory_warning_ratio=0.71,
+        memory_critical_ratio=0.83,
+        fragmentation_ratio=0.41,
+        sample_stale_seconds=33.0,
+        stall_min_seconds=77.0,
+        stall_factor=6.5,
+        busy_utilization_ratio=0.77,
+        busy_power_ratio=0.22,
+        leak_horizon_hours=2.5,
+        leak_window="45m",
+        stall_window="20m",
+        selector='cluster="a"',
+        dashboard_tags=("x",),
+    )
     _check_thresholds(cfg)
     text = "".join(render.dashboard_json(m) for m in build_all(cfg))
     for old in ("0.85", "0.95", "0.35", "14400"):
@@ -289,6 +344,7 @@ def test_thresholds_follow_a_changed_config():
 
 
 # --- generated files ---
+
 
 def test_generated_files_are_in_sync():
     assert render.stale(DEPLOY) == [], "run: python -m vramwatch dashboards --write deploy"
@@ -326,9 +382,11 @@ def test_cli_check_fails_on_stale_files_and_write_fixes_them(tmp_path, capsys):
 
 def test_runtime_does_not_need_the_sdk_or_matplotlib():
     # every command line builds the plugin parsers (vramwatch serve's too): they must stay light
-    code = ("import sys, vramwatch, vramwatch.runtime, vramwatch.exporter.server, vramwatch.exporter.registry\n"
-            "from vramwatch.cli import build_parser\n"
-            "build_parser().parse_args(['serve'])\n"
-            "bad = [m for m in ('grafana_foundation_sdk', 'matplotlib') if m in sys.modules]\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys, vramwatch, vramwatch.runtime, vramwatch.exporter.server, vramwatch.exporter.registry\n"
+        "from vramwatch.cli import build_parser\n"
+        "build_parser().parse_args(['serve'])\n"
+        "bad = [m for m in ('grafana_foundation_sdk', 'matplotlib') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)

@@ -13,14 +13,14 @@ import pytest
 
 pytest.importorskip("grafana_foundation_sdk")
 
-import live_scenario  # noqa: E402
+import live_scenario
 
-from vramwatch.alerts.config import DEFAULT  # noqa: E402
-from vramwatch.dashboards import build_all  # noqa: E402
-from vramwatch.dashboards.walk import TimeContext, spec  # noqa: E402
-from vramwatch.report.data import run_annotation, run_panel, variable_options, variable_values  # noqa: E402
-from vramwatch.report.prom import PromClient  # noqa: E402
-from vramwatch.sim.state import SimGpu  # noqa: E402
+from vramwatch.alerts.config import DEFAULT
+from vramwatch.dashboards import build_all
+from vramwatch.dashboards.walk import TimeContext, spec
+from vramwatch.report.data import run_annotation, run_panel, variable_options, variable_values
+from vramwatch.report.prom import PromClient
+from vramwatch.sim.state import SimGpu
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -52,8 +52,12 @@ def test_variables_offer_the_node_its_gpus_and_ranks(live, client):
                 offered[v.name] = variable_options(client, v, values, tc)
                 values[v.name] = v.all_value
         node = live.exporter.node()
-        assert offered == {"job": ["vramwatch"], "host": [f"127.0.0.1:{live.exporter.port}"],
-                           "gpu": sorted(g.uuid for g in node.gpus), "rank": ["0", "1"]}, d.uid
+        assert offered == {
+            "job": ["vramwatch"],
+            "host": [f"127.0.0.1:{live.exporter.port}"],
+            "gpu": sorted(g.uuid for g in node.gpus),
+            "rank": ["0", "1"],
+        }, d.uid
 
 
 @pytest.mark.parametrize("mode", ["all", "first"])
@@ -113,7 +117,7 @@ def test_stall_signature_and_live_values(live, client):
     gpu0 = {ref: next(s for s in power[ref].series if s.labels.get("gpu") == "0") for ref in "ABC"}
     assert gpu0["C"].values[-1] == pytest.approx(1.0)  # utilisation pinned
     assert gpu0["A"].values[-1] < max(gpu0["A"].values) - 100  # power fell
-    assert gpu0["B"].values[-1] == pytest.approx(SimGpu(0, '').power_limit_w * DEFAULT.busy_power_ratio)
+    assert gpu0["B"].values[-1] == pytest.approx(SimGpu(0, "").power_limit_w * DEFAULT.busy_power_ratio)
     xids = panel("vramwatch-gpu-health", "Xid events")
     assert {s.labels["xid"] for s in xids["B"].series} == {str(live_scenario.XID)}
     assert xids["B"].series[0].values == [1.0]

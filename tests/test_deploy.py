@@ -66,17 +66,35 @@ def _run(*cmd: str, cwd: Path | None = None, timeout: float = 120) -> subprocess
 
 # ---------------------------------------------------------------- Prometheus, Alertmanager
 
+
 def _promtool_has_kubernetes_sd() -> bool:
     probe = "scrape_configs:\n- job_name: x\n  kubernetes_sd_configs: [{role: pod}]\n"
-    r = subprocess.run([tool("promtool"), "check", "config", "/dev/stdin"], input=probe, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [tool("promtool"), "check", "config", "/dev/stdin"], input=probe, capture_output=True, text=True, timeout=60
+    )
     return r.returncode == 0
 
 
 # kubernetes_sd_configs fields of upstream Prometheus 2.42 (discovery/kubernetes/kubernetes.go SDConfig)
-_K8S_SD_KEYS = {"role", "api_server", "kubeconfig_file", "namespaces", "selectors", "attach_metadata",
-                "basic_auth", "authorization", "oauth2", "bearer_token", "bearer_token_file", "proxy_url",
-                "tls_config", "follow_redirects", "enable_http2", "no_proxy", "proxy_from_environment"}
+_K8S_SD_KEYS = {
+    "role",
+    "api_server",
+    "kubeconfig_file",
+    "namespaces",
+    "selectors",
+    "attach_metadata",
+    "basic_auth",
+    "authorization",
+    "oauth2",
+    "bearer_token",
+    "bearer_token_file",
+    "proxy_url",
+    "tls_config",
+    "follow_redirects",
+    "enable_http2",
+    "no_proxy",
+    "proxy_from_environment",
+}
 _K8S_SD_ROLES = {"pod", "node", "service", "endpoints", "endpointslice", "ingress"}
 
 
@@ -162,8 +180,7 @@ def test_generated_files_are_in_sync():
 
 # ---------------------------------------------------------------- Kubernetes: a small kustomize
 
-_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "resources", "components", "configMapGenerator",
-                       "patches"}
+_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "resources", "components", "configMapGenerator", "patches"}
 
 
 def _docs(path: Path) -> list[dict]:
@@ -172,8 +189,13 @@ def _docs(path: Path) -> list[dict]:
 
 def _matches(obj: dict, target: dict) -> bool:
     group = obj["apiVersion"].split("/")[0] if "/" in obj["apiVersion"] else ""
-    return all([target.get("group", group) == group, target.get("kind", obj["kind"]) == obj["kind"],
-                target.get("name", obj["metadata"]["name"]) == obj["metadata"]["name"]])
+    return all(
+        [
+            target.get("group", group) == group,
+            target.get("kind", obj["kind"]) == obj["kind"],
+            target.get("name", obj["metadata"]["name"]) == obj["metadata"]["name"],
+        ]
+    )
 
 
 def _merge(dst: Any, patch: Any) -> Any:
@@ -313,16 +335,25 @@ def _manifest_files() -> list[Path]:
 
 def test_every_manifest_file_is_checked():
     names = {str(p.relative_to(K8S)) for p in _manifest_files()}
-    assert {"podmonitor.yaml", "networkpolicy.yaml", "job.yaml", "sidecar/job.yaml", "prometheusrule.yaml",
-            "dashboards-configmap.yaml"} <= names, names
+    assert {
+        "podmonitor.yaml",
+        "networkpolicy.yaml",
+        "job.yaml",
+        "sidecar/job.yaml",
+        "prometheusrule.yaml",
+        "dashboards-configmap.yaml",
+    } <= names, names
 
 
 def _strict(schema: Any) -> Any:
     """Reject unknown fields, as `kubectl apply --validate=strict` does: CRD schemas only prune them."""
     if isinstance(schema, dict):
         schema = {k: _strict(v) for k, v in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema \
-                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
         return schema
     if isinstance(schema, list):
@@ -367,7 +398,7 @@ def test_rendered_variants_validate(variants, crd_validators):
         for obj in objs:
             try:
                 _validate(obj, crd_validators)
-            except Exception as e:  # noqa: BLE001 - name the variant and the object
+            except Exception as e:
                 raise AssertionError(f"{name}: {obj['kind']}/{obj['metadata']['name']}: {e}") from e
 
 
@@ -384,6 +415,7 @@ def test_the_validation_can_fail(crd_validators):
 
 
 # ---------------------------------------------------------------- Kubernetes: what schemas cannot see
+
 
 def _pod(job: dict) -> dict:
     return job["spec"]["template"]
@@ -428,8 +460,9 @@ def test_podmonitor_and_networkpolicy_find_the_metrics_port(variants, variant):
     assert relabel["node"]["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
     # NetworkPolicy: the metrics port only from the monitoring namespace; the job's own traffic elsewhere
     scrape_rule, peers_rule = np["spec"]["ingress"]
-    assert scrape_rule["from"] == [{"namespaceSelector": {"matchLabels": {
-        "kubernetes.io/metadata.name": "monitoring"}}}]
+    assert scrape_rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
     assert [p["port"] for p in scrape_rule["ports"]] == ["metrics"]
     tcp = [(p["port"], p.get("endPort", p["port"])) for p in peers_rule["ports"] if p["protocol"] == "TCP"]
     assert not any(lo <= ports["metrics"] <= hi for lo, hi in tcp), "peers may reach the metrics port"
@@ -446,8 +479,11 @@ def _settings_of(container: dict, pod_fields: dict[str, str]) -> config.Settings
     return settings
 
 
-POD_FIELDS = {"metadata.name": "vramwatch-example-x7k2p", "metadata.namespace": "training",
-              "spec.nodeName": "gpu-node-0001"}
+POD_FIELDS = {
+    "metadata.name": "vramwatch-example-x7k2p",
+    "metadata.namespace": "training",
+    "spec.nodeName": "gpu-node-0001",
+}
 
 
 @pytest.mark.parametrize("path", [K8S / "job.yaml", K8S / "sidecar" / "job.yaml"], ids=["in-process", "sidecar"])
@@ -456,8 +492,12 @@ def test_jobs_configure_vramwatch(path):
     spec = _pod(job)["spec"]
     trainer = next(c for c in spec["containers"] if c["name"] == "trainer")
     tenv = _env(trainer)
-    for name, field in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"),
-                        ("NODE_NAME", "spec.nodeName"), ("VRAMWATCH_HOSTNAME", "spec.nodeName")):
+    for name, field in (
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+        ("NODE_NAME", "spec.nodeName"),
+        ("VRAMWATCH_HOSTNAME", "spec.nodeName"),
+    ):
         assert _field(tenv, name) == field, f"{name} should come from the Downward API's {field}"
     assert trainer["command"][-1] == "/opt/vramwatch-example/train.py"
     mounts = {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}
@@ -496,14 +536,27 @@ def test_example_train_script_runs_with_the_jobs_settings(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     for name, v in _env(trainer).items():
         env[name] = POD_FIELDS[v["fieldRef"]["fieldPath"]] if isinstance(v, dict) else str(v)
-    env.update(VRAMWATCH_HOST="127.0.0.1", VRAMWATCH_PORT=str(port), VRAMWATCH_SPOOL_DIR=str(tmp_path / "spool"),
-               VRAMWATCH_SIMULATE="true", VRAMWATCH_LINGER="0", VRAMWATCH_INTERVAL="0.2",
-               TRAIN_STEPS="0", TRAIN_SECONDS="60", HIDDEN="32", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               PYTHONPATH=str(ROOT))
+    env.update(
+        VRAMWATCH_HOST="127.0.0.1",
+        VRAMWATCH_PORT=str(port),
+        VRAMWATCH_SPOOL_DIR=str(tmp_path / "spool"),
+        VRAMWATCH_SIMULATE="true",
+        VRAMWATCH_LINGER="0",
+        VRAMWATCH_INTERVAL="0.2",
+        TRAIN_STEPS="0",
+        TRAIN_SECONDS="60",
+        HIDDEN="32",
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        PYTHONPATH=str(ROOT),
+    )
     log = open(tmp_path / "train.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(K8S / "train.py")], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(K8S / "train.py")], env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+    )
     try:
+
         def steps() -> float:
             code, body = http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
             from harness import parse_metrics
@@ -519,8 +572,10 @@ def test_example_train_script_runs_with_the_jobs_settings(tmp_path):
         proc.wait(timeout=20)
         log.close()
     _wait_port_closed(port, 30)  # the rank-started server leaves once the rank is gone (linger 0)
-    assert "vramwatch example: pod vramwatch-example-x7k2p in training on node gpu-node-0001" in \
-        (tmp_path / "train.log").read_text()
+    assert (
+        "vramwatch example: pod vramwatch-example-x7k2p in training on node gpu-node-0001"
+        in (tmp_path / "train.log").read_text()
+    )
 
 
 def _port_open(port: int) -> bool:
@@ -609,6 +664,7 @@ def test_compose_file_mounts_the_repos_files():
 
 # ---------------------------------------------------------------- docs/scale.md
 
+
 def _scale_configs() -> list[dict]:
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", SCALE_MD.read_text(), re.S)]
     return [b for b in blocks if isinstance(b, dict)]
@@ -666,13 +722,19 @@ def test_scale_md_agrees_with_the_measurement():
     assert result["prometheus"], "series.json was recorded without the real Prometheus scrape"
     assert result["prometheus"]["scrape_samples_scraped"] == result["steady"]["series"]
     expected = series_count.render_doc_blocks(result)
-    assert series_count.doc_blocks() == expected, \
+    assert series_count.doc_blocks() == expected, (
         "docs/scale.md is stale: python3 benchmarks/series_count.py --doc-from benchmarks/results/series.json"
+    )
     # the measurement is of contract families only, and of every fixed-cardinality one an 8-GPU node has
     measured = contract.exposed_names(result["steady"]["families"])
     assert measured <= set(contract.BY_NAME), measured - set(contract.BY_NAME)
-    for name in ("torch_cuda_memory_reserved_bytes", "gpu_memory_used_bytes", "gpu_xid_errors_total",
-                 "vramwatch_training_step_duration_seconds", "vramwatch_build_info"):
+    for name in (
+        "torch_cuda_memory_reserved_bytes",
+        "gpu_memory_used_bytes",
+        "gpu_xid_errors_total",
+        "vramwatch_training_step_duration_seconds",
+        "vramwatch_build_info",
+    ):
         assert name in measured, name
 
 
@@ -687,13 +749,19 @@ def test_recorded_series_count_matches_the_exporter_today():
         small = series_count.by_family_and_kind(http_get(node.url)[1].decode())
     predicted = series_count.predict(small, (2, 2), (result["ranks"], result["gpus"]))
     recorded = result["steady"]["families"]
-    diff = {f: (recorded.get(f), predicted.get(f)) for f in set(recorded) | set(predicted)
-            if recorded.get(f) != predicted.get(f)}
-    assert not diff, ("benchmarks/results/series.json is stale (family: recorded, now); re-run "
-                      f"python3 benchmarks/series_count.py --update-doc: {dict(sorted(diff.items()))}")
+    diff = {
+        f: (recorded.get(f), predicted.get(f))
+        for f in set(recorded) | set(predicted)
+        if recorded.get(f) != predicted.get(f)
+    }
+    assert not diff, (
+        "benchmarks/results/series.json is stale (family: recorded, now); re-run "
+        f"python3 benchmarks/series_count.py --update-doc: {dict(sorted(diff.items()))}"
+    )
 
 
 # ---------------------------------------------------------------- make demo: the loopback stack
+
 
 def _processes_mentioning(text: str) -> list[str]:
     found = []
@@ -713,19 +781,39 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
     prom_port, am_port, exp_port = free_port(), free_port(), free_port()
     out = open(tmp_path / "stack.out", "w+b")
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "demo_stack.py"), "--prometheus-port", str(prom_port),
-         "--alertmanager-port", str(am_port), "--port", str(exp_port), "--scrape-interval", "1s",
-         "--ranks", "1", "--linger", "1", "--spool-dir", str(tmp_path / "spool")],
-        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")})
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "demo_stack.py"),
+            "--prometheus-port",
+            str(prom_port),
+            "--alertmanager-port",
+            str(am_port),
+            "--port",
+            str(exp_port),
+            "--scrape-interval",
+            "1s",
+            "--ranks",
+            "1",
+            "--linger",
+            "1",
+            "--spool-dir",
+            str(tmp_path / "spool"),
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")},
+    )
     prom = f"http://127.0.0.1:{prom_port}"
 
     def output() -> str:
         return (tmp_path / "stack.out").read_text(errors="replace")
 
     try:
-        wait_until(lambda: proc.poll() is None and "vramwatch demo:" in output(), 90,
-                   "the stack to start and the demo to run")
+        wait_until(
+            lambda: proc.poll() is None and "vramwatch demo:" in output(), 90, "the stack to start and the demo to run"
+        )
         assert f"Prometheus   {prom}" in output() and f"Alertmanager http://127.0.0.1:{am_port}" in output()
         work = re.search(r"files and logs in (\S+)", output()).group(1)
 
@@ -765,6 +853,8 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
         _wait_port_closed(exp_port, 20)  # the rank-started exporter leaves after its linger (1 s)
     except AssertionError:
         spool = tmp_path / "spool"
-        raise AssertionError(f"exporter still up; spool: {sorted(p.name for p in spool.iterdir())}; "
-                             f"server.log: {(spool / 'server.log').read_text()[-3000:]}; "
-                             f"servers: {_processes_mentioning('vramwatch serve')}") from None
+        raise AssertionError(
+            f"exporter still up; spool: {sorted(p.name for p in spool.iterdir())}; "
+            f"server.log: {(spool / 'server.log').read_text()[-3000:]}; "
+            f"servers: {_processes_mentioning('vramwatch serve')}"
+        ) from None

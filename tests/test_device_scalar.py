@@ -177,8 +177,10 @@ def test_host_values_are_read_at_once(reader):
     assert reader.queued == []
 
 
-@pytest.mark.parametrize("v, want", [(1, 1.0), (2.5, 2.5), ("x", None), (math.inf, None), (-math.inf, None),
-                                     (float("nan"), None), (None, None)])
+@pytest.mark.parametrize(
+    "v, want",
+    [(1, 1.0), (2.5, 2.5), ("x", None), (math.inf, None), (-math.inf, None), (float("nan"), None), (None, None)],
+)
 def test_scalar_and_finite(v, want):
     assert scalar(v) == want
     if v is not None:

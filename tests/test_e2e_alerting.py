@@ -34,8 +34,13 @@ from vramwatch.sim.state import edit
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # the shipped rules, 60x faster; a few bounds kept above a loaded CI machine's scheduling noise
-CFG = dataclasses.replace(DEFAULT.scaled(1 / 60), selector='job="vramwatch"', stall_min_seconds=4.0,
-                          sample_stale_seconds=15.0, xid_window="8s")
+CFG = dataclasses.replace(
+    DEFAULT.scaled(1 / 60),
+    selector='job="vramwatch"',
+    stall_min_seconds=4.0,
+    sample_stale_seconds=15.0,
+    xid_window="8s",
+)
 WAIT = 60.0  # bound on each wait; typical latencies are a few seconds
 
 
@@ -48,7 +53,7 @@ class Webhooks:
         hooks = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 with hooks.lock:
                     hooks.notifications.append((self.path, json.loads(body)))
@@ -67,9 +72,15 @@ class Webhooks:
         """Alerts of that name and status (and labels) that reached receiver ``path``."""
         with self.lock:
             got = list(self.notifications)
-        return [a for p, n in got if p == path for a in n["alerts"]
-                if a["labels"].get("alertname") == alertname and a["status"] == status
-                and all(a["labels"].get(k) == v for k, v in labels.items())]
+        return [
+            a
+            for p, n in got
+            if p == path
+            for a in n["alerts"]
+            if a["labels"].get("alertname") == alertname
+            and a["status"] == status
+            and all(a["labels"].get(k) == v for k, v in labels.items())
+        ]
 
     def all(self) -> list[tuple[str, dict[str, Any]]]:
         with self.lock:
@@ -100,12 +111,23 @@ class Alertmanager:
         (self.dir / "alertmanager.yml").write_text(yaml.safe_dump(config))
         self.log = open(self.dir / "alertmanager.log", "ab")
         self.proc = subprocess.Popen(
-            [tool("prometheus-alertmanager"), f"--config.file={self.dir / 'alertmanager.yml'}",
-             f"--storage.path={self.dir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-             "--cluster.listen-address=", "--log.level=debug"],
-            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
-        wait_until(lambda: self.proc.poll() is None and http_get(self.url + "/-/ready", 1)[0] == 200, 30,
-                   "Alertmanager to be ready")
+            [
+                tool("prometheus-alertmanager"),
+                f"--config.file={self.dir / 'alertmanager.yml'}",
+                f"--storage.path={self.dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--cluster.listen-address=",
+                "--log.level=debug",
+            ],
+            stdout=self.log,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+        )
+        wait_until(
+            lambda: self.proc.poll() is None and http_get(self.url + "/-/ready", 1)[0] == 200,
+            30,
+            "Alertmanager to be ready",
+        )
 
     @property
     def url(self) -> str:
@@ -137,13 +159,26 @@ class Stack:
         for rank, fill in ((0, 0.5), (2, 0.1)):
             control = tmp / f"control-{rank}.json"
             self.control(control, {"fill_ratio": fill})
-            proc = start_sim_rank(self.exp, rank, "--duration", "600", "--fill-gib", "1", "--activation-gib", "0",
-                                  "--control", str(control), world_size=3, cuda_visible=str(rank))
+            proc = start_sim_rank(
+                self.exp,
+                rank,
+                "--duration",
+                "600",
+                "--fill-gib",
+                "1",
+                "--activation-gib",
+                "0",
+                "--control",
+                str(control),
+                world_size=3,
+                cuda_visible=str(rank),
+            )
             self.ranks[rank] = (proc, control)
         rules = tmp / "vramwatch.rules.yml"
         rules.write_text(to_yaml(rule_file(CFG)))
-        self.prom = Prometheus(tmp, [f"127.0.0.1:{self.exp.port}"], rule_files=[str(rules)],
-                               alertmanager=f"127.0.0.1:{self.am.port}").start()
+        self.prom = Prometheus(
+            tmp, [f"127.0.0.1:{self.exp.port}"], rule_files=[str(rules)], alertmanager=f"127.0.0.1:{self.am.port}"
+        ).start()
         self.prom.wait_for('vramwatch_training_steps_total{rank="2"} > 20', timeout=WAIT)
         self.prom.wait_for("gpu_power_watts", timeout=WAIT, check=lambda r: len(r) == 3)
 
@@ -183,8 +218,10 @@ def _wait(what: str, predicate, timeout: float = WAIT):
 def test_memory_warning_does_not_page_then_critical_pages_and_resolves(stack):
     gpu0 = stack.uuids[0]
     stack.drive(0, fill_ratio=0.90)
-    warned = _wait("the 85% warning on the warning receiver",
-                   lambda: stack.hooks.alerts("/warning", "GPUMemoryUsageHigh", uuid=gpu0, severity="warning"))
+    warned = _wait(
+        "the 85% warning on the warning receiver",
+        lambda: stack.hooks.alerts("/warning", "GPUMemoryUsageHigh", uuid=gpu0, severity="warning"),
+    )
     assert warned[0]["annotations"]["runbook_url"].endswith("#gpumemoryusagehigh")
     assert "of its memory in use" in warned[0]["annotations"]["description"]
     # the warning is firing and has been delivered: it must not have paged
@@ -192,8 +229,9 @@ def test_memory_warning_does_not_page_then_critical_pages_and_resolves(stack):
     assert not stack.hooks.alerts("/page", "TorchMemoryBudgetHigh")
 
     stack.drive(0, fill_ratio=0.97)
-    paged = _wait("the 95% page", lambda: stack.hooks.alerts("/page", "GPUMemoryUsageHigh", uuid=gpu0,
-                                                             severity="critical"))
+    paged = _wait(
+        "the 95% page", lambda: stack.hooks.alerts("/page", "GPUMemoryUsageHigh", uuid=gpu0, severity="critical")
+    )
     assert paged[0]["labels"]["job"] == "vramwatch"
     assert "GPU 0 (" + gpu0 + ")" in paged[0]["annotations"]["description"]
 
@@ -223,8 +261,7 @@ def test_critical_xid_pages_an_application_xid_warns_both_resolve(stack):
     assert not stack.hooks.alerts("/page", "GPUXidError", xid="13")
     # no recovery action exists for an event: it resolves once the window (8 s here) has passed
     _wait("the Xid page to resolve", lambda: stack.hooks.alerts("/page", "GPUXidError", "resolved", uuid=gpu1))
-    _wait("the Xid warning to resolve",
-          lambda: stack.hooks.alerts("/warning", "GPUXidError", "resolved", uuid=gpu2))
+    _wait("the Xid warning to resolve", lambda: stack.hooks.alerts("/warning", "GPUXidError", "resolved", uuid=gpu2))
 
 
 def test_busy_stall_pages_and_resolves_when_steps_resume(stack):

@@ -19,8 +19,10 @@ def _ranks_in(exp) -> set[str]:
 
 def test_prometheus_scrapes_two_ranks_through_one_target(exporter, prometheus):
     exp = exporter(gpus=2).start()
-    ranks = [start_sim_rank(exp, r, "--duration", "60", "--fill-gib", str(4 + 4 * r), world_size=2,
-                            cuda_visible=str(r)) for r in range(2)]
+    ranks = [
+        start_sim_rank(exp, r, "--duration", "60", "--fill-gib", str(4 + 4 * r), world_size=2, cuda_visible=str(r))
+        for r in range(2)
+    ]
     try:
         prom = prometheus([f"127.0.0.1:{exp.port}"])
         res = prom.wait_for("torch_cuda_memory_allocated_bytes", check=lambda r: len(r) == 2)

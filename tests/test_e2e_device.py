@@ -19,28 +19,36 @@ def _one(result: list) -> float:
 
 def test_device_series_join_the_ranks_and_follow_the_simulated_gpu(exporter, prometheus):
     exp = exporter(gpus=2, nvml_slow_interval=1).start()
-    ranks = [start_sim_rank(exp, r, "--duration", "90", "--fill-gib", str(4 + 4 * r), world_size=2,
-                            cuda_visible=str(r)) for r in range(2)]
+    ranks = [
+        start_sim_rank(exp, r, "--duration", "90", "--fill-gib", str(4 + 4 * r), world_size=2, cuda_visible=str(r))
+        for r in range(2)
+    ]
     try:
         prom = prometheus([f"127.0.0.1:{exp.port}"])
         node = exp.node()
         # the join of the allocator and the device series, by uuid
-        joined = prom.wait_for("torch_cuda_memory_reserved_bytes * on(uuid) group_left(name) gpu_info",
-                               check=lambda r: len(r) == 2)
+        joined = prom.wait_for(
+            "torch_cuda_memory_reserved_bytes * on(uuid) group_left(name) gpu_info", check=lambda r: len(r) == 2
+        )
         by_rank = {r["metric"]["rank"]: r for r in joined}
         for rank in ("0", "1"):
             m = by_rank[rank]["metric"]
             assert m["name"] == node.gpu(int(rank)).name and m["uuid"] == node.gpu(int(rank)).uuid
             assert float(by_rank[rank]["value"][1]) >= (4 + 4 * int(rank)) * GIB
         # every device family the simulated GPU can fill is there (the Xid timestamp comes with an event)
-        expected = [m.name for m in contract.METRICS if m.collector in ("nvml", "processes", "xid")
-                    and m.name != "gpu_last_xid_timestamp_seconds"]
+        expected = [
+            m.name
+            for m in contract.METRICS
+            if m.collector in ("nvml", "processes", "xid") and m.name != "gpu_last_xid_timestamp_seconds"
+        ]
         for name in expected:
             prom.wait_for(f"count({name}) > 0", timeout=10)
         assert {r["metric"]["mig_mode"] for r in prom.query("gpu_info")} == {"disabled"}
         # what is on the card besides the ranks' caches: one CUDA context each
-        prom.wait_for('gpu_non_torch_memory_bytes{gpu="0"}',
-                      check=lambda r: r and abs(float(r[0]["value"][1]) - node.context_bytes) < 64 << 20)
+        prom.wait_for(
+            'gpu_non_torch_memory_bytes{gpu="0"}',
+            check=lambda r: r and abs(float(r[0]["value"][1]) - node.context_bytes) < 64 << 20,
+        )
         assert _one(prom.query('gpu_foreign_processes{gpu="0"}')) == 0
         # the Xid counters start at 0, scraped before the event, so increase() sees the first one
         prom.wait_for('gpu_xid_errors_total{xid="79"} == 0', check=lambda r: len(r) == 2)
@@ -83,6 +91,7 @@ def test_missing_nvml_keeps_the_exporter_serving_and_recovers(exporter):
     exp.start()
     rank = start_sim_rank(exp, 0, "--duration", "60")
     try:
+
         def down():
             m = exp.metrics()
             up = {lab["collector"]: v for lab, v in m.get("vramwatch_collector_up", [])}

@@ -41,8 +41,13 @@ def _get(url: str, ctx: ssl.SSLContext, auth: tuple[str, str] | None = None) -> 
 
 def _start_tls(exp, pki) -> None:
     """Exporter.start() waits over plain HTTP; this one waits over TLS."""
-    exp.proc = subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=exp.env, stdout=exp.log,
-                                stderr=exp.log, stdin=subprocess.DEVNULL)
+    exp.proc = subprocess.Popen(
+        [sys.executable, "-m", "vramwatch", "serve"],
+        env=exp.env,
+        stdout=exp.log,
+        stderr=exp.log,
+        stdin=subprocess.DEVNULL,
+    )
 
     def ready():
         assert exp.proc.poll() is None, "the exporter exited; see its log"
@@ -59,9 +64,11 @@ def test_prometheus_scrapes_over_tls_with_basic_auth(tmp_path, exporter, prometh
     pki = make_pki(tmp_path / "pki")
     web = tmp_path / "web.yml"
     hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
-    web.write_text(f"tls_server_config:\n  cert_file: {pki.cert}\n  key_file: {pki.key}\n"
-                   f"http_server_config:\n  headers:\n    X-Content-Type-Options: nosniff\n"
-                   f"basic_auth_users:\n  prometheus: {hashed}\n")
+    web.write_text(
+        f"tls_server_config:\n  cert_file: {pki.cert}\n  key_file: {pki.key}\n"
+        f"http_server_config:\n  headers:\n    X-Content-Type-Options: nosniff\n"
+        f"basic_auth_users:\n  prometheus: {hashed}\n"
+    )
     exp = exporter(web_config_file=str(web))
     _start_tls(exp, pki)
     rank = start_sim_rank(exp, 0, "--duration", "60")
@@ -87,11 +94,14 @@ def test_prometheus_scrapes_over_tls_with_basic_auth(tmp_path, exporter, prometh
 
         password_file = tmp_path / "password"
         password_file.write_text(PASSWORD)
-        prom = prometheus([f"127.0.0.1:{exp.port}"], extra_scrape={
-            "scheme": "https",
-            "tls_config": {"ca_file": str(pki.ca)},
-            "basic_auth": {"username": "prometheus", "password_file": str(password_file)},
-        })
+        prom = prometheus(
+            [f"127.0.0.1:{exp.port}"],
+            extra_scrape={
+                "scheme": "https",
+                "tls_config": {"ca_file": str(pki.ca)},
+                "basic_auth": {"username": "prometheus", "password_file": str(password_file)},
+            },
+        )
         prom.wait_for('up{job="vramwatch"} == 1', timeout=30)
         prom.wait_for('torch_cuda_memory_allocated_bytes{rank="0"}', timeout=30)
         prom.wait_for('vramwatch_training_steps_total{rank="0"} > 0', timeout=30)
@@ -103,15 +113,22 @@ def test_prometheus_with_a_wrong_password_sees_the_target_down(tmp_path, exporte
     pki = make_pki(tmp_path / "pki")
     web = tmp_path / "web.yml"
     hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
-    web.write_text(f"tls_server_config: {{cert_file: {pki.cert}, key_file: {pki.key}}}\n"
-                   f"basic_auth_users: {{prometheus: {hashed}}}\n")
+    web.write_text(
+        f"tls_server_config: {{cert_file: {pki.cert}, key_file: {pki.key}}}\n"
+        f"basic_auth_users: {{prometheus: {hashed}}}\n"
+    )
     exp = exporter(web_config_file=str(web))
     _start_tls(exp, pki)
     password_file = tmp_path / "password"
     password_file.write_text("not it")
-    prom = prometheus([f"127.0.0.1:{exp.port}"], extra_scrape={
-        "scheme": "https", "tls_config": {"ca_file": str(pki.ca)},
-        "basic_auth": {"username": "prometheus", "password_file": str(password_file)}})
+    prom = prometheus(
+        [f"127.0.0.1:{exp.port}"],
+        extra_scrape={
+            "scheme": "https",
+            "tls_config": {"ca_file": str(pki.ca)},
+            "basic_auth": {"username": "prometheus", "password_file": str(password_file)},
+        },
+    )
     prom.wait_for('up{job="vramwatch"} == 0', timeout=30)
     code, body = http_get(prom.url + "/api/v1/targets")
     assert b"401" in body, body[:500]
@@ -120,9 +137,11 @@ def test_prometheus_with_a_wrong_password_sees_the_target_down(tmp_path, exporte
 def test_mtls_requires_a_client_certificate_from_the_trusted_ca(tmp_path, exporter, prometheus):
     pki = make_pki(tmp_path / "pki")
     web = tmp_path / "web.yml"
-    web.write_text(f"tls_server_config:\n  cert_file: {pki.cert}\n  key_file: {pki.key}\n"
-                   f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.client_ca}\n"
-                   "  min_version: TLS12\n")
+    web.write_text(
+        f"tls_server_config:\n  cert_file: {pki.cert}\n  key_file: {pki.key}\n"
+        f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.client_ca}\n"
+        "  min_version: TLS12\n"
+    )
     exp = exporter(web_config_file=str(web))
     _start_tls(exp, pki)
     url = f"https://127.0.0.1:{exp.port}/metrics"
@@ -131,9 +150,12 @@ def test_mtls_requires_a_client_certificate_from_the_trusted_ca(tmp_path, export
     for ctx in (_client_ctx(pki), _client_ctx(pki, pki.other_client_cert, pki.other_client_key)):
         with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
             _get(url, ctx)
-    prom = prometheus([f"127.0.0.1:{exp.port}"], extra_scrape={
-        "scheme": "https",
-        "tls_config": {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)},
-    })
+    prom = prometheus(
+        [f"127.0.0.1:{exp.port}"],
+        extra_scrape={
+            "scheme": "https",
+            "tls_config": {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)},
+        },
+    )
     prom.wait_for('up{job="vramwatch"} == 1', timeout=30)
     prom.wait_for("vramwatch_build_info", timeout=30)

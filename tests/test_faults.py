@@ -34,18 +34,28 @@ ALLOCATOR_CALLS = ("devices", "stats", "backend", "uuid", "limit_bytes", "snapsh
 UNKNOWN = pynvml.NVML_ERROR_UNKNOWN
 # NVML calls made on every read, and the collector whose `up` must show their failure
 RUNTIME_CALLS = {
-    "nvmlDeviceGetMemoryInfo": "nvml", "nvmlDeviceGetPowerUsage": "nvml", "nvmlDeviceGetEnforcedPowerLimit": "nvml",
-    "nvmlDeviceGetUtilizationRates": "nvml", "nvmlDeviceGetTemperatureV": "nvml", "nvmlDeviceGetClockInfo": "nvml",
-    "nvmlDeviceGetCurrentClocksEventReasons": "nvml", "nvmlDeviceGetTotalEnergyConsumption": "nvml",
-    "nvmlDeviceGetTotalEccErrors": "nvml", "nvmlDeviceGetRemappedRows": "nvml",
-    "nvmlDeviceGetPcieReplayCounter": "nvml", "nvmlDeviceGetComputeRunningProcesses": "processes",
+    "nvmlDeviceGetMemoryInfo": "nvml",
+    "nvmlDeviceGetPowerUsage": "nvml",
+    "nvmlDeviceGetEnforcedPowerLimit": "nvml",
+    "nvmlDeviceGetUtilizationRates": "nvml",
+    "nvmlDeviceGetTemperatureV": "nvml",
+    "nvmlDeviceGetClockInfo": "nvml",
+    "nvmlDeviceGetCurrentClocksEventReasons": "nvml",
+    "nvmlDeviceGetTotalEnergyConsumption": "nvml",
+    "nvmlDeviceGetTotalEccErrors": "nvml",
+    "nvmlDeviceGetRemappedRows": "nvml",
+    "nvmlDeviceGetPcieReplayCounter": "nvml",
+    "nvmlDeviceGetComputeRunningProcesses": "processes",
     "nvmlEventSetWait": "xid",
 }
 # NVML calls made when the session (re)opens, and the collectors whose `up` must show their failure
 INIT_CALLS = {
-    "nvmlInit": {"nvml", "xid", "processes"}, "nvmlDeviceGetCount": {"nvml", "xid", "processes"},
-    "nvmlDeviceGetHandleByIndex": {"nvml"}, "nvmlDeviceGetUUID": {"nvml"},
-    "nvmlDeviceGetSupportedEventTypes": {"xid"}, "nvmlDeviceRegisterEvents": {"xid"},
+    "nvmlInit": {"nvml", "xid", "processes"},
+    "nvmlDeviceGetCount": {"nvml", "xid", "processes"},
+    "nvmlDeviceGetHandleByIndex": {"nvml"},
+    "nvmlDeviceGetUUID": {"nvml"},
+    "nvmlDeviceGetSupportedEventTypes": {"xid"},
+    "nvmlDeviceRegisterEvents": {"xid"},
     "nvmlEventSetCreate": {"xid"},
 }
 # identity getters: a failure leaves that label empty (gpu_info stays) and `up` 0 until a slow-cadence
@@ -54,9 +64,16 @@ IDENTITY_CALLS = ("nvmlSystemGetDriverVersion", "nvmlDeviceGetName", "nvmlDevice
 # not called while serving: fallbacks for older drivers (only after NOT_SUPPORTED), aliases (errors are keyed
 # by the canonical name), and calls made only at shutdown
 NOT_ON_THE_READ_PATH = {
-    "nvmlDeviceGetTemperature", "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetHandleByUUID",
-    "nvmlDeviceGetIndex", "nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetPciInfo_v3",
-    "nvmlEventSetWait_v2", "nvmlInitWithFlags", "nvmlShutdown", "nvmlEventSetFree",
+    "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetCurrentClocksThrottleReasons",
+    "nvmlDeviceGetHandleByUUID",
+    "nvmlDeviceGetIndex",
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+    "nvmlDeviceGetPciInfo_v3",
+    "nvmlEventSetWait_v2",
+    "nvmlInitWithFlags",
+    "nvmlShutdown",
+    "nvmlEventSetFree",
 }
 FAST = {"nvml_interval": 0.1, "nvml_slow_interval": 0.3}
 
@@ -118,8 +135,18 @@ def _set_errors(exp: Exporter, errors: dict[str, int]) -> None:
 
 
 def _rank_in_process(exp: Exporter, faults: set[str]):
-    h = vramwatch.start(simulate=True, serve="external", spool_dir=exp.spool, port=exp.port, interval=0.05,
-                        largest_block_interval=0.05, rank=0, local_rank=0, world_size=1, hostname="faults")
+    h = vramwatch.start(
+        simulate=True,
+        serve="external",
+        spool_dir=exp.spool,
+        port=exp.port,
+        interval=0.05,
+        largest_block_interval=0.05,
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        hostname="faults",
+    )
     assert h.sim is not None
     h.sim.faults.update(faults)  # before the device exists, so nothing is cached from a good read
     h.sim.init(0)
@@ -195,8 +222,13 @@ def test_nvml_calls_failing_at_start(tmp_path):
             node = SimNode.default(1)
             node.errors = {f: UNKNOWN for f in ((fn,) if isinstance(fn, str) else fn)}
             node.save(state_path(exp.spool))
-            exp.proc = subprocess.Popen([sys.executable, "-m", "vramwatch", "serve"], env=exp.env,
-                                        stdout=exp.log, stderr=exp.log, stdin=subprocess.DEVNULL)
+            exp.proc = subprocess.Popen(
+                [sys.executable, "-m", "vramwatch", "serve"],
+                env=exp.env,
+                stdout=exp.log,
+                stderr=exp.log,
+                stdin=subprocess.DEVNULL,
+            )
             servers[fn] = exp
         for fn, exp in servers.items():
             wait_until(lambda e=exp: http_get(e.url + "/-/healthy", 1)[0] == 200, 45, f"server under {fn}")
@@ -259,12 +291,19 @@ def test_a_killed_server_is_restarted_by_a_rank_while_ranks_train(tmp_path):
     for r in range(2):
         env = base_env(spool, port, simulate=True, serve="auto", interval=0.2, linger=2, **FAST)
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", CUDA_VISIBLE_DEVICES=str(r))
-        ranks.append(subprocess.Popen([sys.executable, "-m", "vramwatch.sim.worker", "--duration", "90"], env=env,
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "vramwatch.sim.worker", "--duration", "90"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     url = f"http://127.0.0.1:{port}/metrics"
     pids: list[int] = []
     try:
+
         def both_ranks():
             code, body = http_get(url, 1)
             m = parse_metrics(body.decode()) if code == 200 else {}
@@ -278,8 +317,11 @@ def test_a_killed_server_is_restarted_by_a_rank_while_ranks_train(tmp_path):
         os.kill(first, signal.SIGKILL)
         killed = time.monotonic()
         wait_until(lambda: not _alive(first), 5, "the server to die")
-        wait_until(lambda: (_server_pid(spool) or first) != first and len(both_ranks()) == 2, 30,
-                   "a new server, started by a rank")
+        wait_until(
+            lambda: (_server_pid(spool) or first) != first and len(both_ranks()) == 2,
+            30,
+            "a new server, started by a rank",
+        )
         pids.append(_server_pid(spool))
         took = time.monotonic() - killed
         assert took < 20, f"the server came back after {took:.1f} s"
@@ -311,8 +353,11 @@ def _is_server_for(pid: int, spool: str) -> bool:
 def test_a_sigkilled_rank_leaves_no_series_behind(server):
     ranks = {r: start_sim_rank(server, r, "--duration", "60", world_size=3) for r in (3, 4, 5)}
     try:
-        wait_until(lambda: {"3", "4", "5"} <= {lab["rank"] for lab, _ in
-                                              server.metrics().get("vramwatch_rank_info", [])}, 20, "three ranks")
+        wait_until(
+            lambda: {"3", "4", "5"} <= {lab["rank"] for lab, _ in server.metrics().get("vramwatch_rank_info", [])},
+            20,
+            "three ranks",
+        )
         os.kill(ranks[4].pid, signal.SIGKILL)
         ranks[4].wait(5)
 
@@ -354,8 +399,18 @@ def test_a_broken_snapshot_directory_leaves_training_untouched(server, baseline,
         _enospc_links(snaps)
     elif case == "over-cap":
         extra["oom_snapshot_max_bytes"] = 64
-    h = vramwatch.start(simulate=True, serve="external", spool_dir=server.spool, port=server.port, interval=0.05,
-                        rank=0, local_rank=0, world_size=1, oom_snapshot_dir=str(snaps), **extra)
+    h = vramwatch.start(
+        simulate=True,
+        serve="external",
+        spool_dir=server.spool,
+        port=server.port,
+        interval=0.05,
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        oom_snapshot_dir=str(snaps),
+        **extra,
+    )
     try:
         if case == "reported-full":
             h.oom.disk_usage = lambda d: type("U", (), {"total": 1 << 40, "free": 0})()
@@ -373,14 +428,21 @@ def test_a_broken_snapshot_directory_leaves_training_untouched(server, baseline,
 
         assert train(on_step=on_step) == baseline
         assert ooms == 60 and h.oom.count == 60 and h.oom.snapshots == 0
-        wait_until(lambda: any(v == 60 for _, v in server.metrics().get("torch_cuda_memory_ooms_total", [])), 10,
-                   "all 60 OOMs counted at the server")
+        wait_until(
+            lambda: any(v == 60 for _, v in server.metrics().get("torch_cuda_memory_ooms_total", [])),
+            10,
+            "all 60 OOMs counted at the server",
+        )
         assert not server.metrics().get("vramwatch_oom_snapshot_info")
         left = [p for p in (os.listdir(snaps) if snaps.is_dir() else []) if not os.path.islink(snaps / p)]
         assert not left, f"no snapshot, no partial file: {left}"
         assert oom.snapshot_files(str(snaps)) == []
-        why = {"unwritable": "cannot write OOM snapshots", "reported-full": "nearly full",
-               "enospc": "No space left on device", "over-cap": "larger than"}[case]
+        why = {
+            "unwritable": "cannot write OOM snapshots",
+            "reported-full": "nearly full",
+            "enospc": "No space left on device",
+            "over-cap": "larger than",
+        }[case]
         assert why in caplog.text
     finally:
         vramwatch.stop()

@@ -25,14 +25,56 @@ KEYS = sorted(k for k in FIELDS if k not in ("config_file", "web_config_file"))
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # text that parsers like to trip on
-TRICKY = st.sampled_from(["", " ", "0", "1", "-1", "+5", " 7 ", "1e3", "1.5", "0x10", "1_000", "٣", "nan",
-                          "inf", "-inf", "true", "True", "yes", "off", "None", "null", "[]", "{}", "9" * 5000,
-                          "0.0.0.0", "::", "localhost", "a" * 300, "\u202e", "\x00", "é", "DEBUG", "auto"])
+TRICKY = st.sampled_from(
+    [
+        "",
+        " ",
+        "0",
+        "1",
+        "-1",
+        "+5",
+        " 7 ",
+        "1e3",
+        "1.5",
+        "0x10",
+        "1_000",
+        "٣",
+        "nan",
+        "inf",
+        "-inf",
+        "true",
+        "True",
+        "yes",
+        "off",
+        "None",
+        "null",
+        "[]",
+        "{}",
+        "9" * 5000,
+        "0.0.0.0",
+        "::",
+        "localhost",
+        "a" * 300,
+        "\u202e",
+        "\x00",
+        "é",
+        "DEBUG",
+        "auto",
+    ]
+)
 VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=30), TRICKY,
-    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
-    st.binary(max_size=8), st.tuples(st.integers()), st.just(object()), st.just(b"\xff"),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=30),
+    TRICKY,
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    st.binary(max_size=8),
+    st.tuples(st.integers()),
+    st.just(object()),
+    st.just(b"\xff"),
 )
 ENV_TEXT = st.one_of(TRICKY, st.text(alphabet=st.characters(blacklist_characters="\x00"), max_size=30))
 
@@ -96,8 +138,11 @@ def test_env(values):
 
 
 @FUZZ
-@given(st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789", min_size=1, max_size=12)
-       .filter(lambda k: k.lower() not in FIELDS))
+@given(
+    st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789", min_size=1, max_size=12).filter(
+        lambda k: k.lower() not in FIELDS
+    )
+)
 def test_unknown_env_variables(name):
     with pytest.raises(ConfigError) as e:
         config.load({}, env={"VRAMWATCH_" + name: "1"})
@@ -108,7 +153,8 @@ def test_unknown_env_variables(name):
 YAML_VALUES = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20), TRICKY),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=6)
+    max_leaves=6,
+)
 
 
 def _yaml_file(text: str | bytes) -> str:
@@ -162,22 +208,31 @@ def test_web_config_file_paths():
         _one_clear_line(e.value, "web_config_file")
 
 
-@pytest.mark.parametrize(("args", "env", "expect"), [
-    (["--port", "70000"], {}, "invalid setting port='70000' (from argument): must be 1-65535"),
-    ([], {"VRAMWATCH_INTERVAL": "-1"}, "invalid setting interval='-1' (from VRAMWATCH_INTERVAL): must be > 0"),
-    ([], {"VRAMWATCH_NOPE": "1"}, "unknown setting 'nope' (from VRAMWATCH_NOPE)"),
-    (["--host", "not a host!"], {}, "invalid setting host='not a host!' (from argument)"),
-    (["--config-file", "{yaml}"], {}, "not YAML"),
-    (["--web.config.file", "/nonexistent/web.yml"], {}, "invalid setting web_config_file="),
-])
+@pytest.mark.parametrize(
+    ("args", "env", "expect"),
+    [
+        (["--port", "70000"], {}, "invalid setting port='70000' (from argument): must be 1-65535"),
+        ([], {"VRAMWATCH_INTERVAL": "-1"}, "invalid setting interval='-1' (from VRAMWATCH_INTERVAL): must be > 0"),
+        ([], {"VRAMWATCH_NOPE": "1"}, "unknown setting 'nope' (from VRAMWATCH_NOPE)"),
+        (["--host", "not a host!"], {}, "invalid setting host='not a host!' (from argument)"),
+        (["--config-file", "{yaml}"], {}, "not YAML"),
+        (["--web.config.file", "/nonexistent/web.yml"], {}, "invalid setting web_config_file="),
+    ],
+)
 def test_serve_exits_2_with_the_message_and_no_traceback(tmp_path, args, env, expect):
     bad = tmp_path / "bad.yml"
     bad.write_text("port: [unclosed\n")
     args = [a.replace("{yaml}", str(bad)) for a in args]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     full_env.update(env, VRAMWATCH_SPOOL_DIR=str(tmp_path / "spool"), VRAMWATCH_PORT=str(free_port()))
-    r = subprocess.run([sys.executable, "-m", "vramwatch", "serve", *args], env=full_env, capture_output=True,
-                       text=True, timeout=60, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "vramwatch", "serve", *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

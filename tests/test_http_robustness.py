@@ -138,8 +138,12 @@ def test_malformed_requests_get_a_clean_answer(server, payload):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.binary(max_size=512) | st.builds(lambda a, b: b"GET " + a + b" HTTP/1.0\r\n" + b + b"\r\n\r\n",
-                                          st.binary(max_size=64), st.binary(max_size=256)))
+@given(
+    st.binary(max_size=512)
+    | st.builds(
+        lambda a, b: b"GET " + a + b" HTTP/1.0\r\n" + b + b"\r\n\r\n", st.binary(max_size=64), st.binary(max_size=256)
+    )
+)
 def test_fuzzed_requests_never_break_the_server(server, payload):
     check_response(exchange(server, payload, timeout=TIMEOUT + 3, half_close=True))
     assert scrape(server) == 200

@@ -60,8 +60,7 @@ def test_reclaims_between_steps_above_the_threshold_and_counts_them(start, expor
     wait_until(lambda: _values(h).get(RECLAIMS) == 1.0, 5, "one reclaim in the sample")
 
     def scraped():
-        return [v for lab, v in exp.metrics().get("torch_cuda_memory_cache_reclaims_total", [])
-                if lab["device"] == "0"]
+        return [v for lab, v in exp.metrics().get("torch_cuda_memory_cache_reclaims_total", []) if lab["device"] == "0"]
 
     wait_until(lambda: scraped() == [1.0], 10, "the reclaim counter in a scrape")
     time.sleep(0.3)
@@ -120,9 +119,14 @@ def test_a_failing_empty_cache_turns_hygiene_off_without_raising():
         raise RuntimeError("CUDA error: an illegal memory access")
 
     hy = Hygiene({}, 0.5, broken)
-    dev = {"device": 0, "values": {"torch_cuda_memory_limit_bytes": 10.0 * GIB,
-                                   "torch_cuda_memory_reserved_bytes": 8.0 * GIB,
-                                   "torch_cuda_memory_allocated_bytes": 1.0 * GIB}}
+    dev = {
+        "device": 0,
+        "values": {
+            "torch_cuda_memory_limit_bytes": 10.0 * GIB,
+            "torch_cuda_memory_reserved_bytes": 8.0 * GIB,
+            "torch_cuda_memory_allocated_bytes": 1.0 * GIB,
+        },
+    }
     hy.on_sample([dev])
     hy.on_step()
     hy.on_sample([dev])

@@ -7,8 +7,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never reach the Hub
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-import pytest  # noqa: E402
-from harness import wait_until  # noqa: E402
+import pytest
+from harness import wait_until
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -32,22 +32,33 @@ class TinyLM(torch.utils.data.Dataset):
 
 def tiny_model():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
-                                  eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def tiny_args(tmp_path, **kw):
     kw.setdefault("max_steps", 8)
     return transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-        dataloader_num_workers=0, **kw)
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        **kw,
+    )
 
 
 def train(tmp_path, callbacks):
-    trainer = transformers.Trainer(model=tiny_model(), args=tiny_args(tmp_path), train_dataset=TinyLM(),
-                                   callbacks=callbacks)
+    trainer = transformers.Trainer(
+        model=tiny_model(), args=tiny_args(tmp_path), train_dataset=TinyLM(), callbacks=callbacks
+    )
     trainer.train()
     return trainer
 
@@ -72,11 +83,15 @@ class Probe(transformers.TrainerCallback):
         if state.global_step != self.at_step:
             return
         exp, n = self.exp, self.at_step
-        wait_until(lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)], 15,
-                   f"{n} optimiser steps in the scrape")
+        wait_until(
+            lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
+            15,
+            f"{n} optimiser steps in the scrape",
+        )
         loss, gnorm = self.logged[-1]  # logged after the previous step's on_step_end
-        wait_until(lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss)], 10,
-                   "the logged loss")
+        wait_until(
+            lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss)], 10, "the logged loss"
+        )
         self.seen = {
             "grad_norm": series(exp, "vramwatch_training_grad_norm", rank=0),
             "rank_info": [lab for lab, _ in exp.metrics().get("vramwatch_rank_info", [])],
@@ -108,8 +123,10 @@ def test_the_callback_does_not_change_training(tmp_path):
     from vramwatch.integrations.hf import VramwatchCallback
 
     spool = str(tmp_path / "spool")
-    with_cb = train(tmp_path / "a", [VramwatchCallback(simulate=True, serve="external", spool_dir=spool,
-                                                       interval=0.05, status_every=2)])
+    with_cb = train(
+        tmp_path / "a",
+        [VramwatchCallback(simulate=True, serve="external", spool_dir=spool, interval=0.05, status_every=2)],
+    )
     without = train(tmp_path / "b", [])
     losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (with_cb, without)]
     assert len(losses[0]) == 8 and losses[0] == losses[1]
@@ -141,8 +158,7 @@ def test_rank_precedence_explicit_then_framework_then_launcher():
     assert framework_settings({}, 2, 1, 4, env=env) == {"rank": 2, "local_rank": 1, "world_size": 4}
     # an explicit setting (argument or VRAMWATCH_*) wins over the framework
     assert framework_settings({"rank": 5}, 2, 1, 4, env=env) == {"rank": 5, "local_rank": 1, "world_size": 4}
-    assert framework_settings({}, 2, None, 4, env={**env, "VRAMWATCH_LOCAL_RANK": "0"}) == {"rank": 2,
-                                                                                             "world_size": 4}
+    assert framework_settings({}, 2, None, 4, env={**env, "VRAMWATCH_LOCAL_RANK": "0"}) == {"rank": 2, "world_size": 4}
     # no framework value: nothing is set, and the launcher's environment decides at start()
     assert framework_settings({}, None, None, None, env=env) == {}
     from vramwatch.launcher import identify

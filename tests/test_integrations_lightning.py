@@ -43,9 +43,18 @@ class Tiny(L.LightningModule):
 
 
 def trainer(callbacks, max_steps=6):
-    return L.Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1,
-                     callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, deterministic=True)
+    return L.Trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
 
 
 def series(exp, name, **labels):
@@ -61,14 +70,23 @@ class Probe(L.Callback):
         if trainer.global_step != self.at_step or self.seen is not None:
             return
         exp, n = self.exp, self.at_step
-        wait_until(lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)], 15,
-                   f"{n} optimiser steps in the scrape")
+        wait_until(
+            lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
+            15,
+            f"{n} optimiser steps in the scrape",
+        )
         loss = float(outputs["loss"])
-        wait_until(lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss, rel=1e-5)], 10,
-                   "this step's loss")
+        wait_until(
+            lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss, rel=1e-5)],
+            10,
+            "this step's loss",
+        )
         gn = float(trainer.callback_metrics["grad_2.0_norm_total"])
-        wait_until(lambda: series(exp, "vramwatch_training_grad_norm", rank=0) == [pytest.approx(gn, rel=1e-5)], 10,
-                   "the logged grad norm")
+        wait_until(
+            lambda: series(exp, "vramwatch_training_grad_norm", rank=0) == [pytest.approx(gn, rel=1e-5)],
+            10,
+            "the logged grad norm",
+        )
         self.seen = {"rank_info": [lab for lab, _ in exp.metrics().get("vramwatch_rank_info", [])]}
 
 
@@ -92,8 +110,18 @@ def test_the_callback_does_not_change_training(tmp_path):
     from vramwatch.integrations.lightning import VramwatchCallback
 
     a, b = Tiny(), Tiny()
-    trainer([VramwatchCallback(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05,
-                               status_every=2, reclaim_threshold=0.9)]).fit(a)
+    trainer(
+        [
+            VramwatchCallback(
+                simulate=True,
+                serve="external",
+                spool_dir=str(tmp_path / "spool"),
+                interval=0.05,
+                status_every=2,
+                reclaim_threshold=0.9,
+            )
+        ]
+    ).fit(a)
     trainer([]).fit(b)
     assert len(a.losses) == 12 and a.losses == b.losses
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
@@ -102,9 +130,11 @@ def test_the_callback_does_not_change_training(tmp_path):
 
 def test_pytorch_lightning_name_gets_its_own_base_class():
     pytest.importorskip("pytorch_lightning")
-    code = ("import pytorch_lightning, sys\n"
-            "from vramwatch.integrations.lightning import VramwatchCallback\n"
-            "assert issubclass(VramwatchCallback, pytorch_lightning.Callback), VramwatchCallback.__mro__\n")
+    code = (
+        "import pytorch_lightning, sys\n"
+        "from vramwatch.integrations.lightning import VramwatchCallback\n"
+        "assert issubclass(VramwatchCallback, pytorch_lightning.Callback), VramwatchCallback.__mro__\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -20,8 +20,11 @@ def series(exp, name, **labels):
 
 
 def buckets(exp, rank):
-    rows = [(lab["le"], v) for lab, v in exp.metrics().get("vramwatch_training_step_duration_seconds_bucket", [])
-            if lab.get("rank") == str(rank)]
+    rows = [
+        (lab["le"], v)
+        for lab, v in exp.metrics().get("vramwatch_training_step_duration_seconds_bucket", [])
+        if lab.get("rank") == str(rank)
+    ]
     return {le: v for le, v in rows}
 
 
@@ -40,8 +43,11 @@ def test_loop_track_and_context_manager_through_a_scrape(rank_settings):
             vramwatch.step(loss=1.0 / (i + 1), grad_norm=2.5)
         for _ in vramwatch.track(range(5)):
             time.sleep(0.003)
-        wait_until(lambda: series(exp, "vramwatch_training_steps_total", rank=2, local_rank=1) == [10.0], 10,
-                   "ten steps in the scrape")
+        wait_until(
+            lambda: series(exp, "vramwatch_training_steps_total", rank=2, local_rank=1) == [10.0],
+            10,
+            "ten steps in the scrape",
+        )
         assert series(exp, "vramwatch_training_loss", rank=2) == [pytest.approx(0.2)]  # the newest step's
         assert series(exp, "vramwatch_training_grad_norm", rank=2) == [2.5]
         (last,) = series(exp, "vramwatch_training_last_step_timestamp_seconds", rank=2, local_rank=1)
@@ -91,9 +97,11 @@ def test_step_stays_cheap_with_status_and_hygiene_on(rank_settings, capsys):
 
 
 def test_importing_vramwatch_and_its_integrations_imports_no_framework():
-    code = ("import sys, vramwatch, vramwatch.integrations, vramwatch.integrations.oom, "
-            "vramwatch.integrations.status, vramwatch.integrations.hygiene; "
-            "print(','.join(m for m in ('torch', 'transformers', 'lightning', 'pytorch_lightning', 'accelerate', "
-            "'tqdm') if m in sys.modules))")
+    code = (
+        "import sys, vramwatch, vramwatch.integrations, vramwatch.integrations.oom, "
+        "vramwatch.integrations.status, vramwatch.integrations.hygiene; "
+        "print(','.join(m for m in ('torch', 'transformers', 'lightning', 'pytorch_lightning', 'accelerate', "
+        "'tqdm') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""

@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 
 pytestmark = pytest.mark.e2e
 
-SITECUSTOMIZE = r'''
+SITECUSTOMIZE = r"""
 import json, os, sys
 _fd = os.open(os.path.join(os.environ["AUDIT_DIR"], f"audit-{os.getpid()}.jsonl"),
               os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -54,9 +54,9 @@ def _hook(event, args):
             os.write(_fd, (json.dumps({"pid": os.getpid(), "event": event, "path": p}) + "\n").encode())
 
 sys.addaudithook(_hook)
-'''
+"""
 
-JOB = r'''
+JOB = r"""
 import os, sys, time
 import torch
 
@@ -94,7 +94,7 @@ with open(os.path.join(out, "train.log"), "w") as log:
     log.write("done\n")
 if mode == "on":
     vramwatch.stop()
-'''
+"""
 
 
 def _run(tmp: Path, mode: str) -> dict:
@@ -107,21 +107,41 @@ def _run(tmp: Path, mode: str) -> dict:
     job = dirs["site"] / "job.py"
     job.write_text(JOB)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VRAMWATCH_", "PYTHON"))}
-    env.update(HOME=str(dirs["home"]), TMPDIR=str(dirs["tmp"]), AUDIT_DIR=str(dirs["audit"]),
-               PYTHONPATH=os.pathsep.join([str(dirs["site"]), str(Path(__file__).resolve().parent.parent)]),
-               PYTHONDONTWRITEBYTECODE="1", XDG_CACHE_HOME=str(dirs["home"] / ".cache"))
+    env.update(
+        HOME=str(dirs["home"]),
+        TMPDIR=str(dirs["tmp"]),
+        AUDIT_DIR=str(dirs["audit"]),
+        PYTHONPATH=os.pathsep.join([str(dirs["site"]), str(Path(__file__).resolve().parent.parent)]),
+        PYTHONDONTWRITEBYTECODE="1",
+        XDG_CACHE_HOME=str(dirs["home"] / ".cache"),
+    )
     port = free_port()
     if mode == "on":
-        env.update(VRAMWATCH_SIMULATE="true", VRAMWATCH_SPOOL_DIR=str(dirs["spool"]), VRAMWATCH_PORT=str(port),
-                   VRAMWATCH_INTERVAL="0.1", VRAMWATCH_LINGER="0.5", VRAMWATCH_OOM_SNAPSHOT_DIR=str(dirs["snaps"]),
-                   VRAMWATCH_SERVE="auto")
-    r = subprocess.run([sys.executable, str(job), mode, str(dirs["out"])], cwd=dirs["cwd"], env=env,
-                       capture_output=True, text=True, timeout=180)
+        env.update(
+            VRAMWATCH_SIMULATE="true",
+            VRAMWATCH_SPOOL_DIR=str(dirs["spool"]),
+            VRAMWATCH_PORT=str(port),
+            VRAMWATCH_INTERVAL="0.1",
+            VRAMWATCH_LINGER="0.5",
+            VRAMWATCH_OOM_SNAPSHOT_DIR=str(dirs["snaps"]),
+            VRAMWATCH_SERVE="auto",
+        )
+    r = subprocess.run(
+        [sys.executable, str(job), mode, str(dirs["out"])],
+        cwd=dirs["cwd"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr
     if mode == "on":
         # the rank-started server exits on its own once the rank is gone; wait, so all its writes are in
-        wait_until(lambda: not os.path.exists(dirs["spool"] / "server.json") and _servers_gone(dirs["audit"]),
-                   30, "the rank-started server to exit")
+        wait_until(
+            lambda: not os.path.exists(dirs["spool"] / "server.json") and _servers_gone(dirs["audit"]),
+            30,
+            "the rank-started server to exit",
+        )
     events = []
     for f in dirs["audit"].iterdir():
         events += [json.loads(line) for line in f.read_text().splitlines()]
@@ -158,8 +178,12 @@ def test_outputs_identical_and_vramwatch_writes_only_its_own_directories(tmp_pat
     on = _run(tmp_path, "on")
     # the job's outputs, byte for byte
     out_off, out_on = _tree(off["dirs"]["out"]), _tree(on["dirs"]["out"])
-    assert sorted(out_off) == ["checkpoints/step-20.pt", "checkpoints/step-40.pt", "checkpoints/step-60.pt",
-                               "train.log"]
+    assert sorted(out_off) == [
+        "checkpoints/step-20.pt",
+        "checkpoints/step-40.pt",
+        "checkpoints/step-60.pt",
+        "train.log",
+    ]
     assert out_on.keys() == out_off.keys()
     for name in out_off:
         assert out_on[name] == out_off[name], f"{name} differs with vramwatch"
@@ -172,9 +196,16 @@ def test_outputs_identical_and_vramwatch_writes_only_its_own_directories(tmp_pat
     allowed = (str(on["dirs"]["spool"]) + os.sep, str(on["dirs"]["snaps"]) + os.sep)
     made = {str(on["dirs"]["spool"]), str(on["dirs"]["snaps"])}  # the directories themselves
     baseline = {_relative(e["path"], off) for e in off["events"]}
-    stray = sorted({e["path"] for e in on["events"]
-                    if _relative(e["path"], on) not in baseline and not e["path"].startswith(allowed)
-                    and e["path"] not in made and e["path"] != os.devnull})
+    stray = sorted(
+        {
+            e["path"]
+            for e in on["events"]
+            if _relative(e["path"], on) not in baseline
+            and not e["path"].startswith(allowed)
+            and e["path"] not in made
+            and e["path"] != os.devnull
+        }
+    )
     assert not stray, f"vramwatch wrote outside its directories: {stray}"
     # and it did use them: samples in the spool, the OOM's snapshot in the snapshot directory
     wrote = {e["path"] for e in on["events"]}
@@ -200,9 +231,30 @@ def test_the_default_spool_dir_is_private(tmp_path):
         os.umask(old)
 
 
-LABEL_NAMES = {"uuid", "gpu", "device", "rank", "local_rank", "hostname", "world_size", "collector", "name",
-               "driver_version", "pci_bus_id", "mig_mode", "reason", "type", "kind", "xid", "version", "path",
-               "backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb"}
+LABEL_NAMES = {
+    "uuid",
+    "gpu",
+    "device",
+    "rank",
+    "local_rank",
+    "hostname",
+    "world_size",
+    "collector",
+    "name",
+    "driver_version",
+    "pci_bus_id",
+    "mig_mode",
+    "reason",
+    "type",
+    "kind",
+    "xid",
+    "version",
+    "path",
+    "backend",
+    "expandable_segments",
+    "garbage_collection_threshold",
+    "max_split_size_mb",
+}
 
 
 def test_no_label_can_carry_a_process_name_command_line_or_pid():
@@ -230,12 +282,16 @@ def test_process_names_command_lines_and_environment_never_reach_a_scrape(export
         node = exp.node()
         node.add_foreign(0, foreign.pid, 3 << 30)
         exp.save_node(node)
-        wait_until(lambda: any(v == 1 for _, v in exp.metrics().get("gpu_foreign_processes", [])), 20,
-                   "the foreign process counted")
+        wait_until(
+            lambda: any(v == 1 for _, v in exp.metrics().get("gpu_foreign_processes", [])),
+            20,
+            "the foreign process counted",
+        )
         text = exp.scrape()
         assert marker not in text
-        assert str(foreign.pid) not in {v for fam in exp.metrics().values() for labels, _ in fam
-                                        for v in labels.values()}
+        assert str(foreign.pid) not in {
+            v for fam in exp.metrics().values() for labels, _ in fam for v in labels.values()
+        }
         assert "pid=" not in text
     finally:
         stop_proc(rank)

@@ -34,9 +34,11 @@ class Counting:
     def __getattr__(self, name: str) -> Any:
         v = getattr(self.nv, name)
         if callable(v) and name.startswith("nvml"):
+
             def call(*a: Any, **k: Any) -> Any:
                 self.calls[name] += 1
                 return v(*a, **k)
+
             return call
         return v
 
@@ -87,9 +89,15 @@ class Rig:
         return None
 
     def rank(self, rank: int, pid: int, gpu: int, reserved: int) -> None:
-        data = {"rank": rank, "pid": pid, "time": time.time(), "heartbeat": {"steps": 7},
-                "devices": [{"device": 0, "uuid": self.node.gpu(gpu).uuid,
-                             "values": {"torch_cuda_memory_reserved_bytes": reserved}}]}
+        data = {
+            "rank": rank,
+            "pid": pid,
+            "time": time.time(),
+            "heartbeat": {"steps": 7},
+            "devices": [
+                {"device": 0, "uuid": self.node.gpu(gpu).uuid, "values": {"torch_cuda_memory_reserved_bytes": reserved}}
+            ],
+        }
         self.samples.append(RankSample(rank, pid, data, time.time()))
 
 
@@ -117,14 +125,25 @@ def test_every_device_family_in_base_units(rig):
     assert len(throttled) == len(THROTTLE_REASONS) == 11  # one series per reason, always
     assert {r for r, val in throttled.items() if val == 1.0} == {"sw_power_cap", "hw_thermal_slowdown"}
     assert v("gpu_ecc_errors_total", type="corrected") == 5 and v("gpu_ecc_errors_total", type="uncorrected") == 1
-    assert [v("gpu_remapped_rows", kind=k) for k in ("correctable", "uncorrectable", "pending", "failure")] == \
-        [1, 2, 1, 0]
+    assert [v("gpu_remapped_rows", kind=k) for k in ("correctable", "uncorrectable", "pending", "failure")] == [
+        1,
+        2,
+        1,
+        0,
+    ]
     assert v("gpu_pcie_replays_total") == 3
     total, used, free = v("gpu_memory_total_bytes"), v("gpu_memory_used_bytes"), v("gpu_memory_free_bytes")
     assert total == g.total_bytes and total == used + free + v("gpu_memory_reserved_bytes")
     info = [lab for lab, _ in rig.metrics()["gpu_info"] if lab["gpu"] == "0"][0]
-    assert info == {"gpu": "0", "uuid": g.uuid, "name": g.name, "driver_version": rig.node.driver_version,
-                    "pci_bus_id": g.pci_bus_id, "hostname": "node-a", "mig_mode": "disabled"}
+    assert info == {
+        "gpu": "0",
+        "uuid": g.uuid,
+        "name": g.name,
+        "driver_version": rig.node.driver_version,
+        "pci_bus_id": g.pci_bus_id,
+        "hostname": "node-a",
+        "mig_mode": "disabled",
+    }
     assert v("gpu_up") == 1.0 and rig.nvml.health.up == 1
     exposed = contract.exposed_names(rig.metrics())
     assert exposed <= set(contract.BY_NAME)
@@ -163,18 +182,31 @@ def test_a_scrape_never_calls_nvml(rig):
 
 # --- one NVML call site at a time, every error kind ---
 SITES = {  # field -> the NVML function it calls first
-    "memory": "nvmlDeviceGetMemoryInfo", "power": "nvmlDeviceGetPowerUsage",
-    "power_limit": "nvmlDeviceGetEnforcedPowerLimit", "utilization": "nvmlDeviceGetUtilizationRates",
-    "temperature": "nvmlDeviceGetTemperatureV", "sm_clock": "nvmlDeviceGetClockInfo",
-    "memory_clock": "nvmlDeviceGetClockInfo", "throttle": "nvmlDeviceGetCurrentClocksEventReasons",
-    "energy": "nvmlDeviceGetTotalEnergyConsumption", "ecc": "nvmlDeviceGetTotalEccErrors",
-    "remapped_rows": "nvmlDeviceGetRemappedRows", "pcie_replays": "nvmlDeviceGetPcieReplayCounter",
+    "memory": "nvmlDeviceGetMemoryInfo",
+    "power": "nvmlDeviceGetPowerUsage",
+    "power_limit": "nvmlDeviceGetEnforcedPowerLimit",
+    "utilization": "nvmlDeviceGetUtilizationRates",
+    "temperature": "nvmlDeviceGetTemperatureV",
+    "sm_clock": "nvmlDeviceGetClockInfo",
+    "memory_clock": "nvmlDeviceGetClockInfo",
+    "throttle": "nvmlDeviceGetCurrentClocksEventReasons",
+    "energy": "nvmlDeviceGetTotalEnergyConsumption",
+    "ecc": "nvmlDeviceGetTotalEccErrors",
+    "remapped_rows": "nvmlDeviceGetRemappedRows",
+    "pcie_replays": "nvmlDeviceGetPcieReplayCounter",
 }
 FAMILY = {  # field -> one family it fills
-    "memory": "gpu_memory_used_bytes", "power": "gpu_power_watts", "power_limit": "gpu_power_limit_watts",
-    "utilization": "gpu_utilization_ratio", "temperature": "gpu_temperature_celsius",
-    "sm_clock": "gpu_sm_clock_hertz", "memory_clock": "gpu_memory_clock_hertz", "throttle": "gpu_clock_throttle",
-    "energy": "gpu_energy_joules_total", "ecc": "gpu_ecc_errors_total", "remapped_rows": "gpu_remapped_rows",
+    "memory": "gpu_memory_used_bytes",
+    "power": "gpu_power_watts",
+    "power_limit": "gpu_power_limit_watts",
+    "utilization": "gpu_utilization_ratio",
+    "temperature": "gpu_temperature_celsius",
+    "sm_clock": "gpu_sm_clock_hertz",
+    "memory_clock": "gpu_memory_clock_hertz",
+    "throttle": "gpu_clock_throttle",
+    "energy": "gpu_energy_joules_total",
+    "ecc": "gpu_ecc_errors_total",
+    "remapped_rows": "gpu_remapped_rows",
     "pcie_replays": "gpu_pcie_replays_total",
 }
 FALLBACK = {"temperature", "throttle"}  # a deprecated twin under another name still answers
@@ -244,8 +276,9 @@ def test_transient_errors_fail_the_read_and_recover(tmp_path, field, code):
 
 
 @pytest.mark.parametrize("field", sorted(SITES))
-@pytest.mark.parametrize("code", [E.NVML_ERROR_UNINITIALIZED, E.NVML_ERROR_DRIVER_NOT_LOADED,
-                                  E.NVML_ERROR_LIBRARY_NOT_FOUND])
+@pytest.mark.parametrize(
+    "code", [E.NVML_ERROR_UNINITIALIZED, E.NVML_ERROR_DRIVER_NOT_LOADED, E.NVML_ERROR_LIBRARY_NOT_FOUND]
+)
 def test_nvml_gone_under_a_read_reinitialises_with_backoff(tmp_path, field, code):
     rig = Rig(tmp_path)
     rig.poll(0)
@@ -262,8 +295,16 @@ def test_nvml_gone_under_a_read_reinitialises_with_backoff(tmp_path, field, code
     assert rig.nvml.health.up == 1 and rig.value("gpu_up", gpu=0) == 1.0
 
 
-@pytest.mark.parametrize("code", [E.NVML_ERROR_LIBRARY_NOT_FOUND, E.NVML_ERROR_DRIVER_NOT_LOADED,
-                                  E.NVML_ERROR_NO_PERMISSION, E.NVML_ERROR_UNKNOWN, E.NVML_ERROR_TIMEOUT])
+@pytest.mark.parametrize(
+    "code",
+    [
+        E.NVML_ERROR_LIBRARY_NOT_FOUND,
+        E.NVML_ERROR_DRIVER_NOT_LOADED,
+        E.NVML_ERROR_NO_PERMISSION,
+        E.NVML_ERROR_UNKNOWN,
+        E.NVML_ERROR_TIMEOUT,
+    ],
+)
 def test_init_failure_is_logged_once_and_retried_with_backoff(tmp_path, caplog, code):
     caplog.set_level(logging.INFO, "vramwatch")
     rig = Rig(tmp_path)
@@ -347,8 +388,10 @@ def test_mig_mode_is_labelled_not_a_crash(tmp_path):
     rig.poll(10.0)
     info = {lab["gpu"]: lab["mig_mode"] for lab, _ in rig.metrics()["gpu_info"]}
     assert info == {"0": "enabled", "1": "disabled"}
-    assert rig.value("gpu_utilization_ratio", gpu=0) is None and rig.value("gpu_remapped_rows", gpu=0,
-                                                                          kind="pending") is None
+    assert (
+        rig.value("gpu_utilization_ratio", gpu=0) is None
+        and rig.value("gpu_remapped_rows", gpu=0, kind="pending") is None
+    )
     assert rig.value("gpu_power_watts", gpu=0) == 120.0 and rig.nvml.health.up == 1
 
 
@@ -400,9 +443,17 @@ def test_foreign_fallback_when_pid_namespaces_differ():
     assert foreign(procs, {1}, []) == list(procs)  # no rank on this GPU: all foreign
 
 
-@pytest.mark.parametrize("code,up", [(E.NVML_ERROR_NOT_SUPPORTED, 1), (E.NVML_ERROR_NO_PERMISSION, 1),
-                                     (E.NVML_ERROR_TIMEOUT, 0), (E.NVML_ERROR_UNKNOWN, 0),
-                                     (E.NVML_ERROR_GPU_IS_LOST, 0), (E.NVML_ERROR_UNINITIALIZED, 0)])
+@pytest.mark.parametrize(
+    "code,up",
+    [
+        (E.NVML_ERROR_NOT_SUPPORTED, 1),
+        (E.NVML_ERROR_NO_PERMISSION, 1),
+        (E.NVML_ERROR_TIMEOUT, 0),
+        (E.NVML_ERROR_UNKNOWN, 0),
+        (E.NVML_ERROR_GPU_IS_LOST, 0),
+        (E.NVML_ERROR_UNINITIALIZED, 0),
+    ],
+)
 def test_process_listing_errors(tmp_path, code, up):
     rig = Rig(tmp_path)
     rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", code, gpu=1)

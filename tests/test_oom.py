@@ -36,8 +36,16 @@ def test_an_oom_is_counted_published_at_once_and_snapshotted(exporter, tmp_path)
     exp = exporter().start()
     snaps = tmp_path / "snaps"
     # a long interval: the OOM must reach the scrape through the early publish, not the next tick
-    with vramwatch.start(simulate=True, serve="external", spool_dir=exp.spool, port=exp.port, interval=30,
-                         oom_snapshot_dir=str(snaps), rank=1, world_size=2) as h:
+    with vramwatch.start(
+        simulate=True,
+        serve="external",
+        spool_dir=exp.spool,
+        port=exp.port,
+        interval=30,
+        oom_snapshot_dir=str(snaps),
+        rank=1,
+        world_size=2,
+    ) as h:
         sim = h.sim
         sim.init(0)
         sim.set_memory_fraction(8 * GIB / sim._dev(0).total)
@@ -54,8 +62,11 @@ def test_an_oom_is_counted_published_at_once_and_snapshotted(exporter, tmp_path)
         def scraped(name):
             return [(lab, v) for lab, v in exp.metrics().get(name, []) if lab.get("rank") == "1"]
 
-        wait_until(lambda: [v for _, v in scraped("torch_cuda_memory_ooms_total")] == [1.0], 5,
-                   "the OOM counter in a scrape within seconds of a 30 s interval")
+        wait_until(
+            lambda: [v for _, v in scraped("torch_cuda_memory_ooms_total")] == [1.0],
+            5,
+            "the OOM counter in a scrape within seconds of a 30 s interval",
+        )
         assert [v for _, v in scraped("torch_cuda_memory_last_oom_requested_bytes")] == [4.0 * GIB]
         (free,) = [v for _, v in scraped("torch_cuda_memory_last_oom_free_bytes")]
         assert free == pytest.approx(2 * GIB, rel=1e-3)  # budget 8 GiB minus 6 GiB reserved
@@ -120,8 +131,13 @@ def test_one_snapshot_per_interval_however_many_ooms(tmp_path):
 def test_unwritable_directory_leaves_training_untouched(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with vramwatch.start(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05,
-                         oom_snapshot_dir=str(blocker / "snaps")) as h:
+    with vramwatch.start(
+        simulate=True,
+        serve="external",
+        spool_dir=str(tmp_path / "spool"),
+        interval=0.05,
+        oom_snapshot_dir=str(blocker / "snaps"),
+    ) as h:
         sim = h.sim
         sim.init(0)
         sim.set_memory_fraction(8 * GIB / sim._dev(0).total)

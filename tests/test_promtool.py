@@ -64,8 +64,13 @@ def test_promtool_check_rules(rules_dir, name):
 def test_promtool_checks_the_shipped_file_and_rules_of_a_custom_selector(tmp_path):
     r = _promtool("check", "rules", str(ROOT / "deploy" / "prometheus" / "rules" / "vramwatch.rules.yml"), cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    custom = dataclasses.replace(DEFAULT, selector='job="train", namespace="ml"', job_labels=("namespace", "job"),
-                                 extra_labels=(("team", "ml-infra"),), job_gpus_only=False)
+    custom = dataclasses.replace(
+        DEFAULT,
+        selector='job="train", namespace="ml"',
+        job_labels=("namespace", "job"),
+        extra_labels=(("team", "ml-infra"),),
+        job_gpus_only=False,
+    )
     (tmp_path / "custom.yml").write_text(to_yaml(rule_file(custom)))
     r = _promtool("check", "rules", "custom.yml", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -19,7 +19,7 @@ def blocks():
     for title in SECTIONS:
         start = text.index(title + "\n")
         end = text.find("\n## ", start + len(title))
-        body = text[start:end if end >= 0 else None]
+        body = text[start : end if end >= 0 else None]
         out += re.findall(r"^```python\n(.*?)^```", body, flags=re.S | re.M)
     return out
 
@@ -38,8 +38,9 @@ def env(exporter, tmp_path, monkeypatch):
     exp = exporter().start()
     for k in [k for k in os.environ if k.startswith("VRAMWATCH_")]:
         monkeypatch.delenv(k)
-    for k, v in dict(SPOOL_DIR=exp.spool, PORT=str(exp.port), SERVE="external", SIMULATE="true",
-                     INTERVAL="0.05").items():
+    for k, v in dict(
+        SPOOL_DIR=exp.spool, PORT=str(exp.port), SERVE="external", SIMULATE="true", INTERVAL="0.05"
+    ).items():
         monkeypatch.setenv("VRAMWATCH_" + k, v)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # whatever a snippet writes (checkpoints, snapshots) lands here
@@ -66,8 +67,11 @@ def test_one_line_snippet(env):
     ns, seen = _loop_namespace()
     exec(blocks()[0], ns)
     assert len(seen) == 12
-    wait_until(lambda: [v for _, v in exp.metrics().get("vramwatch_training_steps_total", [])] == [12.0], 10,
-               "the snippet's steps in the scrape")
+    wait_until(
+        lambda: [v for _, v in exp.metrics().get("vramwatch_training_steps_total", [])] == [12.0],
+        10,
+        "the snippet's steps in the scrape",
+    )
     assert [v for _, v in exp.metrics()["vramwatch_training_loss"]] == [0.5]
 
 
@@ -88,9 +92,16 @@ def test_trainer_snippet(env, tmp_path):
     from test_integrations_hf import TinyLM, tiny_model
 
     exp, handles = env
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=5,
-                                          per_device_train_batch_size=4, report_to=[], save_strategy="no",
-                                          use_cpu=True, disable_tqdm=True, logging_steps=1)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=5,
+        per_device_train_batch_size=4,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     ns = {"model": tiny_model(), "args": args, "train_dataset": TinyLM()}
     exec(blocks()[1], ns)
     (h,) = handles

@@ -21,25 +21,28 @@ import pytest
 pytest.importorskip("grafana_foundation_sdk")
 pytest.importorskip("matplotlib")
 
-import live_scenario  # noqa: E402
-from harness import tool  # noqa: E402
+import live_scenario
+from harness import tool
 
-from vramwatch.alerts.config import DEFAULT  # noqa: E402
-from vramwatch.dashboards import build_all  # noqa: E402
-from vramwatch.dashboards.walk import TimeContext, spec  # noqa: E402
-from vramwatch.report import charts  # noqa: E402
-from vramwatch.report.data import legend, run_panel, variable_values  # noqa: E402
-from vramwatch.report.prom import PromClient  # noqa: E402
+from vramwatch.alerts.config import DEFAULT
+from vramwatch.dashboards import build_all
+from vramwatch.dashboards.walk import TimeContext, spec
+from vramwatch.report import charts
+from vramwatch.report.data import legend, run_panel, variable_values
+from vramwatch.report.prom import PromClient
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = [spec(m) for m in build_all()]
 PANELS = sum(len(d.panels) for d in SPECS)
-IMG = re.compile(r'<figure class="panel (\w+)" id="([\w-]+)" data-panel-id="(\d+)" data-type="\w+" '
-                 r'data-series="(\d+)" data-points="(\d+)"><img src="data:image/png;base64,([A-Za-z0-9+/=]+)" '
-                 r'width="(\d+)" height="(\d+)"')
+IMG = re.compile(
+    r'<figure class="panel (\w+)" id="([\w-]+)" data-panel-id="(\d+)" data-type="\w+" '
+    r'data-series="(\d+)" data-points="(\d+)"><img src="data:image/png;base64,([A-Za-z0-9+/=]+)" '
+    r'width="(\d+)" height="(\d+)"'
+)
 
 
 # --- a fake Prometheus: every query gets its own, known answer ---
+
 
 def _answer(expr: str, n: int) -> list[float]:
     seed = hashlib.sha256(expr.encode()).digest()
@@ -48,9 +51,24 @@ def _answer(expr: str, n: int) -> list[float]:
 
 def _labels(expr: str) -> list[dict[str, str]]:
     # two series per query, with the labels the panels' legends and tables use
-    return [{"job": "vramwatch", "instance": "node-a:9400", "gpu": str(i), "uuid": f"GPU-{i}", "rank": str(i),
-             "local_rank": str(i), "xid": str(79 + i), "reason": f"reason{i}", "type": f"type{i}", "kind": f"kind{i}",
-             "device": "0", "alertname": f"Alert{i}", "severity": "warning"} for i in range(2)]
+    return [
+        {
+            "job": "vramwatch",
+            "instance": "node-a:9400",
+            "gpu": str(i),
+            "uuid": f"GPU-{i}",
+            "rank": str(i),
+            "local_rank": str(i),
+            "xid": str(79 + i),
+            "reason": f"reason{i}",
+            "type": f"type{i}",
+            "kind": f"kind{i}",
+            "device": "0",
+            "alertname": f"Alert{i}",
+            "severity": "warning",
+        }
+        for i in range(2)
+    ]
 
 
 class FakeProm(BaseHTTPRequestHandler):
@@ -74,14 +92,22 @@ class FakeProm(BaseHTTPRequestHandler):
             start, end, step = float(q["start"]), float(q["end"]), float(q["step"])
             n = int((end - start) // step) + 1
             vals = _answer(expr, n)
-            res = [] if empty else [{"metric": lab, "values": [[start + k * step, str(v + 1000 * j)]
-                                                                for k, v in enumerate(vals)]}
-                                    for j, lab in enumerate(_labels(expr))]
+            res = (
+                []
+                if empty
+                else [
+                    {"metric": lab, "values": [[start + k * step, str(v + 1000 * j)] for k, v in enumerate(vals)]}
+                    for j, lab in enumerate(_labels(expr))
+                ]
+            )
             return self._send(200, {"status": "success", "data": {"resultType": "matrix", "result": res}})
         if u.path == "/api/v1/query":
             v = _answer(expr, 1)[0]
-            res = [] if empty else [{"metric": lab, "value": [float(q["time"]), str(v + j)]}
-                                    for j, lab in enumerate(_labels(expr))]
+            res = (
+                []
+                if empty
+                else [{"metric": lab, "value": [float(q["time"]), str(v + j)]} for j, lab in enumerate(_labels(expr))]
+            )
             return self._send(200, {"status": "success", "data": {"resultType": "vector", "result": res}})
         if u.path == "/api/v1/series":
             return self._send(200, {"status": "success", "data": _labels(expr)})
@@ -107,8 +133,9 @@ def fake_prom():
 
 
 def _report(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vramwatch", "report", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "vramwatch", "report", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _png_size(png: bytes) -> tuple[int, int]:
@@ -119,11 +146,14 @@ def _png_size(png: bytes) -> tuple[int, int]:
 def _figures(html_text: str) -> list[tuple]:
     import base64
 
-    return [(t, fid, int(pid), int(series), int(points), base64.b64decode(b64), int(w), int(h))
-            for t, fid, pid, series, points, b64, w, h in IMG.findall(html_text)]
+    return [
+        (t, fid, int(pid), int(series), int(points), base64.b64decode(b64), int(w), int(h))
+        for t, fid, pid, series, points, b64, w, h in IMG.findall(html_text)
+    ]
 
 
 # --- charts are drawn from the returned data ---
+
 
 def _lines(fig) -> dict[str, list[float]]:
     out = {}
@@ -199,10 +229,19 @@ def test_table_sorts_merges_and_formats():
     assert hb.column_thresholds == {"heartbeat age": ((DEFAULT.stall_min_seconds, "red"),)} and not hb.axis.thresholds
 
 
-@pytest.mark.parametrize("v,unit,text", [(3 * 2**30, "bytes", "3 GiB"), (0.853, "percentunit", "85.3%"),
-                                         (612.0, "watt", "612 W"), (1.98e9, "hertz", "1.98 GHz"),
-                                         (0.0042, "s", "4.2 ms"), (300.0, "s", "5 min"), (71.5, "celsius", "71.5 °C"),
-                                         (1_800_000_000_000, "dateTimeAsIso", "2027-01-15 08:00:00")])
+@pytest.mark.parametrize(
+    "v,unit,text",
+    [
+        (3 * 2**30, "bytes", "3 GiB"),
+        (0.853, "percentunit", "85.3%"),
+        (612.0, "watt", "612 W"),
+        (1.98e9, "hertz", "1.98 GHz"),
+        (0.0042, "s", "4.2 ms"),
+        (300.0, "s", "5 min"),
+        (71.5, "celsius", "71.5 °C"),
+        (1_800_000_000_000, "dateTimeAsIso", "2027-01-15 08:00:00"),
+    ],
+)
 def test_units_read_like_grafana(v, unit, text):
     assert charts.fmt(v, unit) == text
 
@@ -259,6 +298,7 @@ def _closed_port() -> int:
 
 # --- the real thing: a report of a live run, opened in headless Chromium ---
 
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     lv = live_scenario.start(tmp_path_factory.mktemp("report-live"))
@@ -283,9 +323,19 @@ def _chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     exe = tool("chromium")
     profile = cwd / f"chromium-profile-{time.monotonic_ns()}"
     profile.mkdir()
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--disable-dev-shm-usage", "--hide-scrollbars", f"--user-data-dir={profile}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+    ]
     return subprocess.run([exe, *flags, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
@@ -293,8 +343,21 @@ def _chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_live_report_renders_in_headless_chromium(live, tmp_path):
     out = tmp_path / "report.html"
-    r = _report("--prometheus", live.prometheus.url, "--start", str(live.t0 - 2), "--end", str(time.time()),
-                "--step", "1s", "--scrape-interval", "1s", "--strict", "--out", str(out))
+    r = _report(
+        "--prometheus",
+        live.prometheus.url,
+        "--start",
+        str(live.t0 - 2),
+        "--end",
+        str(time.time()),
+        "--step",
+        "1s",
+        "--scrape-interval",
+        "1s",
+        "--strict",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr  # --strict: every query answered with data
     html_text = out.read_text()
     figs = _figures(html_text)

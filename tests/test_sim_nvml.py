@@ -16,8 +16,12 @@ GIB = 1 << 30
 
 
 def rank_sample(rank: int, pid: int, uuid: str, reserved: int) -> RankSample:
-    data = {"rank": rank, "pid": pid, "time": time.time(),
-            "devices": [{"device": 0, "uuid": uuid, "values": {"torch_cuda_memory_reserved_bytes": reserved}}]}
+    data = {
+        "rank": rank,
+        "pid": pid,
+        "time": time.time(),
+        "devices": [{"device": 0, "uuid": uuid, "values": {"torch_cuda_memory_reserved_bytes": reserved}}],
+    }
     return RankSample(rank, pid, data, time.time())
 
 
@@ -95,8 +99,14 @@ def test_processes_and_memory_come_from_rank_samples_and_foreign(node):
     assert v2.total == v2.used + v2.reserved + v2.free
 
 
-CODES = [pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_TIMEOUT,
-         pynvml.NVML_ERROR_NO_PERMISSION, pynvml.NVML_ERROR_UNKNOWN, pynvml.NVML_ERROR_UNINITIALIZED]
+CODES = [
+    pynvml.NVML_ERROR_NOT_SUPPORTED,
+    pynvml.NVML_ERROR_GPU_IS_LOST,
+    pynvml.NVML_ERROR_TIMEOUT,
+    pynvml.NVML_ERROR_NO_PERMISSION,
+    pynvml.NVML_ERROR_UNKNOWN,
+    pynvml.NVML_ERROR_UNINITIALIZED,
+]
 
 
 @pytest.mark.parametrize("code", CODES)
@@ -132,8 +142,12 @@ def test_error_keys_most_specific_first(node, nv):
 def test_lost_gpu_raises_gpu_is_lost_on_every_device_call(node, nv):
     h = nv.nvmlDeviceGetHandleByIndex(0)
     node.gpu(0).lost = True
-    for call in (lambda: nv.nvmlDeviceGetPowerUsage(h), lambda: nv.nvmlDeviceGetMemoryInfo(h),
-                 lambda: nv.nvmlDeviceGetUUID(h), lambda: nv.nvmlDeviceGetHandleByIndex(0)):
+    for call in (
+        lambda: nv.nvmlDeviceGetPowerUsage(h),
+        lambda: nv.nvmlDeviceGetMemoryInfo(h),
+        lambda: nv.nvmlDeviceGetUUID(h),
+        lambda: nv.nvmlDeviceGetHandleByIndex(0),
+    ):
         with pytest.raises(pynvml.NVMLError_GpuIsLost):
             call()
     assert nv.nvmlDeviceGetPowerUsage(nv.nvmlDeviceGetHandleByIndex(1)) == 120000

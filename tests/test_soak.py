@@ -49,8 +49,19 @@ def _pct(values: list[float], q: float) -> float:
 
 def test_soak_eight_ranks_many_scrapes(exporter, tmp_path):
     exp = exporter(gpus=RANKS, nvml_interval=1.0).start()
-    ranks = [start_sim_rank(exp, r, "--duration", str(WARMUP + SOAK + 60), "--fill-gib", str(4 + r),
-                            world_size=RANKS, cuda_visible=str(r)) for r in range(RANKS)]
+    ranks = [
+        start_sim_rank(
+            exp,
+            r,
+            "--duration",
+            str(WARMUP + SOAK + 60),
+            "--fill-gib",
+            str(4 + r),
+            world_size=RANKS,
+            cuda_visible=str(r),
+        )
+        for r in range(RANKS)
+    ]
     pid = exp.proc.pid
     try:
         wait_until(lambda: len(exp.metrics().get("vramwatch_rank_info", [])) == RANKS, 30, "all ranks")
@@ -119,20 +130,30 @@ def test_soak_eight_ranks_many_scrapes(exporter, tmp_path):
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "vramwatch_commit": _commit(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "system": platform.platform()},
-        "ranks": RANKS, "clients": CLIENTS, "target_rate_per_s": RATE, "seconds": round(elapsed, 1),
-        "scrapes": n, "failed": len(failures), "rate_per_s": round(n / elapsed, 1),
+        "ranks": RANKS,
+        "clients": CLIENTS,
+        "target_rate_per_s": RATE,
+        "seconds": round(elapsed, 1),
+        "scrapes": n,
+        "failed": len(failures),
+        "rate_per_s": round(n / elapsed, 1),
         "body_bytes_median": int(statistics.median(sizes)) if sizes else 0,
-        "latency_ms": {k: round(1000 * _pct(latencies, q), 2) for k, q in
-                       (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))},
-        "rss_mib": {"start_of_soak": round(quiet_before["VmRSS"] / 2**20, 2),
-                    "end_of_soak": round(quiet_after["VmRSS"] / 2**20, 2),
-                    "max": round(max(rss) / 2**20, 2),
-                    "first_third_median": round(statistics.median(rss[:third]) / 2**20, 2),
-                    "last_third_max": round(max(rss[-third:]) / 2**20, 2)},
-        "fds": {"before": quiet_before["fds"], "after": quiet_after["fds"],
-                "max": max(s["fds"] for _, s in samples)},
-        "threads": {"before": quiet_before["Threads"], "after": quiet_after["Threads"],
-                    "max": max(s["Threads"] for _, s in samples)},
+        "latency_ms": {
+            k: round(1000 * _pct(latencies, q), 2) for k, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
+        },
+        "rss_mib": {
+            "start_of_soak": round(quiet_before["VmRSS"] / 2**20, 2),
+            "end_of_soak": round(quiet_after["VmRSS"] / 2**20, 2),
+            "max": round(max(rss) / 2**20, 2),
+            "first_third_median": round(statistics.median(rss[:third]) / 2**20, 2),
+            "last_third_max": round(max(rss[-third:]) / 2**20, 2),
+        },
+        "fds": {"before": quiet_before["fds"], "after": quiet_after["fds"], "max": max(s["fds"] for _, s in samples)},
+        "threads": {
+            "before": quiet_before["Threads"],
+            "after": quiet_after["Threads"],
+            "max": max(s["Threads"] for _, s in samples),
+        },
     }
     (tmp_path / "soak.json").write_text(json.dumps(figures, indent=1) + "\n")
     if os.environ.get("VRAMWATCH_RECORD_BENCHMARKS") == "1":
@@ -154,7 +175,8 @@ def test_soak_eight_ranks_many_scrapes(exporter, tmp_path):
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""

@@ -41,8 +41,9 @@ def sim_devices(tmp_path):
 def _status(tmp_path, every=10, **kw):
     out: list[list[str]] = []
     hb = Heartbeat()
-    line = StatusLine(hb, every, spool_dir=str(tmp_path), simulate=True, emit=lambda lines, head: out.append(lines),
-                      **kw)
+    line = StatusLine(
+        hb, every, spool_dir=str(tmp_path), simulate=True, emit=lambda lines, head: out.append(lines), **kw
+    )
     return hb, line, out
 
 
@@ -79,8 +80,15 @@ def test_step_time_is_the_mean_since_the_previous_line(tmp_path):
 
 def test_nvml_readings_from_the_server_win_over_the_simulation(tmp_path, sim_devices):
     node, sim, devices = sim_devices
-    gpu = types.SimpleNamespace(uuid=node.gpus[0].uuid, up=True, values={
-        ("gpu_power_watts", ""): 212.4, ("gpu_memory_free_bytes", ""): 2.73 * GIB, ("gpu_temperature_celsius", ""): 50})
+    gpu = types.SimpleNamespace(
+        uuid=node.gpus[0].uuid,
+        up=True,
+        values={
+            ("gpu_power_watts", ""): 212.4,
+            ("gpu_memory_free_bytes", ""): 2.73 * GIB,
+            ("gpu_temperature_celsius", ""): 50,
+        },
+    )
     lost = types.SimpleNamespace(uuid="GPU-lost", up=False, values={("gpu_power_watts", ""): 1.0})
     write_readings(str(tmp_path), types.SimpleNamespace(gpus=(gpu, lost)))
     readings = read_device_readings(str(tmp_path))

@@ -58,16 +58,25 @@ def test_a_leak_is_a_rising_series_that_deriv_and_predict_linear_see(exporter, p
     ranks = []
     for rank, per_step in ((0, leak), (1, 0)):
         env = base_env(exp.spool, exp.port, simulate=True, serve="external", interval=0.2)
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", CUDA_VISIBLE_DEVICES=str(rank),
-                   PYTHONPATH=str(ROOT))
-        ranks.append(subprocess.Popen([sys.executable, "-c", RANK, str(per_step), str(done)], env=env,
-                                      stdout=exp.log, stderr=exp.log, stdin=subprocess.DEVNULL))
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", CUDA_VISIBLE_DEVICES=str(rank), PYTHONPATH=str(ROOT)
+        )
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, str(per_step), str(done)],
+                env=env,
+                stdout=exp.log,
+                stderr=exp.log,
+                stdin=subprocess.DEVNULL,
+            )
+        )
     try:
         prom = prometheus([f"127.0.0.1:{exp.port}"], scrape_interval="500ms", evaluation_interval="500ms")
         prom.wait_for(f"count_over_time({STEP_PEAK}[6s]) >= 10", timeout=30, check=lambda r: len(r) == 2)
         deriv = {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(f"deriv({STEP_PEAK}[6s])")}
-        steps = {r["metric"]["rank"]: float(r["value"][1])
-                 for r in prom.query("rate(vramwatch_training_steps_total[6s])")}
+        steps = {
+            r["metric"]["rank"]: float(r["value"][1]) for r in prom.query("rate(vramwatch_training_steps_total[6s])")
+        }
         expected = leak * steps["0"]  # bytes per second the leak adds
         assert expected > 0
         assert 0.5 * expected < deriv["0"] < 2 * expected, (deriv, steps)
@@ -120,8 +129,14 @@ def test_a_job_resetting_its_peak_every_step_gets_exact_step_peaks():
 
 
 def test_nothing_in_vramwatch_resets_the_jobs_peak_statistics():
-    forbidden = {"reset_peak_memory_stats", "_cuda_resetPeakMemoryStats", "reset_max_memory_allocated",
-                 "reset_max_memory_cached", "reset_accumulated_memory_stats", "_cuda_resetAccumulatedMemoryStats"}
+    forbidden = {
+        "reset_peak_memory_stats",
+        "_cuda_resetPeakMemoryStats",
+        "reset_max_memory_allocated",
+        "reset_max_memory_cached",
+        "reset_accumulated_memory_stats",
+        "_cuda_resetAccumulatedMemoryStats",
+    }
     offenders = []
     for path in pathlib.Path(ROOT, "vramwatch").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

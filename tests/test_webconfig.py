@@ -50,7 +50,9 @@ def test_empty_file_is_plain_http(tmp_path):
 
 
 def test_full_config_parses(tmp_path, pki):
-    text = tls_block(pki, f"""  client_auth_type: RequireAndVerifyClientCert
+    text = tls_block(
+        pki,
+        f"""  client_auth_type: RequireAndVerifyClientCert
   client_ca_file: {pki.client_ca}
   min_version: TLS12
   max_version: TLS13
@@ -66,7 +68,8 @@ http_server_config:
 basic_auth_users:
   prometheus: {HASH4}
   "1234": {HASH4}
-""")
+""",
+    )
     tls, auth, headers = load_web_config(write(tmp_path, text))
     ctx = tls.context
     assert ctx.verify_mode == ssl.CERT_REQUIRED
@@ -74,8 +77,11 @@ basic_auth_users:
     assert not ctx.options & ssl.OP_CIPHER_SERVER_PREFERENCE
     classic = {c["name"] for c in ctx.get_ciphers() if c["protocol"] != "TLSv1.3"}
     assert classic == {"ECDHE-ECDSA-AES128-GCM-SHA256"}
-    assert headers == {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "deny",
-                       "Strict-Transport-Security": "max-age=31536000"}
+    assert headers == {
+        "X-Content-Type-Options": "nosniff",
+        "X-Frame-Options": "deny",
+        "Strict-Transport-Security": "max-age=31536000",
+    }
     assert auth(basic("prometheus", "s3cret")) and auth(basic("1234", "s3cret"))
 
 
@@ -87,9 +93,13 @@ def test_relative_paths_are_relative_to_the_file(tmp_path, pki):
 
 
 def test_client_auth_types_map_to_verify_modes(tmp_path, pki):
-    modes = {"NoClientCert": ssl.CERT_NONE, "RequestClientCert": ssl.CERT_NONE,
-             "RequireAnyClientCert": ssl.CERT_REQUIRED, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-             "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
+    modes = {
+        "NoClientCert": ssl.CERT_NONE,
+        "RequestClientCert": ssl.CERT_NONE,
+        "RequireAnyClientCert": ssl.CERT_REQUIRED,
+        "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+        "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+    }
     for name, mode in modes.items():
         ca = f"  client_ca_file: {pki.client_ca}\n" if name != "NoClientCert" else ""
         tls, _, _ = load_web_config(write(tmp_path, tls_block(pki, f"  client_auth_type: {name}\n{ca}")))
@@ -117,46 +127,69 @@ BAD = [
     ("{tls}  max_version: 1.3\n", "tls_server_config.max_version=1.3", "must be one of"),
     ("{tls}  min_version: TLS13\n  max_version: TLS12\n", "tls_server_config.max_version", "below min_version"),
     ("{tls}  client_auth_type: Sometimes\n", "tls_server_config.client_auth_type='Sometimes'", "must be one of"),
-    ("{tls}  client_auth_type: RequireAndVerifyClientCert\n", "tls_server_config.client_auth_type",
-     "needs client_ca_file"),
+    (
+        "{tls}  client_auth_type: RequireAndVerifyClientCert\n",
+        "tls_server_config.client_auth_type",
+        "needs client_ca_file",
+    ),
     ("{tls}  client_auth_type: RequireAnyClientCert\n", "tls_server_config.client_auth_type", "needs client_ca"),
     ("{tls}  client_ca_file: {client_ca}\n", "tls_server_config.client_ca_file", "without a client_auth_type"),
     ("{tls}  cipher_suites: [TLS_RSA_WITH_RC4_128_SHA]\n", "tls_server_config.cipher_suites[0]", "insecure"),
     ("{tls}  cipher_suites: TLS_AES_128_GCM_SHA256\n", "tls_server_config.cipher_suites", "must be a list"),
-    ("{tls}  cipher_suites: [TLS_AES_128_GCM_SHA256]\n  max_version: TLS12\n", "tls_server_config.cipher_suites",
-     "only TLS 1.3"),
+    (
+        "{tls}  cipher_suites: [TLS_AES_128_GCM_SHA256]\n  max_version: TLS12\n",
+        "tls_server_config.cipher_suites",
+        "only TLS 1.3",
+    ),
     ("{tls}  curve_preferences: [CurveP999]\n", "tls_server_config.curve_preferences[0]", "must be one of"),
     ("{tls}  curve_preferences: [X25519, CurveP256]\n", "tls_server_config.curve_preferences", "list one"),
-    ("{tls}  prefer_server_cipher_suites: maybe\n", "tls_server_config.prefer_server_cipher_suites",
-     "true or false"),
-    ("tls_server_config: {cert_file: /nonexistent.crt, key_file: k}\n", "tls_server_config.cert_file",
-     "cannot read"),
-    ("tls_server_config: {cert_file: {cert}, key_file: /nonexistent.key}\n", "tls_server_config.key_file",
-     "cannot read"),
-    ("tls_server_config: {cert_file: {cert}, key_file: {cert}}\n", "tls_server_config.key_file",
-     "not a PEM certificate"),
-    ("tls_server_config: {cert_file: {key}, key_file: {key}}\n", "tls_server_config.key_file",
-     "not a PEM certificate"),
-    ("{tls}  client_auth_type: VerifyClientCertIfGiven\n  client_ca_file: {key}\n",
-     "tls_server_config.client_ca_file", "PEM"),
+    ("{tls}  prefer_server_cipher_suites: maybe\n", "tls_server_config.prefer_server_cipher_suites", "true or false"),
+    ("tls_server_config: {cert_file: /nonexistent.crt, key_file: k}\n", "tls_server_config.cert_file", "cannot read"),
+    (
+        "tls_server_config: {cert_file: {cert}, key_file: /nonexistent.key}\n",
+        "tls_server_config.key_file",
+        "cannot read",
+    ),
+    (
+        "tls_server_config: {cert_file: {cert}, key_file: {cert}}\n",
+        "tls_server_config.key_file",
+        "not a PEM certificate",
+    ),
+    ("tls_server_config: {cert_file: {key}, key_file: {key}}\n", "tls_server_config.key_file", "not a PEM certificate"),
+    (
+        "{tls}  client_auth_type: VerifyClientCertIfGiven\n  client_ca_file: {key}\n",
+        "tls_server_config.client_ca_file",
+        "PEM",
+    ),
     ("http_server_config: {http2: 2}\n", "http_server_config.http2", "true or false"),
     ("http_server_config: {headers: {X-Foo: a}}\n", "http_server_config.headers.X-Foo", "can not be configured"),
-    ("http_server_config: {headers: {X-Frame-Options: allow}}\n", "http_server_config.headers.X-Frame-Options",
-     "deny, sameorigin"),
-    ("http_server_config: {headers: {Content-Security-Policy: \"a\\r\\nSet-Cookie: x\"}}\n",
-     "http_server_config.headers.Content-Security-Policy", "one line"),
+    (
+        "http_server_config: {headers: {X-Frame-Options: allow}}\n",
+        "http_server_config.headers.X-Frame-Options",
+        "deny, sameorigin",
+    ),
+    (
+        'http_server_config: {headers: {Content-Security-Policy: "a\\r\\nSet-Cookie: x"}}\n',
+        "http_server_config.headers.Content-Security-Policy",
+        "one line",
+    ),
     ("http_server_config: {keepalive: true}\n", "http_server_config.keepalive", "unknown field"),
     ("basic_auth_users: {alice: hunter2}\n", "basic_auth_users.alice", "bcrypt hash"),
     ("basic_auth_users: {alice: 12}\n", "basic_auth_users.alice", "bcrypt hash"),
-    ("basic_auth_users: {\"a:b\": {hash}}\n", "basic_auth_users.a:b", "cannot contain ':'"),
+    ('basic_auth_users: {"a:b": {hash}}\n', "basic_auth_users.a:b", "cannot contain ':'"),
     ("basic_auth_users: {[1]: {hash}}\n", "", "not YAML"),  # a list key: PyYAML refuses it
     ("basic_auth_users: [alice]\n", "basic_auth_users", "must be a mapping"),
 ]
 
 
 def _fill(text: str, pki) -> str:
-    return (text.replace("{tls}", tls_block(pki)).replace("{cert}", str(pki.cert)).replace("{key}", str(pki.key))
-            .replace("{client_ca}", str(pki.client_ca)).replace("{hash}", HASH4))
+    return (
+        text.replace("{tls}", tls_block(pki))
+        .replace("{cert}", str(pki.cert))
+        .replace("{key}", str(pki.key))
+        .replace("{client_ca}", str(pki.client_ca))
+        .replace("{hash}", HASH4)
+    )
 
 
 @pytest.mark.parametrize(("text", "field", "why"), BAD, ids=[f"{i}:{b[1] or b[2]}" for i, b in enumerate(BAD)])
@@ -182,17 +215,33 @@ def test_start_rejects_a_bad_web_config_naming_both_layers(tmp_path, pki):
     path = write(tmp_path, tls_block(pki, "  min_version: TLS9\n"))
     with pytest.raises(ConfigError) as e:
         config.load({"web_config_file": path}, env={})
-    assert str(e.value).startswith(f"invalid setting web_config_file={path!r} (from argument): "
-                                   "invalid web config tls_server_config.min_version='TLS9'")
+    assert str(e.value).startswith(
+        f"invalid setting web_config_file={path!r} (from argument): "
+        "invalid web config tls_server_config.min_version='TLS9'"
+    )
     with pytest.raises(ConfigError, match="from VRAMWATCH_WEB_CONFIG_FILE"):
         config.load({}, env={"VRAMWATCH_WEB_CONFIG_FILE": path})
 
 
 def test_serve_exits_2_on_a_bad_web_config(tmp_path, pki):
     path = write(tmp_path, f"tls_server_config: {{cert_file: {pki.cert}, key_file: /missing.key}}\n")
-    r = subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "vramwatch", "serve", "--web.config.file", path,
-                        "--spool-dir", str(tmp_path / "spool"), "--port", "1"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            str(ROOT / ".venv/bin/python"),
+            "-m",
+            "vramwatch",
+            "serve",
+            "--web.config.file",
+            path,
+            "--spool-dir",
+            str(tmp_path / "spool"),
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2, r
     assert "invalid web config tls_server_config.key_file='/missing.key'" in r.stderr
     assert "Traceback" not in r.stderr
@@ -208,8 +257,8 @@ STRICTER = {
     "{tls}  curve_preferences: [X25519, CurveP256]\n",  # Python's ssl sets one curve
     "{tls}  min_version: TLS13\n  max_version: TLS12\n",  # Go accepts it and then fails every handshake
     "{tls}  client_auth_type: VerifyClientCertIfGiven\n  client_ca_file: {key}\n",  # toolkit 0.8.2 ignores it
-    "http_server_config: {headers: {Content-Security-Policy: \"a\\r\\nSet-Cookie: x\"}}\n",
-    "basic_auth_users: {\"a:b\": {hash}}\n",  # can never log in
+    'http_server_config: {headers: {Content-Security-Policy: "a\\r\\nSet-Cookie: x"}}\n',
+    'basic_auth_users: {"a:b": {hash}}\n',  # can never log in
 }
 GOOD = [
     "",
@@ -222,8 +271,7 @@ GOOD = [
 
 
 def _promtool_ok(path: str) -> bool:
-    r = subprocess.run([tool("promtool"), "check", "web-config", path], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([tool("promtool"), "check", "web-config", path], capture_output=True, text=True, timeout=60)
     return r.returncode == 0
 
 
@@ -244,8 +292,9 @@ def test_promtool_agrees(tmp_path, pki, text):
 
 def _doc_examples() -> list[str]:
     text = (ROOT / "docs" / "security.md").read_text()
-    return [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "basic_auth_users" in b
-            or "tls_server_config" in b]
+    return [
+        b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "basic_auth_users" in b or "tls_server_config" in b
+    ]
 
 
 def test_security_doc_examples_pass_promtool_and_us(tmp_path, pki):
@@ -263,9 +312,19 @@ def test_security_doc_examples_pass_promtool_and_us(tmp_path, pki):
 def test_basic_auth_decisions():
     auth = BasicAuth((("alice", HASH4),))
     assert auth(basic("alice", "s3cret"))
-    for header in (None, "", basic("alice", "wrong"), basic("bob", "s3cret"), basic("alice", "s3cret ")
-                   , "Bearer abc", "Basic", "Basic !!!", "Basic " + base64.b64encode(b"alice").decode(),
-                   "Basic " + "A" * 10000, basic("alice", "s3cret")[:-2]):
+    for header in (
+        None,
+        "",
+        basic("alice", "wrong"),
+        basic("bob", "s3cret"),
+        basic("alice", "s3cret "),
+        "Bearer abc",
+        "Basic",
+        "Basic !!!",
+        "Basic " + base64.b64encode(b"alice").decode(),
+        "Basic " + "A" * 10000,
+        basic("alice", "s3cret")[:-2],
+    ):
         assert not auth(header), header
     assert auth("basic " + basic("alice", "s3cret").split()[1])  # the scheme is case-insensitive
 
@@ -303,8 +362,11 @@ def test_unknown_users_cost_a_bcrypt_too():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.one_of(st.none(), st.text(max_size=200), st.binary(max_size=100).map(
-    lambda b: "Basic " + base64.b64encode(b).decode())))
+@given(
+    st.one_of(
+        st.none(), st.text(max_size=200), st.binary(max_size=100).map(lambda b: "Basic " + base64.b64encode(b).decode())
+    )
+)
 def test_any_authorization_header_is_a_bool(header):
     auth = _FUZZ_AUTH
     assert auth(header) in (True, False)

@@ -64,7 +64,10 @@ def test_families_counter_and_timestamp_only_once_seen():
     ctx = ScrapeContext((), time.time(), "h")
     total, last = xid_families(ledger.rows(), ctx)
     assert {tuple(s.labels.values()): s.value for s in total.samples if s.name.endswith("_total")} == {
-        ("0", "GPU-a", "13"): 0.0, ("0", "GPU-a", "79"): 1.0, ("1", "GPU-b", "79"): 0.0}
+        ("0", "GPU-a", "13"): 0.0,
+        ("0", "GPU-a", "79"): 1.0,
+        ("1", "GPU-b", "79"): 0.0,
+    }
     assert total.name + "_total" == "gpu_xid_errors_total"
     assert [(s.labels["xid"], s.value) for s in last.samples] == [("79", 1234.5)]
     sample = RankSample(0, 1, {"devices": [{"uuid": "GPU-b"}]}, 0.0)
@@ -93,8 +96,15 @@ def test_xid_log_line_names_the_gpu_and_the_ranks_on_it(tmp_path, caplog):
     node, session, ledger, w = make(tmp_path)
     pub = spool.RankPublisher(str(tmp_path), 3)
     try:
-        pub.publish({"rank": 3, "pid": os.getpid(), "time": time.time(), "heartbeat": {"steps": 4821},
-                     "devices": [{"device": 0, "uuid": node.gpu(1).uuid, "values": {}}]})
+        pub.publish(
+            {
+                "rank": 3,
+                "pid": os.getpid(),
+                "time": time.time(),
+                "heartbeat": {"steps": 4821},
+                "devices": [{"device": 0, "uuid": node.gpu(1).uuid, "values": {}}],
+            }
+        )
         w.step()
         node.inject_xid(1, 48)
         w.step()
@@ -106,8 +116,9 @@ def test_xid_log_line_names_the_gpu_and_the_ranks_on_it(tmp_path, caplog):
     assert "GPU 1" in msg and node.gpu(1).uuid in msg and "rank 3 (last step 4821)" in msg
 
 
-@pytest.mark.parametrize("code", [E.NVML_ERROR_UNKNOWN, E.NVML_ERROR_GPU_IS_LOST, E.NVML_ERROR_NO_PERMISSION,
-                                  E.NVML_ERROR_NOT_SUPPORTED])
+@pytest.mark.parametrize(
+    "code", [E.NVML_ERROR_UNKNOWN, E.NVML_ERROR_GPU_IS_LOST, E.NVML_ERROR_NO_PERMISSION, E.NVML_ERROR_NOT_SUPPORTED]
+)
 def test_wait_errors_back_off_and_re_register(tmp_path, code):
     node, session, ledger, w = make(tmp_path)
     w.step()
@@ -123,8 +134,9 @@ def test_wait_errors_back_off_and_re_register(tmp_path, code):
     assert w.up and counts(ledger, node.gpu(0).uuid)["94"] == 1  # ... and only sees events after it
 
 
-@pytest.mark.parametrize("code", [E.NVML_ERROR_UNINITIALIZED, E.NVML_ERROR_DRIVER_NOT_LOADED,
-                                  E.NVML_ERROR_LIBRARY_NOT_FOUND])
+@pytest.mark.parametrize(
+    "code", [E.NVML_ERROR_UNINITIALIZED, E.NVML_ERROR_DRIVER_NOT_LOADED, E.NVML_ERROR_LIBRARY_NOT_FOUND]
+)
 def test_session_errors_mark_nvml_down_and_reinit(tmp_path, code):
     node, session, ledger, w = make(tmp_path)
     w.step()

@@ -35,30 +35,54 @@ def _name(cn: str):
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _cert(subject_key, cn: str, issuer_key=None, issuer_cn: str | None = None, ca: bool = False,
-          server: bool = False, client: bool = False):
+def _cert(
+    subject_key,
+    cn: str,
+    issuer_key=None,
+    issuer_cn: str | None = None,
+    ca: bool = False,
+    server: bool = False,
+    client: bool = False,
+):
     now = dt.datetime.now(dt.UTC)
-    b = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(issuer_cn or cn))
-         .public_key(subject_key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(_name(issuer_cn or cn))
+        .public_key(subject_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if ca:
-        b = b.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                          content_commitment=False, key_encipherment=False,
-                                          data_encipherment=False, key_agreement=False, encipher_only=False,
-                                          decipher_only=False), critical=True)
+        b = b.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         b = b.add_extension(x509.SubjectKeyIdentifier.from_public_key(subject_key.public_key()), critical=False)
     if server:
         import ipaddress
 
-        b = b.add_extension(x509.SubjectAlternativeName([
-            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        b = b.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
         b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
     if client:
         b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
     if issuer_key is not None and not ca:
-        b = b.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
-                            critical=False)
+        b = b.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
     return b.sign(issuer_key or subject_key, hashes.SHA256())
 
 
@@ -66,8 +90,11 @@ def _write(path: Path, cert=None, key=None) -> Path:
     if cert is not None:
         path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     else:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         path.chmod(0o600)
     return path
 
@@ -81,7 +108,14 @@ def make_pki(d: Path) -> PKI:
     server = _cert(skey, "localhost", ca_key, "vramwatch test CA", server=True)
     client = _cert(ckey, "prometheus", cca_key, "vramwatch test client CA", client=True)
     other_client = _cert(okey, "intruder", other_key, "untrusted CA", client=True)
-    return PKI(d, _write(d / "ca.crt", ca), _write(d / "server.crt", server), _write(d / "server.key", key=skey),
-               _write(d / "client-ca.crt", cca), _write(d / "client.crt", client),
-               _write(d / "client.key", key=ckey), _write(d / "other-client.crt", other_client),
-               _write(d / "other-client.key", key=okey))
+    return PKI(
+        d,
+        _write(d / "ca.crt", ca),
+        _write(d / "server.crt", server),
+        _write(d / "server.key", key=skey),
+        _write(d / "client-ca.crt", cca),
+        _write(d / "client.crt", client),
+        _write(d / "client.key", key=ckey),
+        _write(d / "other-client.crt", other_client),
+        _write(d / "other-client.key", key=okey),
+    )

@@ -32,12 +32,17 @@ def _add_settings_flags(p: argparse.ArgumentParser, only: Sequence[str] | None =
         if only is not None and f.name not in only:
             continue
         flags = ["--" + f.name.replace("_", "-")] + _FLAG_ALIASES.get(f.name, [])
-        g.add_argument(*flags, dest="setting_" + f.name, default=None, metavar=type(f.default).__name__.upper(),
-                       help=f"{f.metadata.get('doc', '')} (default: {f.default!r})")
+        g.add_argument(
+            *flags,
+            dest="setting_" + f.name,
+            default=None,
+            metavar=type(f.default).__name__.upper(),
+            help=f"{f.metadata.get('doc', '')} (default: {f.default!r})",
+        )
 
 
 def settings_from_args(args: argparse.Namespace, **fixed: Any) -> tuple[Settings, dict[str, str]]:
-    kwargs = {k[len("setting_"):]: v for k, v in vars(args).items() if k.startswith("setting_") and v is not None}
+    kwargs = {k[len("setting_") :]: v for k, v in vars(args).items() if k.startswith("setting_") and v is not None}
     kwargs.update(fixed)
     return config.load(kwargs)
 
@@ -47,15 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the node's scrape server")
-    s.add_argument("--exit-when-idle", action="store_true",
-                   help="exit once no rank has published for --linger seconds (how ranks start it)")
+    s.add_argument(
+        "--exit-when-idle",
+        action="store_true",
+        help="exit once no rank has published for --linger seconds (how ranks start it)",
+    )
     _add_settings_flags(s)
 
     d = sub.add_parser("demo", help="a short training job with the exporter (simulated GPU without CUDA)")
     d.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until interrupted)")
     d.add_argument("--ranks", type=int, default=2, help="simulated ranks (simulated GPU only)")
-    d.add_argument("--real", choices=("auto", "yes", "no"), default="auto",
-                   help="train on a real CUDA GPU (auto: when one is present)")
+    d.add_argument(
+        "--real",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="train on a real CUDA GPU (auto: when one is present)",
+    )
     _add_settings_flags(d)
 
     c = sub.add_parser("config", help="show each setting's value and where it came from")
@@ -97,8 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return regenerate(check=args.check)
         if getattr(args, "_missing", None):
-            print(f"vramwatch {args.command}: unavailable: {args._missing}; is its extra installed?",
-                  file=sys.stderr)
+            print(f"vramwatch {args.command}: unavailable: {args._missing}; is its extra installed?", file=sys.stderr)
             return 2
         return importlib.import_module(_PLUGINS[args.command][0]).run(args)
     except ConfigError as e:

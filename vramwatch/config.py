@@ -81,20 +81,34 @@ def _opt(default: Any, doc: str, check: Callable[[Any], None] | None = None) -> 
 @dataclass(frozen=True)
 class Settings:
     port: int = _opt(DEFAULT_PORT, "TCP port of the node's one scrape target.", _port)
-    host: str = _opt("127.0.0.1", "Address the server binds. Loopback by default: set 0.0.0.0 (with a "
-                     "NetworkPolicy or firewall) for a cluster scrape.", _host)
-    serve: str = _opt("auto", "auto: a rank starts the node's server when none runs; external: a sidecar "
-                      "or `vramwatch serve` runs it; off: publish nothing.", _choice("auto", "external", "off"))
-    spool_dir: str = _opt("", "Where ranks publish samples for the server (default "
-                          "/dev/shm/vramwatch-<port>, a tmpfs shared by the node's ranks).")
+    host: str = _opt(
+        "127.0.0.1",
+        "Address the server binds. Loopback by default: set 0.0.0.0 (with a "
+        "NetworkPolicy or firewall) for a cluster scrape.",
+        _host,
+    )
+    serve: str = _opt(
+        "auto",
+        "auto: a rank starts the node's server when none runs; external: a sidecar "
+        "or `vramwatch serve` runs it; off: publish nothing.",
+        _choice("auto", "external", "off"),
+    )
+    spool_dir: str = _opt(
+        "",
+        "Where ranks publish samples for the server (default "
+        "/dev/shm/vramwatch-<port>, a tmpfs shared by the node's ranks).",
+    )
     interval: float = _opt(1.0, "Seconds between allocator samples in each rank.", _positive)
-    largest_block_interval: float = _opt(30.0, "Seconds between allocator snapshots for the largest "
-                                         "free block (they walk every block; 0 turns them off).",
-                                         _non_negative)
+    largest_block_interval: float = _opt(
+        30.0,
+        "Seconds between allocator snapshots for the largest free block (they walk every block; 0 turns them off).",
+        _non_negative,
+    )
     nvml: bool = _opt(True, "Collect NVML device readings in the server.")
     nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _positive)
-    nvml_slow_interval: float = _opt(10.0, "Seconds between slow NVML reads (energy, PCIe replays, "
-                                     "ECC, remapped rows, processes).", _positive)
+    nvml_slow_interval: float = _opt(
+        10.0, "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes).", _positive
+    )
     gpus: str = _opt("all", "all: every GPU of the node; job: only GPUs a rank uses.", _choice("all", "job"))
     xid: bool = _opt(True, "Watch Xid events on every GPU.")
     processes: bool = _opt(True, "Count foreign compute processes on the job's GPUs.")
@@ -103,25 +117,26 @@ class Settings:
     rank: int = _opt(-1, "Global rank (default: from RANK, SLURM_PROCID, ...).", None)
     local_rank: int = _opt(-1, "Local rank (default: from LOCAL_RANK, SLURM_LOCALID, ...).", None)
     world_size: int = _opt(-1, "World size (default: from WORLD_SIZE, SLURM_NTASKS, ...).", None)
-    max_ranks: int = _opt(64, "Most ranks one target serves; more are dropped (bounded cardinality).",
-                          _positive)
-    linger: float = _opt(10.0, "Seconds a rank-started server stays up after the last rank left.",
-                         _non_negative)
+    max_ranks: int = _opt(64, "Most ranks one target serves; more are dropped (bounded cardinality).", _positive)
+    linger: float = _opt(10.0, "Seconds a rank-started server stays up after the last rank left.", _non_negative)
     max_connections: int = _opt(8, "Concurrent HTTP requests served; more get 503.", _positive)
-    web_config_file: str = _opt("", "exporter-toolkit web config (TLS, basic auth): see docs/security.md.",
-                                _web_config)
+    web_config_file: str = _opt("", "exporter-toolkit web config (TLS, basic auth): see docs/security.md.", _web_config)
     status_every: int = _opt(0, "Print a status line every N steps (0: off).", _non_negative)
     status_all_ranks: bool = _opt(False, "Status line on every rank, not only rank 0.")
     oom_snapshot_dir: str = _opt("", "Write a memory snapshot on OOM into this directory (empty: off).")
-    oom_history_entries: int = _opt(0, "Allocator history entries to keep for OOM snapshots "
-                                    "(0: no history, it costs).", _non_negative)
+    oom_history_entries: int = _opt(
+        0, "Allocator history entries to keep for OOM snapshots (0: no history, it costs).", _non_negative
+    )
     oom_snapshot_max_files: int = _opt(5, "Most OOM snapshots kept in the directory.", _positive)
-    oom_snapshot_max_bytes: int = _opt(1 << 30, "Most bytes of OOM snapshots kept in the directory.",
-                                       _positive)
-    reclaim_threshold: float = _opt(0.0, "Empty the cache between steps when reserved passes this share "
-                                    "of the memory limit (0: off).", _non_negative)
-    log_level: str = _opt("WARNING", "Logging level of the vramwatch logger.",
-                          _choice("DEBUG", "INFO", "WARNING", "ERROR"))
+    oom_snapshot_max_bytes: int = _opt(1 << 30, "Most bytes of OOM snapshots kept in the directory.", _positive)
+    reclaim_threshold: float = _opt(
+        0.0,
+        "Empty the cache between steps when reserved passes this share of the memory limit (0: off).",
+        _non_negative,
+    )
+    log_level: str = _opt(
+        "WARNING", "Logging level of the vramwatch logger.", _choice("DEBUG", "INFO", "WARNING", "ERROR")
+    )
     config_file: str = _opt("", "YAML file of settings (keys as here).")
 
     def resolved_spool_dir(self) -> str:
@@ -239,7 +254,7 @@ def load(
     env_values: dict[str, Any] = {}
     for var, raw in env.items():
         if var.startswith(ENV_PREFIX):
-            key = var[len(ENV_PREFIX):].lower()
+            key = var[len(ENV_PREFIX) :].lower()
             if key not in FIELDS:
                 raise ConfigError(f"unknown setting {_shown(key)} (from {var})")
             env_values[key] = raw

@@ -27,7 +27,7 @@ def _has_cuda() -> bool:
 
 def _sigterm_as_interrupt() -> None:
     # SIGTERM (a supervisor, `kill`) ends the demo like Ctrl-C: ranks stopped, nothing orphaned
-    def handler(signum, frame):  # noqa: ANN001, ARG001
+    def handler(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)

@@ -54,10 +54,11 @@ def settings_table() -> str:
 
 
 def metrics_doc() -> str:
-    return ("# Metrics\n\nGenerated from `vramwatch/contract.py` by `vramwatch docs`; do not edit by hand.\n"
-            "Units are Prometheus base units (bytes, seconds, watts, joules, celsius, hertz, ratios 0..1).\n"
-            "Info families are gauges of value 1 whose labels carry the information.\n\n"
-            + metric_table(with_absent=True))
+    return (
+        "# Metrics\n\nGenerated from `vramwatch/contract.py` by `vramwatch docs`; do not edit by hand.\n"
+        "Units are Prometheus base units (bytes, seconds, watts, joules, celsius, hertz, ratios 0..1).\n"
+        "Info families are gauges of value 1 whose labels carry the information.\n\n" + metric_table(with_absent=True)
+    )
 
 
 def _splice(text: str, table: str, begin: str = BEGIN, end: str = END) -> str:

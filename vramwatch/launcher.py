@@ -30,8 +30,9 @@ def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
     return None
 
 
-def identify(rank: int = -1, local_rank: int = -1, world_size: int = -1,
-             env: Mapping[str, str] | None = None) -> RankIdentity:
+def identify(
+    rank: int = -1, local_rank: int = -1, world_size: int = -1, env: Mapping[str, str] | None = None
+) -> RankIdentity:
     """Explicit values (>= 0) win over the environment; a lone process is rank 0 of 1."""
     env = os.environ if env is None else env
     r = rank if rank >= 0 else _first_int(env, _RANK)

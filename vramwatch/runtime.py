@@ -60,8 +60,9 @@ class Handle:
             try:
                 node = load_or_create(self.spool_dir)
             except OSError as e:  # start() raises only ConfigError: an unusable spool is reported later
-                log.warning("vramwatch: cannot read the simulated node in %s (%s); using a default one",
-                            self.spool_dir, e)
+                log.warning(
+                    "vramwatch: cannot read the simulated node in %s (%s); using a default one", self.spool_dir, e
+                )
                 node = SimNode.default(1)
             self.sim = SimAllocator(node)
             self.source = self.sim
@@ -113,8 +114,7 @@ class Handle:
         try:
             self._publisher = spool.RankPublisher(self.spool_dir, self.identity.rank)
         except OSError as e:
-            self._oncelog("spool", "vramwatch: cannot publish into %s (%s); exporting nothing",
-                          self.spool_dir, e)
+            self._oncelog("spool", "vramwatch: cannot publish into %s (%s); exporting nothing", self.spool_dir, e)
             return
         try:
             from vramwatch.integrations import setup
@@ -243,8 +243,12 @@ class Handle:
             self._next_server_check = now + 5.0
             return
         if proc is not None:  # ours exited and no server runs: back off before the next try
-            self._oncelog("server-exit", "vramwatch: the server exited with %s; see %s",
-                          proc.returncode, os.path.join(self.spool_dir, "server.log"))
+            self._oncelog(
+                "server-exit",
+                "vramwatch: the server exited with %s; see %s",
+                proc.returncode,
+                os.path.join(self.spool_dir, "server.log"),
+            )
             self._spawn_backoff = min(self._spawn_backoff * 2, _SPAWN_BACKOFF_MAX)
         elif self._spawn_lock_fd is None:
             # eight local ranks finding no server at once: only the one holding spawn.lock starts it
@@ -271,8 +275,12 @@ def spawn_server(settings: Settings, spool_dir: str) -> subprocess.Popen:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "vramwatch", "serve", "--exit-when-idle"],
-            env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-            start_new_session=True, close_fds=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            start_new_session=True,
+            close_fds=True,
         )
     finally:
         logf.close()

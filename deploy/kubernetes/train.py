@@ -26,9 +26,11 @@ def main() -> int:
     else:
         device = torch.device("cpu")
     if rank == 0:
-        print(f"vramwatch example: pod {os.environ.get('POD_NAME', '?')} in {os.environ.get('POD_NAMESPACE', '?')}"
-              f" on node {os.environ.get('NODE_NAME', '?')}, {os.environ.get('WORLD_SIZE', '1')} ranks, {device}",
-              flush=True)
+        print(
+            f"vramwatch example: pod {os.environ.get('POD_NAME', '?')} in {os.environ.get('POD_NAMESPACE', '?')}"
+            f" on node {os.environ.get('NODE_NAME', '?')}, {os.environ.get('WORLD_SIZE', '1')} ranks, {device}",
+            flush=True,
+        )
     hidden = int(os.environ.get("HIDDEN", "4096"))
     model = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden))
     model = model.to(device)

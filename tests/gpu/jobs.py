@@ -12,7 +12,7 @@ import textwrap
 from harness import ROOT
 
 # What every job process starts with: NVML readings and a scrape helper, no torch, no vramwatch.
-PRELUDE = r'''
+PRELUDE = r"""
 import json, os, sys, time, urllib.request
 
 def _s(v):
@@ -57,7 +57,7 @@ def rank0(m, name):
 
 def done(res):
     print("RESULT " + json.dumps(res), flush=True)
-'''
+"""
 
 
 def job_env(one_device: bool = False, **extra: str) -> dict[str, str]:
@@ -77,9 +77,10 @@ def job_env(one_device: bool = False, **extra: str) -> dict[str, str]:
 def run_job(body: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> dict:
     """Run PRELUDE + body in a fresh interpreter; return the dict it passed to done()."""
     code = PRELUDE + textwrap.dedent(body)
-    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                       env=env or job_env())
+    p = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env or job_env()
+    )
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise AssertionError(f"job failed (exit {p.returncode}):\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}")

@@ -22,6 +22,7 @@ from jobs import PRELUDE, job_env, run_job
 pytestmark = pytest.mark.gpu
 MIB = 1 << 20
 
+
 @pytest.fixture(autouse=True)
 def _need_torch():
     try:
@@ -31,7 +32,7 @@ def _need_torch():
 
 
 # ------------------------------------------------------------------------------------------------
-NO_CONTEXT_JOB = r'''
+NO_CONTEXT_JOB = r"""
 case, port, spool = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch = None
 if case != "no_torch":
@@ -56,15 +57,17 @@ if torch is not None:  # only now (it runs cuInit): does this process hold a pri
     res["has_primary_context"] = [bool(torch._C._cuda_hasPrimaryContext(i)) for i in range(torch.cuda.device_count())]
 vramwatch.stop()
 done(res)
-'''
+"""
 
 
 @pytest.mark.parametrize("case", ["no_torch", "torch_imported", "torch_cuda_init"])
 def test_start_creates_no_cuda_context(case, tmp_path):
     port = free_port()
     r = run_job(NO_CONTEXT_JOB, case, str(port), str(tmp_path / "spool"))
-    print(json.dumps({k: r[k] for k in r if k not in ("before", "after")}),
-          [(b["index"], a["used"] - b["used"]) for b, a in zip(r["before"], r["after"], strict=True)])
+    print(
+        json.dumps({k: r[k] for k in r if k not in ("before", "after")}),
+        [(b["index"], a["used"] - b["used"]) for b, a in zip(r["before"], r["after"], strict=True)],
+    )
     if case == "no_torch":
         assert not r["torch_loaded"], "vramwatch imported torch into a job that had not"
     else:
@@ -76,12 +79,14 @@ def test_start_creates_no_cuda_context(case, tmp_path):
             assert pid not in a["pids"], f"{who} (pid {pid}) is a compute process on GPU {a['index']}"
         assert len(a["pids"]) <= len(b["pids"]), f"a compute process appeared on GPU {a['index']}: {b} -> {a}"
         delta = a["used"] - b["used"]
-        assert abs(delta) <= 2 * MIB, (f"NVML used memory on GPU {a['index']} moved by {delta / MIB:.2f} MiB "
-                                       "(cuInit alone is ~3 MiB, a context ~500 MiB)")
+        assert abs(delta) <= 2 * MIB, (
+            f"NVML used memory on GPU {a['index']} moved by {delta / MIB:.2f} MiB "
+            "(cuInit alone is ~3 MiB, a context ~500 MiB)"
+        )
 
 
 # ------------------------------------------------------------------------------------------------
-SERIES_JOB = r'''
+SERIES_JOB = r"""
 port, spool = int(sys.argv[1]), sys.argv[2]
 import torch
 import vramwatch
@@ -108,7 +113,7 @@ series = {n: rank0(m, n) for n in names}
 done({"want": want, "series": series, "uuid_by_pci": by_pci, "torch_uuid": str(props.uuid),
       "total": props.total_memory, "pid": os.getpid(), "nvml": state,
       "rank_info": rank0(m, "vramwatch_rank_info")})
-'''
+"""
 
 
 def test_allocator_series_match_torch_and_join_by_uuid(tmp_path):
@@ -134,7 +139,7 @@ def test_allocator_series_match_torch_and_join_by_uuid(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-WEDGE_JOB = r'''
+WEDGE_JOB = r"""
 import ctypes
 port, spool, seconds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 import torch
@@ -146,14 +151,19 @@ vramwatch.step()
 print("WEDGING", flush=True)
 ctypes.PyDLL(None).sleep(ctypes.c_uint(seconds))   # a long C call that keeps the GIL
 done({"woke": True})
-'''
+"""
 
 
 def test_metrics_answer_within_100ms_while_the_training_thread_holds_the_gil(tmp_path):
     port = free_port()
     code = PRELUDE + textwrap.dedent(WEDGE_JOB)
-    p = subprocess.Popen([sys.executable, "-c", code, str(port), str(tmp_path / "spool"), "10"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(port), str(tmp_path / "spool"), "10"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=job_env(),
+    )
     try:
         deadline = time.monotonic() + 60
         for line in p.stdout:
@@ -170,8 +180,9 @@ def test_metrics_answer_within_100ms_while_the_training_thread_holds_the_gil(tmp
             assert code_ == 200
             m = parse_metrics(body.decode())
             ages += [v for lab, v in m["vramwatch_sample_age_seconds"] if lab["rank"] == "0"]
-            assert [v for lab, v in m["torch_cuda_memory_allocated_bytes"] if lab["rank"] == "0"], \
+            assert [v for lab, v in m["torch_cuda_memory_allocated_bytes"] if lab["rank"] == "0"], (
                 "a wedged rank keeps its series"
+            )
             time.sleep(0.4)
         print("scrape ms:", [round(t * 1000, 1) for t in took], "ages:", ages)
         assert max(took) < 0.1, f"/metrics took {max(took) * 1000:.0f} ms while the job held its GIL"
@@ -182,7 +193,7 @@ def test_metrics_answer_within_100ms_while_the_training_thread_holds_the_gil(tmp
 
 
 # ------------------------------------------------------------------------------------------------
-SNAPSHOT_JOB = r'''
+SNAPSHOT_JOB = r"""
 import random, statistics
 history = sys.argv[1] == "history"
 import torch
@@ -222,7 +233,7 @@ done({"segments": len(segs), "blocks": sum(len(s["blocks"]) for s in segs),
       "largest_free": dev.get("torch_cuda_memory_largest_free_block_bytes"),
       "reserved": dev.get("torch_cuda_memory_reserved_bytes"),
       "allocated": dev.get("torch_cuda_memory_allocated_bytes")})
-'''
+"""
 
 
 @pytest.mark.parametrize("history", ["plain", "history"])
@@ -231,9 +242,11 @@ def test_largest_free_block_snapshot_cost_is_bounded(history):
     med = sorted(r["snapshot_ms"])[len(r["snapshot_ms"]) // 2]
     read_with = sorted(r["read_with_ms"])[len(r["read_with_ms"]) // 2]
     read_without = sorted(r["read_without_ms"])[len(r["read_without_ms"]) // 2]
-    print(f"{history}: {r['segments']} segments, {r['blocks']} blocks; snapshot+summary median {med:.2f} ms, "
-          f"max {max(r['snapshot_ms']):.2f} ms; sampler read {read_with:.2f} ms with snapshot, "
-          f"{read_without:.3f} ms without")
+    print(
+        f"{history}: {r['segments']} segments, {r['blocks']} blocks; snapshot+summary median {med:.2f} ms, "
+        f"max {max(r['snapshot_ms']):.2f} ms; sampler read {read_with:.2f} ms with snapshot, "
+        f"{read_without:.3f} ms without"
+    )
     assert r["segments"] > 100, "the job should have fragmented the cache"
     bound = 50.0 if history == "plain" else 100.0
     assert med < bound, f"a largest-free-block snapshot took {med:.1f} ms (bound {bound} ms)"
@@ -242,7 +255,7 @@ def test_largest_free_block_snapshot_cost_is_bounded(history):
 
 
 # ------------------------------------------------------------------------------------------------
-ASYNC_JOB = r'''
+ASYNC_JOB = r"""
 port, spool = int(sys.argv[1]), sys.argv[2]
 import torch
 import vramwatch
@@ -272,7 +285,7 @@ done({"want": want, "families": fams, "up": up, "errors": errors,
       "allocated": rank0(m, "torch_cuda_memory_allocated_bytes")[0][1],
       "reserved": rank0(m, "torch_cuda_memory_reserved_bytes")[0][1],
       "info": rank0(m, "torch_cuda_allocator_info")})
-'''
+"""
 
 
 def test_cuda_malloc_async_backend_reports_what_it_can(tmp_path):
@@ -285,8 +298,12 @@ def test_cuda_malloc_async_backend_reports_what_it_can(tmp_path):
     assert r["info"] and r["info"][0][0]["backend"] == "cudaMallocAsync"
     assert r["up"] == [1.0] and r["errors"] == [0.0], "the sampler must not fail on this backend"
     fams = set(r["families"])
-    for absent in ("torch_cuda_memory_inactive_split_bytes", "torch_cuda_memory_alloc_retries_total",
-                   "torch_cuda_memory_largest_free_block_bytes", "torch_cuda_memory_segments"):
+    for absent in (
+        "torch_cuda_memory_inactive_split_bytes",
+        "torch_cuda_memory_alloc_retries_total",
+        "torch_cuda_memory_largest_free_block_bytes",
+        "torch_cuda_memory_segments",
+    ):
         assert absent not in fams, f"{absent}: this backend reports it as zero; it must be absent, not 0"
 
 

@@ -25,7 +25,7 @@ DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("vramwatch
 # absent by design somewhere: an unsupported field, an event that has not happened
 MAY_BE_ABSENT = ("not supported", "ECC is off", "no event", "v2 memory call", "no OOM", "OOM snapshots are off")
 
-JOB = r'''
+JOB = r"""
 port, spool = int(sys.argv[1]), sys.argv[2]
 import torch
 import vramwatch
@@ -43,7 +43,7 @@ wait(lambda: (lambda m: m if all(m.get(n) for n in need) else None)(scrape(port)
 time.sleep(2.5)  # two more slow NVML reads (VRAMWATCH_NVML_SLOW_INTERVAL=1): energy, ECC, PCIe replays
 m = scrape(port)
 done({"names": sorted(m)})
-'''
+"""
 
 
 def _dashboard_families() -> dict[str, set[str]]:

@@ -25,7 +25,7 @@ from harness import ROOT, free_port, http_get, parse_metrics, wait_until
 
 pytestmark = pytest.mark.gpu
 
-RANK_SCRIPT = r'''
+RANK_SCRIPT = r"""
 import json, os, sys, time, threading
 import torch
 import torch.distributed as dist
@@ -96,7 +96,7 @@ while True:
             c1, w1 = vw_cpu(), time.monotonic()
             write(f"cpu-{rank}.json", {"share": (c1 - cpu0[0]) / (w1 - cpu0[1]), "window_s": w1 - cpu0[1]})
     time.sleep(period)
-'''
+"""
 
 
 # --- NVML, read from the pytest process (never CUDA) ---
@@ -112,8 +112,14 @@ def nvml_gpus() -> list[dict]:
     for i in range(n.nvmlDeviceGetCount()):
         h = n.nvmlDeviceGetHandleByIndex(i)
         pi = n.nvmlDeviceGetPciInfo(h)
-        out.append({"index": i, "uuid": _s(n.nvmlDeviceGetUUID(h)), "pci": (pi.domain, pi.bus, pi.device),
-                    "pids": sorted(p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h))})
+        out.append(
+            {
+                "index": i,
+                "uuid": _s(n.nvmlDeviceGetUUID(h)),
+                "pci": (pi.domain, pi.bus, pi.device),
+                "pids": sorted(p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)),
+            }
+        )
     return out
 
 
@@ -156,10 +162,22 @@ class Job:
         script = self.dir / "rank.py"
         script.write_text(RANK_SCRIPT)
         self.log = open(self.dir / "job.log", "ab")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), mode, str(self.dir), str(self.port), self.spool, *extra]
-        self.proc = subprocess.Popen(cmd, env=env_for(**env), stdout=self.log, stderr=self.log,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+            mode,
+            str(self.dir),
+            str(self.port),
+            self.spool,
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env_for(**env), stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/metrics"
@@ -224,7 +242,7 @@ def _descendants(pid: int) -> list[int]:
                 raw = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            ppid = int(raw[raw.rindex(")") + 2:].split()[1])
+            ppid = int(raw[raw.rindex(")") + 2 :].split()[1])
             parents.setdefault(ppid, []).append(int(entry))
     out, todo = [], [pid]
     while todo:
@@ -239,7 +257,7 @@ def _alive(pid: int) -> bool:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return raw[raw.rindex(")") + 2:].split()[0] not in ("Z", "X")
+    return raw[raw.rindex(")") + 2 :].split()[0] not in ("Z", "X")
 
 
 def series_by_rank(m: dict, name: str) -> dict[str, list[tuple[dict, float]]]:
@@ -303,8 +321,12 @@ def test_torchrun_one_target_every_rank_on_its_gpu(tmp_path):
             job.metrics()
             time.sleep(1.0)
         shares = {r: json.loads((job.dir / f"cpu-{r}.json").read_text())["share"] for r in range(n)}
-        print("vramwatch thread CPU share per rank:", {r: f"{s * 100:.4f}%" for r, s in shares.items()},
-              "compute processes before:", before)
+        print(
+            "vramwatch thread CPU share per rank:",
+            {r: f"{s * 100:.4f}%" for r, s in shares.items()},
+            "compute processes before:",
+            before,
+        )
         assert max(shares.values()) <= 0.0005, f"vramwatch threads above 0.05% of a core: {shares}"
     finally:
         job.kill()
@@ -357,8 +379,7 @@ def test_stalled_rank_heartbeat_ages_while_its_peers_block_in_nccl(tmp_path):
         steps1, steps2 = (per_rank(x, "vramwatch_training_steps_total") for x in (first, second))
         last2 = per_rank(second, "vramwatch_training_last_step_timestamp_seconds")
         age2 = per_rank(second, "vramwatch_sample_age_seconds")
-        print("steps", steps2, "heartbeat age", {r: round(now - t, 2) for r, t in last2.items()},
-              "sample age", age2)
+        print("steps", steps2, "heartbeat age", {r: round(now - t, 2) for r, t in last2.items()}, "sample age", age2)
         assert steps1 == steps2, f"no rank may advance while one is stalled: {steps1} -> {steps2}"
         s = str(stall)
         others = [r for r in steps2 if r != s]
@@ -383,17 +404,21 @@ def test_single_gpu_cuda_visible_devices_by_uuid(tmp_path):
     gpus = nvml_gpus()
     target = gpus[-1]  # on a multi-GPU host this is not NVML's GPU 0: a real remapping
     port = free_port()
-    code = textwrap.dedent(r'''
+    code = textwrap.dedent(r"""
         import sys, time, urllib.request
         import torch, vramwatch
         vramwatch.start(port=int(sys.argv[1]), spool_dir=sys.argv[2], interval=0.2, linger=0)
         x = torch.ones(4 << 20, device="cuda:0")
         print("count", torch.cuda.device_count(), flush=True)
         time.sleep(30)
-    ''')
-    p = subprocess.Popen([sys.executable, "-c", code, str(port), str(tmp_path / "spool")],
-                         env=env_for(CUDA_VISIBLE_DEVICES=target["uuid"]), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    """)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(port), str(tmp_path / "spool")],
+        env=env_for(CUDA_VISIBLE_DEVICES=target["uuid"]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = p.stdout.readline()
         assert line.startswith("count"), p.stderr.read() if p.poll() is not None else line

@@ -24,14 +24,32 @@ from vramwatch.exporter.collectors.xid import PREINIT, XidCollector, XidLedger, 
 
 pytestmark = pytest.mark.gpu
 MIB = 1 << 20
-SMI_FIELDS = ("index", "uuid", "name", "pci.bus_id", "driver_version", "memory.total", "memory.used",
-              "power.draw", "enforced.power.limit", "temperature.gpu", "clocks.sm", "clocks.mem",
-              "utilization.gpu", "mig.mode.current")
+SMI_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "pci.bus_id",
+    "driver_version",
+    "memory.total",
+    "memory.used",
+    "power.draw",
+    "enforced.power.limit",
+    "temperature.gpu",
+    "clocks.sm",
+    "clocks.mem",
+    "utilization.gpu",
+    "mig.mode.current",
+)
 
 
 def smi() -> dict[str, dict[str, str]]:
-    out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     rows = {}
     for line in out.strip().splitlines():
         values = dict(zip(SMI_FIELDS, (v.strip() for v in line.split(",")), strict=True))
@@ -114,8 +132,10 @@ def test_figures_match_nvidia_smi(server):
             v = by_uuid(after, name).get(uuid)
             assert v is None or 0.0 <= v <= 1.0, f"{name} is a ratio: {v}"
         # one NVML call: total = used + free (+ the driver's reservation with the v2 call)
-        t, u, f = (by_uuid(after, n)[uuid] for n in ("gpu_memory_total_bytes", "gpu_memory_used_bytes",
-                                                      "gpu_memory_free_bytes"))
+        t, u, f = (
+            by_uuid(after, n)[uuid]
+            for n in ("gpu_memory_total_bytes", "gpu_memory_used_bytes", "gpu_memory_free_bytes")
+        )
         assert t == u + f + by_uuid(after, "gpu_memory_reserved_bytes").get(uuid, 0.0)
         energy = by_uuid(after, "gpu_energy_joules_total").get(uuid)
         assert energy is None or energy > 0
@@ -124,8 +144,10 @@ def test_figures_match_nvidia_smi(server):
     up = {lab["collector"]: v for lab, v in after["vramwatch_collector_up"]}
     assert up["nvml"] == 1 and up["xid"] == 1 and up["processes"] == 1
     dur = {lab["collector"]: v for lab, v in after["vramwatch_collector_duration_seconds"]}
-    print(f"\nmeasured on {len(ref)} GPU(s): nvml read {dur['nvml'] * 1e3:.2f} ms, "
-          f"processes {dur['processes'] * 1e3:.2f} ms")
+    print(
+        f"\nmeasured on {len(ref)} GPU(s): nvml read {dur['nvml'] * 1e3:.2f} ms, "
+        f"processes {dur['processes'] * 1e3:.2f} ms"
+    )
     assert dur["nvml"] < 0.25
 
 
@@ -201,8 +223,12 @@ def test_server_creates_no_cuda_context(tmp_path):
     report = tmp_path / "server-report.json"
     log = open(tmp_path / "logs.txt", "ab")
     server = subprocess.Popen([sys.executable, "-c", PROBE, str(report)], env=env, stdout=log, stderr=log)
-    rank = subprocess.Popen([sys.executable, "-c", RANK, "60"], env=dict(env, RANK="0", LOCAL_RANK="0",
-                                                                       WORLD_SIZE="1"), stdout=log, stderr=log)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK, "60"],
+        env=dict(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"),
+        stdout=log,
+        stderr=log,
+    )
     try:
         url = f"http://127.0.0.1:{port}/metrics"
 

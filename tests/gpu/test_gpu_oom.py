@@ -20,6 +20,7 @@ from jobs import job_env, run_job
 pytestmark = pytest.mark.gpu
 GIB, MIB = 1 << 30, 1 << 20
 
+
 def run_one_device_job(body: str, *args: str, timeout: float = 300, **env: str) -> dict:
     return run_job(body, *args, env=job_env(one_device=True, **env), timeout=timeout)
 
@@ -30,7 +31,7 @@ def _need_torch():
         pytest.skip("torch is not installed")
 
 
-OOM_JOB = r'''
+OOM_JOB = r"""
 port, spool, snaps = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 import torch, vramwatch
 h = vramwatch.start(port=port, spool_dir=spool, interval=0.1, oom_snapshot_dir=snaps, oom_history_entries=5000)
@@ -65,7 +66,7 @@ res["num_ooms"] = torch.cuda.memory_stats(0)["num_ooms"]
 res["watcher_count"] = h.oom.count
 vramwatch.stop()
 done(res)
-'''
+"""
 
 
 def test_a_real_oom_is_counted_and_leaves_a_snapshot_memory_viz_opens(tmp_path):
@@ -91,7 +92,7 @@ def test_a_real_oom_is_counted_and_leaves_a_snapshot_memory_viz_opens(tmp_path):
     assert any(e.get("frames") for trace in snap["device_traces"] for e in trace if e.get("action") == "alloc")
 
 
-PEAK_JOB = r'''
+PEAK_JOB = r"""
 port, spool = int(sys.argv[1]), sys.argv[2]
 import torch, vramwatch
 from vramwatch.exporter import spool as sp
@@ -117,7 +118,7 @@ res["after"] = torch.cuda.max_memory_allocated()
 res["stats_peak"] = torch.cuda.memory_stats(0)["allocated_bytes.all.peak"]
 vramwatch.stop()
 done(res)
-'''
+"""
 
 
 def test_the_window_peak_shows_a_leak_and_leaves_max_memory_allocated_alone(tmp_path):
@@ -129,7 +130,7 @@ def test_the_window_peak_shows_a_leak_and_leaves_max_memory_allocated_alone(tmp_
     assert last - first >= 80 * MIB, seen  # 15 steps x 8 MiB apart: a rising series
 
 
-TRAINER_JOB = r'''
+TRAINER_JOB = r"""
 port, spool = int(sys.argv[1]), sys.argv[2]
 import torch, transformers, vramwatch
 from vramwatch.integrations.hf import VramwatchCallback
@@ -169,7 +170,7 @@ res["global_step"] = trainer.state.global_step
 res["device"] = str(next(model.parameters()).device)
 res["stopped"] = vramwatch.current() is None
 done(res)
-'''
+"""
 
 
 def test_a_tiny_trainer_run_on_the_gpu(tmp_path):

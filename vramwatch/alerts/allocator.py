@@ -44,8 +44,7 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
         ),
         alert(
             "TorchMemoryFragmented",
-            f"{frag} > {num(cfg.fragmentation_ratio)}\n"
-            f"and {reserved} / {limit} > {num(cfg.memory_warning_ratio)}",
+            f"{frag} > {num(cfg.fragmentation_ratio)}\nand {reserved} / {limit} > {num(cfg.memory_warning_ratio)}",
             WARNING,
             f"More than {percent(cfg.fragmentation_ratio)} of the allocator's cache holds no tensor "
             f"while memory is above {percent(cfg.memory_warning_ratio)}.",
@@ -56,8 +55,7 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
         ),
         alert(
             "TorchMemoryLeak",
-            f"predict_linear({peak}[{leak_w}], {num(cfg.leak_horizon_seconds)}) > {limit}\n"
-            f"and {peak} offset {leak_w}",
+            f"predict_linear({peak}[{leak_w}], {num(cfg.leak_horizon_seconds)}) > {limit}\nand {peak} offset {leak_w}",
             WARNING,
             f"A rank's per-step peak memory is on course to exhaust its budget within "
             f"{cfg.leak_horizon_hours:g} hours.",

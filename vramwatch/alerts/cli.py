@@ -14,23 +14,34 @@ PROMETHEUS_RULE_PATH = Path("kubernetes") / "prometheusrule.yaml"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=("rules", "prometheusrule"), default="rules",
-                   help="a Prometheus rule file (default) or a Prometheus Operator PrometheusRule")
-    p.add_argument("--release", default=DEFAULT_RELEASE,
-                   help="the PrometheusRule's `release` label, which kube-prometheus-stack selects rules by "
-                        "(empty: no such label)")
+    p.add_argument(
+        "--format",
+        choices=("rules", "prometheusrule"),
+        default="rules",
+        help="a Prometheus rule file (default) or a Prometheus Operator PrometheusRule",
+    )
+    p.add_argument(
+        "--release",
+        default=DEFAULT_RELEASE,
+        help="the PrometheusRule's `release` label, which kube-prometheus-stack selects rules by "
+        "(empty: no such label)",
+    )
     p.add_argument("--namespace", default=None, help="the PrometheusRule's namespace (default: none set)")
-    p.add_argument("--selector", default=None,
-                   help="PromQL label matchers selecting vramwatch's series, e.g. 'job=\"vramwatch\"'")
+    p.add_argument(
+        "--selector", default=None, help="PromQL label matchers selecting vramwatch's series, e.g. 'job=\"vramwatch\"'"
+    )
     group = p.add_mutually_exclusive_group()
     group.add_argument("--write", metavar="DIR", help=f"write DIR/{RULES_PATH} and DIR/{PROMETHEUS_RULE_PATH}")
     group.add_argument("--check", metavar="DIR", help="exit 1 if the files under DIR are not what --write writes")
 
 
-def generated(cfg: MonitoringConfig = DEFAULT, release: str = DEFAULT_RELEASE,
-              namespace: str | None = None) -> dict[Path, str]:
-    return {RULES_PATH: to_yaml(rule_file(cfg)),
-            PROMETHEUS_RULE_PATH: to_yaml(prometheus_rule(cfg, namespace=namespace, release=release or None))}
+def generated(
+    cfg: MonitoringConfig = DEFAULT, release: str = DEFAULT_RELEASE, namespace: str | None = None
+) -> dict[Path, str]:
+    return {
+        RULES_PATH: to_yaml(rule_file(cfg)),
+        PROMETHEUS_RULE_PATH: to_yaml(prometheus_rule(cfg, namespace=namespace, release=release or None)),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
             if current != text:
                 stale.append(str(path))
         for s in stale:
-            print(f"vramwatch alerts: {s} is out of date (run `vramwatch alerts --write {args.check}`)",
-                  file=sys.stderr)
+            print(
+                f"vramwatch alerts: {s} is out of date (run `vramwatch alerts --write {args.check}`)", file=sys.stderr
+            )
         return 1 if stale else 0
     key = RULES_PATH if args.format == "rules" else PROMETHEUS_RULE_PATH
     sys.stdout.write(files[key])

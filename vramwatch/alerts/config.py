@@ -60,8 +60,13 @@ class MonitoringConfig:
     # labels that tell one training job apart across its nodes (the peers in the rank-skew rule). A
     # label a setup lacks is empty on every series, so the default covers static configs (job), the
     # shipped PodMonitor (namespace + the pod's job-name labels) and annotation discovery (job_name).
-    job_labels: tuple[str, ...] = ("job", "namespace", "batch_kubernetes_io_job_name",
-                                   "training_kubeflow_org_job_name", "job_name")
+    job_labels: tuple[str, ...] = (
+        "job",
+        "namespace",
+        "batch_kubernetes_io_job_name",
+        "training_kubeflow_org_job_name",
+        "job_name",
+    )
     # device alerts about memory, throttling and foreign processes only for GPUs a rank of the job uses
     # (with `gpus: all` the server also reports the node's other GPUs). Xid and lost GPUs: every GPU.
     job_gpus_only: bool = True
@@ -84,8 +89,12 @@ class MonitoringConfig:
     remapped_rows_for: str = "5m"
     # throttle reasons (gpu_clock_throttle{reason}, names from the NVML collector's THROTTLE_REASONS)
     # worth a warning; sw_power_cap is normal under full load, gpu_idle is no trouble
-    throttle_reasons: tuple[str, ...] = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown",
-                                         "hw_power_brake_slowdown")
+    throttle_reasons: tuple[str, ...] = (
+        "hw_slowdown",
+        "hw_thermal_slowdown",
+        "sw_thermal_slowdown",
+        "hw_power_brake_slowdown",
+    )
     throttle_for: str = "10m"
     foreign_process_for: str = "5m"
     # rank skew: a rank's reserved bytes above this many times the median of its job's ranks,

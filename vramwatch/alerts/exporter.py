@@ -57,13 +57,15 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
         ),
     ]
     if cfg.target_absent_for:
-        out.append(alert(
-            "VramwatchTargetAbsent",
-            f"absent({up(cfg)})",
-            WARNING,
-            "No vramwatch target is known to Prometheus.",
-            f"Prometheus has had no target matching {cfg.target_selector} for more than "
-            f"{cfg.target_absent_for}: service discovery lost the jobs, or none runs.",
-            cfg.target_absent_for,
-        ))
+        out.append(
+            alert(
+                "VramwatchTargetAbsent",
+                f"absent({up(cfg)})",
+                WARNING,
+                "No vramwatch target is known to Prometheus.",
+                f"Prometheus has had no target matching {cfg.target_selector} for more than "
+                f"{cfg.target_absent_for}: service discovery lost the jobs, or none runs.",
+                cfg.target_absent_for,
+            )
+        )
     return out

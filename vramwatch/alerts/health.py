@@ -29,8 +29,7 @@ def xid_events(cfg: MonitoringConfig, xid_matcher: str) -> str:
     w = duration(cfg.xid_window)
     count = metric(cfg, "gpu_xid_errors_total", xid_matcher)
     last = metric(cfg, "gpu_last_xid_timestamp_seconds", xid_matcher)
-    return (f"increase({count}[{w}]) > 0\n"
-            f"or ((time() - {last}) < {num(parse_duration(cfg.xid_window))}) * 0 + 1")
+    return f"increase({count}[{w}]) > 0\nor ((time() - {last}) < {num(parse_duration(cfg.xid_window))}) * 0 + 1"
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:

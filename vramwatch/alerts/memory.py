@@ -28,8 +28,10 @@ from vramwatch.alerts.promql import (
 
 
 def _levels(cfg: MonitoringConfig):
-    return ((WARNING, cfg.memory_warning_ratio, cfg.memory_warning_for),
-            (CRITICAL, cfg.memory_critical_ratio, cfg.memory_critical_for))
+    return (
+        (WARNING, cfg.memory_warning_ratio, cfg.memory_warning_for),
+        (CRITICAL, cfg.memory_critical_ratio, cfg.memory_critical_for),
+    )
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
@@ -39,21 +41,27 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
     limit = metric(cfg, "torch_cuda_memory_limit_bytes")
     out = []
     for severity, ratio, for_ in _levels(cfg):
-        out.append(alert(
-            "GPUMemoryUsageHigh",
-            job_gpus(cfg, f"{used} / {total} > {num(ratio)}"),
-            severity,
-            f"GPU memory is above {percent(ratio)} of the card.",
-            f"{GPU_WHERE} has {VALUE_PERCENT} of its memory in use (NVML used / total, every process "
-            f"on the card) for more than {for_}.",
-            for_))
+        out.append(
+            alert(
+                "GPUMemoryUsageHigh",
+                job_gpus(cfg, f"{used} / {total} > {num(ratio)}"),
+                severity,
+                f"GPU memory is above {percent(ratio)} of the card.",
+                f"{GPU_WHERE} has {VALUE_PERCENT} of its memory in use (NVML used / total, every process "
+                f"on the card) for more than {for_}.",
+                for_,
+            )
+        )
     for severity, ratio, for_ in _levels(cfg):
-        out.append(alert(
-            "TorchMemoryBudgetHigh",
-            f"{reserved} / {limit} > {num(ratio)}",
-            severity,
-            f"A rank's allocator holds more than {percent(ratio)} of its memory budget.",
-            f"{DEVICE_WHERE}: the caching allocator reserves {VALUE_PERCENT} of the rank's budget "
-            f"(reserved / torch_cuda_memory_limit_bytes) for more than {for_}.",
-            for_))
+        out.append(
+            alert(
+                "TorchMemoryBudgetHigh",
+                f"{reserved} / {limit} > {num(ratio)}",
+                severity,
+                f"A rank's allocator holds more than {percent(ratio)} of its memory budget.",
+                f"{DEVICE_WHERE}: the caching allocator reserves {VALUE_PERCENT} of the rank's budget "
+                f"(reserved / torch_cuda_memory_limit_bytes) for more than {for_}.",
+                for_,
+            )
+        )
     return out

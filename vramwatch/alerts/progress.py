@@ -59,8 +59,10 @@ def _indent(text: str) -> str:
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
-    why = (f"(bound: {cfg.stall_factor:g}x its mean step time over {cfg.stall_window}, "
-           f"at least {cfg.stall_min_seconds:g}s)")
+    why = (
+        f"(bound: {cfg.stall_factor:g}x its mean step time over {cfg.stall_window}, "
+        f"at least {cfg.stall_min_seconds:g}s)"
+    )
     return [
         alert(
             "TrainingStalled",
@@ -75,8 +77,7 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
         ),
         alert(
             "TrainingStalled",
-            f"(\n{_indent(stalled_ranks(cfg))}\n)\nunless ignoring({_PER_GPU_ONLY})\n(\n"
-            f"{_indent(busy_stalls(cfg))}\n)",
+            f"(\n{_indent(stalled_ranks(cfg))}\n)\nunless ignoring({_PER_GPU_ONLY})\n(\n{_indent(busy_stalls(cfg))}\n)",
             WARNING,
             "A rank stopped making progress.",
             f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {why}; its GPU does not show the "

@@ -78,8 +78,15 @@ def job_gpus(cfg: MonitoringConfig, expr: str, *labels: str) -> str:
     return f"{expr}\nand ignoring({ignore})\n{metric(cfg, 'torch_cuda_memory_allocated_bytes')}"
 
 
-def alert(name: str, expr: str, severity: str, summary: str, description: str,
-          for_: str = "", labels: dict[str, str] | None = None) -> dict[str, Any]:
+def alert(
+    name: str,
+    expr: str,
+    severity: str,
+    summary: str,
+    description: str,
+    for_: str = "",
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
     rule: dict[str, Any] = {"alert": name, "expr": expr}
     if for_ and parse_duration(for_) > 0:
         rule["for"] = duration(for_)

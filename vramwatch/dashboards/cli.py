@@ -14,8 +14,11 @@ NEEDS = "grafana-foundation-sdk==0.0.21 (pip install 'vramwatch[dashboards]')"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--write", metavar="DIR",
-                   help="write DIR/grafana/dashboards/<uid>.json and DIR/kubernetes/dashboards-configmap.yaml")
+    g.add_argument(
+        "--write",
+        metavar="DIR",
+        help="write DIR/grafana/dashboards/<uid>.json and DIR/kubernetes/dashboards-configmap.yaml",
+    )
     g.add_argument("--check", metavar="DIR", help="exit 1 if the files under DIR are missing or out of date")
     g.add_argument("--uid", help="print one dashboard's JSON (default: list the dashboards)")
 

@@ -36,8 +36,24 @@ with warnings.catch_warnings():
     from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 __all__ = [
-    "PROM", "Scope", "m", "variables", "ts", "table_panel", "stat_panel", "bar_panel", "q", "qt",
-    "thresholds", "right_axis", "dashed", "units", "dashboard", "base_dashboard", "xid_annotation", "JSONEncoder",
+    "PROM",
+    "Scope",
+    "m",
+    "variables",
+    "ts",
+    "table_panel",
+    "stat_panel",
+    "bar_panel",
+    "q",
+    "qt",
+    "thresholds",
+    "right_axis",
+    "dashed",
+    "units",
+    "dashboard",
+    "base_dashboard",
+    "xid_annotation",
+    "JSONEncoder",
 ]
 
 PROM = DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -73,10 +89,16 @@ class Scope:
 
 def _query_variable(name: str, query: str) -> dashboard.QueryVariable:
     return (
-        dashboard.QueryVariable(name).label(VARIABLES[name]).datasource(PROM)
-        .query(query).definition(query)
-        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.NATURAL_ASC)
-        .multi(True).include_all(True).all_value(ALL)
+        dashboard.QueryVariable(name)
+        .label(VARIABLES[name])
+        .datasource(PROM)
+        .query(query)
+        .definition(query)
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.NATURAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(ALL)
         .current(VariableOption(selected=True, text="All", value="$__all"))
     )
 
@@ -96,9 +118,15 @@ def variables(cfg: MonitoringConfig) -> list:
 
 def base_dashboard(uid: str, title: str, description: str, cfg: MonitoringConfig) -> dashboard.Dashboard:
     d = (
-        dashboard.Dashboard(title).uid(uid).description(description)
-        .tags(list(cfg.dashboard_tags)).timezone("browser").time("now-1h", "now").refresh("30s")
-        .tooltip(DashboardCursorSync.CROSSHAIR).editable()
+        dashboard.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(list(cfg.dashboard_tags))
+        .timezone("browser")
+        .time("now-1h", "now")
+        .refresh("30s")
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .editable()
     )
     for v in variables(cfg):
         d = d.with_variable(v)
@@ -112,14 +140,21 @@ def xid_annotation(s: Scope) -> dashboard.AnnotationQuery:
     not pre-initialised (``increase()`` of its counter would miss it).
     """
     return (
-        dashboard.AnnotationQuery().name("Xid events").datasource(PROM).enable(True).icon_color("red")
-        .expr(f"{m('gpu_last_xid_timestamp_seconds')}{s.gpu} > time() - 60").step("60s")
-        .title_format("Xid {{xid}}").text_format("GPU {{gpu}} ({{uuid}}) on {{instance}}")
+        dashboard.AnnotationQuery()
+        .name("Xid events")
+        .datasource(PROM)
+        .enable(True)
+        .icon_color("red")
+        .expr(f"{m('gpu_last_xid_timestamp_seconds')}{s.gpu} > time() - 60")
+        .step("60s")
+        .title_format("Xid {{xid}}")
+        .text_format("GPU {{gpu}} ({{uuid}}) on {{instance}}")
         .tag_keys("xid,gpu,instance")
     )
 
 
 # --- queries ---
+
 
 def q(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
     """A range query, as a time series panel runs it."""
@@ -129,31 +164,58 @@ def q(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
 
 def qt(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
     """An instant query in table format, as a table or stat panel runs it."""
-    d = (prometheus.Dataquery().expr(expr).ref_id(ref).instant().format(PromQueryFormat.TABLE)
-         .datasource(PROM))
+    d = prometheus.Dataquery().expr(expr).ref_id(ref).instant().format(PromQueryFormat.TABLE).datasource(PROM)
     return d.legend_format(legend) if legend else d
 
 
 # --- panels ---
 
+
 def thresholds(*steps: tuple[float, str], base: str = "green") -> dashboard.ThresholdsConfig:
-    return dashboard.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(
-        [Threshold(value=None, color=base)] + [Threshold(value=float(v), color=c) for v, c in steps])
+    return (
+        dashboard.ThresholdsConfig()
+        .mode(ThresholdsMode.ABSOLUTE)
+        .steps([Threshold(value=None, color=base)] + [Threshold(value=float(v), color=c) for v, c in steps])
+    )
 
 
 def _legend() -> cb.VizLegendOptions:
-    return (cb.VizLegendOptions().show_legend(True).display_mode(cm.LegendDisplayMode.LIST)
-            .placement(cm.LegendPlacement.BOTTOM))
+    return (
+        cb.VizLegendOptions()
+        .show_legend(True)
+        .display_mode(cm.LegendDisplayMode.LIST)
+        .placement(cm.LegendPlacement.BOTTOM)
+    )
 
 
-def ts(title: str, description: str, unit: str, targets: list, *, span: int = 12, height: int = 8,
-       min_: float | None = None, max_: float | None = None, limits: dashboard.ThresholdsConfig | None = None,
-       bars: bool = False, stepped: bool = False, stack: bool = False) -> timeseries.Panel:
+def ts(
+    title: str,
+    description: str,
+    unit: str,
+    targets: list,
+    *,
+    span: int = 12,
+    height: int = 8,
+    min_: float | None = None,
+    max_: float | None = None,
+    limits: dashboard.ThresholdsConfig | None = None,
+    bars: bool = False,
+    stepped: bool = False,
+    stack: bool = False,
+) -> timeseries.Panel:
     p = (
-        timeseries.Panel().title(title).description(description).datasource(PROM).unit(unit)
-        .span(span).height(height).legend(_legend())
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(PROM)
+        .unit(unit)
+        .span(span)
+        .height(height)
+        .legend(_legend())
         .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING))
-        .line_width(1).fill_opacity(10 if not bars else 80).show_points(cm.VisibilityMode.NEVER)
+        .line_width(1)
+        .fill_opacity(10 if not bars else 80)
+        .show_points(cm.VisibilityMode.NEVER)
     )
     if bars:
         p = p.draw_style(cm.GraphDrawStyle.BARS)
@@ -167,18 +229,28 @@ def ts(title: str, description: str, unit: str, targets: list, *, span: int = 12
         p = p.max(max_)
     if limits is not None:
         p = p.thresholds(limits).thresholds_style(
-            cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED))
+            cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)
+        )
     for t in targets:
         p = p.with_target(t)
     return p
 
 
-def right_axis(p: timeseries.Panel, ref: str, unit: str, *, min_: float | None = None,
-               max_: float | None = None, limits: dashboard.ThresholdsConfig | None = None,
-               dashed: bool = False) -> timeseries.Panel:
+def right_axis(
+    p: timeseries.Panel,
+    ref: str,
+    unit: str,
+    *,
+    min_: float | None = None,
+    max_: float | None = None,
+    limits: dashboard.ThresholdsConfig | None = None,
+    dashed: bool = False,
+) -> timeseries.Panel:
     """Move query ``ref``'s series to a right-hand axis with its own unit (and threshold lines)."""
-    props = [DynamicConfigValue(id_val="custom.axisPlacement", value=cm.AxisPlacement.RIGHT),
-             DynamicConfigValue(id_val="unit", value=unit)]
+    props = [
+        DynamicConfigValue(id_val="custom.axisPlacement", value=cm.AxisPlacement.RIGHT),
+        DynamicConfigValue(id_val="unit", value=unit),
+    ]
     if min_ is not None:
         props.append(DynamicConfigValue(id_val="min", value=min_))
     if max_ is not None:
@@ -193,26 +265,49 @@ def right_axis(p: timeseries.Panel, ref: str, unit: str, *, min_: float | None =
 
 def dashed(p: timeseries.Panel, ref: str, color: str | None = None) -> timeseries.Panel:
     """Draw query ``ref`` as a dashed reference line (a limit, a projection)."""
-    props = [DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
-             DynamicConfigValue(id_val="custom.fillOpacity", value=0)]
+    props = [
+        DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+        DynamicConfigValue(id_val="custom.fillOpacity", value=0),
+    ]
     if color:
         props.append(DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": color}))
     return p.override_by_query(ref, props)
 
 
-def table_panel(title: str, description: str, targets: list, *, unit: str = units.Short, span: int = 12,
-                height: int = 8, sort_by: str | None = None, sort_desc: bool = True,
-                limits: dashboard.ThresholdsConfig | None = None,
-                columns: dict[str, str] | None = None, hide: tuple[str, ...] = (), no_value: str = "",
-                column_units: dict[str, str] | None = None, color_columns: tuple[str, ...] = ()) -> table.Panel:
+def table_panel(
+    title: str,
+    description: str,
+    targets: list,
+    *,
+    unit: str = units.Short,
+    span: int = 12,
+    height: int = 8,
+    sort_by: str | None = None,
+    sort_desc: bool = True,
+    limits: dashboard.ThresholdsConfig | None = None,
+    columns: dict[str, str] | None = None,
+    hide: tuple[str, ...] = (),
+    no_value: str = "",
+    column_units: dict[str, str] | None = None,
+    color_columns: tuple[str, ...] = (),
+) -> table.Panel:
     """A table of instant queries; several queries are merged into one row per label set.
 
     ``columns`` maps a query's refId to its column title (``Value #A`` in Grafana's frames);
     ``hide`` names label columns to leave out; ``column_units`` sets a unit per column title;
     ``limits`` colours the cells of every value column, or only of ``color_columns`` when given.
     """
-    p = (table.Panel().title(title).description(description).datasource(PROM).unit(unit)
-         .span(span).height(height).show_header(True).filterable(True))
+    p = (
+        table.Panel()
+        .title(title)
+        .description(description)
+        .datasource(PROM)
+        .unit(unit)
+        .span(span)
+        .height(height)
+        .show_header(True)
+        .filterable(True)
+    )
     if no_value:
         p = p.no_value(no_value)
     for t in targets:
@@ -223,40 +318,85 @@ def table_panel(title: str, description: str, targets: list, *, unit: str = unit
         renames = {f"Value #{ref}": name for ref, name in (columns or {}).items()}
     elif columns:
         renames = {"Value": next(iter(columns.values()))}
-    p = p.with_transformation(DataTransformerConfig(id_val="organize", options={
-        "excludeByName": {c: True for c in ("Time", "__name__", *hide)}, "renameByName": renames}))
+    p = p.with_transformation(
+        DataTransformerConfig(
+            id_val="organize",
+            options={"excludeByName": {c: True for c in ("Time", "__name__", *hide)}, "renameByName": renames},
+        )
+    )
     for col, unit in (column_units or {}).items():
         p = p.override_by_name(col, [DynamicConfigValue(id_val="unit", value=unit)])
     cell = cm.TableColoredBackgroundCellOptions(mode=cm.TableCellBackgroundDisplayMode.BASIC)
     if limits is not None and not color_columns:
         p = p.thresholds(limits).cell_options(cell)
     for col in color_columns if limits is not None else ():
-        p = p.override_by_name(col, [DynamicConfigValue(id_val="thresholds", value=limits.build()),
-                                     DynamicConfigValue(id_val="custom.cellOptions", value=cell)])
+        p = p.override_by_name(
+            col,
+            [
+                DynamicConfigValue(id_val="thresholds", value=limits.build()),
+                DynamicConfigValue(id_val="custom.cellOptions", value=cell),
+            ],
+        )
     if sort_by:
         p = p.sort_by([cb.TableSortByFieldState().display_name(sort_by).desc(sort_desc)])
     return p
 
 
-def stat_panel(title: str, description: str, target, *, unit: str = units.Short, span: int = 6, height: int = 4,
-               limits: dashboard.ThresholdsConfig | None = None) -> stat.Panel:
-    p = (stat.Panel().title(title).description(description).datasource(PROM).unit(unit).span(span).height(height)
-         .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
-         .graph_mode(cm.BigValueGraphMode.NONE).color_mode(cm.BigValueColorMode.BACKGROUND)
-         .with_target(target))
+def stat_panel(
+    title: str,
+    description: str,
+    target,
+    *,
+    unit: str = units.Short,
+    span: int = 6,
+    height: int = 4,
+    limits: dashboard.ThresholdsConfig | None = None,
+) -> stat.Panel:
+    p = (
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(PROM)
+        .unit(unit)
+        .span(span)
+        .height(height)
+        .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .graph_mode(cm.BigValueGraphMode.NONE)
+        .color_mode(cm.BigValueColorMode.BACKGROUND)
+        .with_target(target)
+    )
     return p.thresholds(limits) if limits is not None else p
 
 
-def bar_panel(title: str, description: str, target, *, unit: str = units.Short, span: int = 12,
-              height: int = 8, limits: dashboard.ThresholdsConfig | None = None) -> bargauge.Panel:
-    p = (bargauge.Panel().title(title).description(description).datasource(PROM).unit(unit).span(span)
-         .height(height).orientation(cm.VizOrientation.HORIZONTAL).display_mode(cm.BarGaugeDisplayMode.BASIC)
-         .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False)).min(0)
-         .with_target(target))
+def bar_panel(
+    title: str,
+    description: str,
+    target,
+    *,
+    unit: str = units.Short,
+    span: int = 12,
+    height: int = 8,
+    limits: dashboard.ThresholdsConfig | None = None,
+) -> bargauge.Panel:
+    p = (
+        bargauge.Panel()
+        .title(title)
+        .description(description)
+        .datasource(PROM)
+        .unit(unit)
+        .span(span)
+        .height(height)
+        .orientation(cm.VizOrientation.HORIZONTAL)
+        .display_mode(cm.BarGaugeDisplayMode.BASIC)
+        .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .min(0)
+        .with_target(target)
+    )
     return p.thresholds(limits) if limits is not None else p
 
 
 # --- expressions shared by several panels ---
+
 
 def num(v: float) -> str:
     """A config number as PromQL text, without losing precision (0.85, 120, 1e-05)."""

@@ -46,8 +46,11 @@ def configmap_yaml(files: dict[str, str], name: str = CONFIGMAP_NAME) -> str:
         "kind": "ConfigMap",
         "metadata": {
             "name": name,
-            "labels": {"grafana_dashboard": "1", "app.kubernetes.io/name": "vramwatch",
-                       "app.kubernetes.io/component": "dashboards"},
+            "labels": {
+                "grafana_dashboard": "1",
+                "app.kubernetes.io/name": "vramwatch",
+                "app.kubernetes.io/component": "dashboards",
+            },
         },
         "data": {k: _Literal(v) for k, v in sorted(files.items())},
     }

@@ -104,11 +104,19 @@ def _panel(p: Any) -> PanelSpec:
     d = fc.defaults if fc is not None else None
     custom = getattr(d, "custom", None)
     spec = PanelSpec(
-        id=int(p.id_val or 0), title=p.title or "", type=p.type_val, description=p.description or "",
-        targets=[Target(t.ref_id or "", t.expr or "", t.legend_format or "", bool(t.instant))
-                 for t in (p.targets or [])],
-        axis=Axis(unit=(d.unit if d is not None else "") or "", min=getattr(d, "min_val", None),
-                  max=getattr(d, "max_val", None), thresholds=_steps(getattr(d, "thresholds", None))),
+        id=int(p.id_val or 0),
+        title=p.title or "",
+        type=p.type_val,
+        description=p.description or "",
+        targets=[
+            Target(t.ref_id or "", t.expr or "", t.legend_format or "", bool(t.instant)) for t in (p.targets or [])
+        ],
+        axis=Axis(
+            unit=(d.unit if d is not None else "") or "",
+            min=getattr(d, "min_val", None),
+            max=getattr(d, "max_val", None),
+            thresholds=_steps(getattr(d, "thresholds", None)),
+        ),
         bars=_val(getattr(custom, "draw_style", None)) == "bars",
         stepped=str(_val(getattr(custom, "line_interpolation", None)) or "").startswith("step"),
         no_value=(getattr(d, "no_value", None) or ""),
@@ -118,8 +126,12 @@ def _panel(p: Any) -> PanelSpec:
         if o.matcher.id_val == "byFrameRefID":
             ref = o.matcher.options
             if _val(props.get("custom.axisPlacement")) == "right":
-                spec.right[ref] = Axis(unit=props.get("unit", ""), min=props.get("min"), max=props.get("max"),
-                                       thresholds=_steps(props.get("thresholds")))
+                spec.right[ref] = Axis(
+                    unit=props.get("unit", ""),
+                    min=props.get("min"),
+                    max=props.get("max"),
+                    thresholds=_steps(props.get("thresholds")),
+                )
             if (props.get("custom.lineStyle") or {}).get("fill") == "dash":
                 spec.dashed.add(ref)
             color = props.get("color") or {}
@@ -134,7 +146,7 @@ def _panel(p: Any) -> PanelSpec:
         if tr.id_val == "organize":
             spec.hidden = {k for k, v in (tr.options.get("excludeByName") or {}).items() if v}
             for k, v in (tr.options.get("renameByName") or {}).items():
-                ref = k[len("Value #"):] if k.startswith("Value #") else (spec.targets[0].ref if spec.targets else "")
+                ref = k[len("Value #") :] if k.startswith("Value #") else (spec.targets[0].ref if spec.targets else "")
                 spec.columns[ref] = v
     sort = getattr(getattr(p, "options", None), "sort_by", None) or []
     if sort:
@@ -152,10 +164,15 @@ def spec(model: Any) -> DashboardSpec:
         if not rows:
             rows.append(Row("", []))
         rows[-1].panels.append(_panel(p))
-    variables = [Variable(v.name, str(_val(v.type_val)), v.query if isinstance(v.query, str) else "",
-                          v.all_value or "") for v in (model.templating.list_val or [])]
-    annotations = [Annotation(a.name, a.expr or "", a.title_format or "", a.icon_color or "red", a.step or "")
-                   for a in (model.annotations.list_val or []) if a.expr]
+    variables = [
+        Variable(v.name, str(_val(v.type_val)), v.query if isinstance(v.query, str) else "", v.all_value or "")
+        for v in (model.templating.list_val or [])
+    ]
+    annotations = [
+        Annotation(a.name, a.expr or "", a.title_format or "", a.icon_color or "red", a.step or "")
+        for a in (model.annotations.list_val or [])
+        if a.expr
+    ]
     return DashboardSpec(model.uid, model.title, model.description or "", rows, variables, annotations)
 
 
@@ -198,8 +215,11 @@ class TimeContext:
         return max(self.step + self.scrape_interval, 4 * self.scrape_interval)
 
     def builtins(self) -> dict[str, str]:
-        return {"__interval": duration(self.step), "__rate_interval": duration(self.rate_interval),
-                "__range": duration(self.end - self.start)}
+        return {
+            "__interval": duration(self.step),
+            "__rate_interval": duration(self.rate_interval),
+            "__range": duration(self.end - self.start),
+        }
 
 
 def substitute(expr: str, values: dict[str, str], tc: TimeContext) -> str:

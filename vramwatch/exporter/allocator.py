@@ -142,16 +142,24 @@ class AllocatorSampler:
                     values[name] = float(v)
             if not native:
                 # cudaMallocAsync reports only allocated/active/reserved; its zeros are not readings
-                values = {k: v for k, v in values.items() if k in (
-                    "torch_cuda_memory_allocated_bytes", "torch_cuda_memory_reserved_bytes",
-                    "torch_cuda_memory_active_bytes", "torch_cuda_memory_peak_allocated_bytes",
-                    "torch_cuda_memory_peak_reserved_bytes")}
+                values = {
+                    k: v
+                    for k, v in values.items()
+                    if k
+                    in (
+                        "torch_cuda_memory_allocated_bytes",
+                        "torch_cuda_memory_reserved_bytes",
+                        "torch_cuda_memory_active_bytes",
+                        "torch_cuda_memory_peak_allocated_bytes",
+                        "torch_cuda_memory_peak_reserved_bytes",
+                    )
+                }
             allocated = values.get("torch_cuda_memory_allocated_bytes", 0.0)
             reserved = values.get("torch_cuda_memory_reserved_bytes", 0.0)
-            values["torch_cuda_memory_fragmentation_ratio"] = (
-                (reserved - allocated) / reserved if reserved > 0 else 0.0)
+            values["torch_cuda_memory_fragmentation_ratio"] = (reserved - allocated) / reserved if reserved > 0 else 0.0
             values["torch_cuda_memory_step_peak_allocated_bytes"] = self._window_peak(
-                dev, allocated, values.get("torch_cuda_memory_peak_allocated_bytes", allocated))
+                dev, allocated, values.get("torch_cuda_memory_peak_allocated_bytes", allocated)
+            )
             seg = self._segments.get(dev)
             if seg is not None:
                 values["torch_cuda_memory_largest_free_block_bytes"] = float(seg["largest_free"])

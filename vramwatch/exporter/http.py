@@ -33,12 +33,16 @@ LANDING = b"""<!doctype html><html><head><title>vramwatch</title></head><body>
 <ul><li><a href="/metrics">/metrics</a></li><li><a href="/-/healthy">/-/healthy</a></li></ul>
 </body></html>
 """
-_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\n"
-         b"Content-Length: 17\r\nConnection: close\r\n\r\ntoo many requests")
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\n"
+    b"Content-Length: 17\r\nConnection: close\r\n\r\ntoo many requests"
+)
 
 _TLS_HINT = b"Client sent an HTTP request to an HTTPS server.\n"
-_PLAIN_TO_TLS = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-                 b"Connection: close\r\n\r\n%s" % (len(_TLS_HINT), _TLS_HINT))
+_PLAIN_TO_TLS = (
+    b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+    b"Connection: close\r\n\r\n%s" % (len(_TLS_HINT), _TLS_HINT)
+)
 MAX_REQUEST_HEAD = 16 * 1024  # request line + headers; a Prometheus scrape sends well under 1 KiB
 _DRAIN_BYTES = 64 * 1024
 
@@ -59,7 +63,7 @@ class _RequestReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:  # noqa: ANN001 - io signature
+    def readinto(self, b) -> int:
         if self.left <= 0:
             raise _HeadTooLarge
         remaining = self.deadline - time.monotonic()
@@ -77,9 +81,17 @@ class ExporterHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, address: tuple[str, int], registry: CollectorRegistry, *, max_connections: int = 8,
-                 timeout: float = 10.0, ssl_context: Any = None,
-                 authorize: Authorizer | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        registry: CollectorRegistry,
+        *,
+        max_connections: int = 8,
+        timeout: float = 10.0,
+        ssl_context: Any = None,
+        authorize: Authorizer | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.registry = registry
@@ -91,7 +103,7 @@ class ExporterHTTPServer(ThreadingHTTPServer):
         self.rejected = 0
         super().__init__(address, _Handler)
 
-    def process_request(self, request, client_address):  # noqa: ANN001 - socketserver signature
+    def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
             self.rejected += 1
             try:
@@ -111,7 +123,7 @@ class ExporterHTTPServer(ThreadingHTTPServer):
             self._slots.release()
             raise
 
-    def process_request_thread(self, request, client_address):  # noqa: ANN001
+    def process_request_thread(self, request, client_address):
         try:
             deadline = time.monotonic() + self.conn_timeout
             if self.ssl_context is not None:
@@ -130,7 +142,7 @@ class ExporterHTTPServer(ThreadingHTTPServer):
             self.shutdown_request(request)
             self._slots.release()
 
-    def shutdown_request(self, request):  # noqa: ANN001
+    def shutdown_request(self, request):
         """Close cleanly: send FIN, then read what the client still sends (briefly), so it gets no RST."""
         try:
             request.shutdown(socket.SHUT_WR)
@@ -145,7 +157,7 @@ class ExporterHTTPServer(ThreadingHTTPServer):
             pass
         self.close_request(request)
 
-    def handle_error(self, request, client_address):  # noqa: ANN001
+    def handle_error(self, request, client_address):
         log.debug("vramwatch: request from %s failed", client_address, exc_info=True)
 
 
@@ -157,7 +169,7 @@ class _Handler(BaseHTTPRequestHandler):
     error_message_format = "%(code)d %(message)s\n"
     error_content_type = "text/plain; charset=utf-8"
 
-    def __init__(self, request, client_address, server, deadline: float) -> None:  # noqa: ANN001
+    def __init__(self, request, client_address, server, deadline: float) -> None:
         self.deadline = deadline
         super().__init__(request, client_address, server)
 
@@ -192,7 +204,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         super().end_headers()
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args) -> None:
         log.debug("vramwatch http: " + format, *args)
 
     def do_GET(self) -> None:
@@ -215,7 +227,7 @@ class _Handler(BaseHTTPRequestHandler):
             encoder, ctype = choose_encoder(self.headers.get("Accept"))
             try:
                 body = encoder(self.server.registry)
-            except Exception:  # noqa: BLE001 - say so, never drop the connection silently
+            except Exception:
                 log.warning("vramwatch: rendering /metrics failed", exc_info=True)
                 self._reply(500, b"collection failed; see the server log\n", "text/plain", head=head)
                 return
@@ -231,8 +243,9 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._reply(404, b"not found; see /metrics\n", "text/plain", head=head)
 
-    def _reply(self, code: int, body: bytes, ctype: str, headers: dict[str, str] | None = None,
-               head: bool = False) -> None:
+    def _reply(
+        self, code: int, body: bytes, ctype: str, headers: dict[str, str] | None = None, head: bool = False
+    ) -> None:
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))

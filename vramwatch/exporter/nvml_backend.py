@@ -46,12 +46,24 @@ ARGUMENT_VERSION_MISMATCH = 25
 NOT_READY = 27
 UNKNOWN = 999
 
-NAMES = {UNINITIALIZED: "UNINITIALIZED", 2: "INVALID_ARGUMENT", NOT_SUPPORTED: "NOT_SUPPORTED",
-         NO_PERMISSION: "NO_PERMISSION", NOT_FOUND: "NOT_FOUND", DRIVER_NOT_LOADED: "DRIVER_NOT_LOADED",
-         TIMEOUT: "TIMEOUT", LIBRARY_NOT_FOUND: "LIBRARY_NOT_FOUND", FUNCTION_NOT_FOUND: "FUNCTION_NOT_FOUND",
-         GPU_IS_LOST: "GPU_IS_LOST", RESET_REQUIRED: "RESET_REQUIRED",
-         LIB_RM_VERSION_MISMATCH: "LIB_RM_VERSION_MISMATCH", NO_DATA: "NO_DATA",
-         ARGUMENT_VERSION_MISMATCH: "ARGUMENT_VERSION_MISMATCH", NOT_READY: "NOT_READY", UNKNOWN: "UNKNOWN"}
+NAMES = {
+    UNINITIALIZED: "UNINITIALIZED",
+    2: "INVALID_ARGUMENT",
+    NOT_SUPPORTED: "NOT_SUPPORTED",
+    NO_PERMISSION: "NO_PERMISSION",
+    NOT_FOUND: "NOT_FOUND",
+    DRIVER_NOT_LOADED: "DRIVER_NOT_LOADED",
+    TIMEOUT: "TIMEOUT",
+    LIBRARY_NOT_FOUND: "LIBRARY_NOT_FOUND",
+    FUNCTION_NOT_FOUND: "FUNCTION_NOT_FOUND",
+    GPU_IS_LOST: "GPU_IS_LOST",
+    RESET_REQUIRED: "RESET_REQUIRED",
+    LIB_RM_VERSION_MISMATCH: "LIB_RM_VERSION_MISMATCH",
+    NO_DATA: "NO_DATA",
+    ARGUMENT_VERSION_MISMATCH: "ARGUMENT_VERSION_MISMATCH",
+    NOT_READY: "NOT_READY",
+    UNKNOWN: "UNKNOWN",
+}
 
 UNSUPPORTED_CODES = frozenset({NOT_SUPPORTED, NO_PERMISSION, FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH})
 LOST_CODES = frozenset({GPU_IS_LOST, RESET_REQUIRED})
@@ -143,8 +155,13 @@ class OnceLog:
 class NvmlSession:
     """NVML for one server. ``ensure()`` is cheap once initialised; call it before each read."""
 
-    def __init__(self, settings: Settings, module: Any = None,
-                 loader: Callable[[Settings], Any] = load_module, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        module: Any = None,
+        loader: Callable[[Settings], Any] = load_module,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.nv: Any = module
         self._loader = loader
@@ -191,17 +208,26 @@ class NvmlSession:
             self.generation += 1
             self._backoff = BACKOFF_FIRST
             self.last_error = ""
-            log.info("vramwatch: NVML ready (driver %s): %d GPU(s) %s", self.driver_version or "?",
-                     len(self.devices), ", ".join(f"{d.index}:{d.uuid}" for d in self.devices))
+            log.info(
+                "vramwatch: NVML ready (driver %s): %d GPU(s) %s",
+                self.driver_version or "?",
+                len(self.devices),
+                ", ".join(f"{d.index}:{d.uuid}" for d in self.devices),
+            )
             return True
 
     def _init_failed(self, now: float, kind: str, detail: str) -> None:
         self.init_failures += 1
         self.last_error = detail
         self._next_try = now + self._backoff
-        self.once(("init", kind), logging.WARNING,
-                  "vramwatch: NVML unavailable (%s); device metrics are off, allocator metrics go on; "
-                  "retrying with back-off up to %.0f s", detail, BACKOFF_MAX)
+        self.once(
+            ("init", kind),
+            logging.WARNING,
+            "vramwatch: NVML unavailable (%s); device metrics are off, allocator metrics go on; "
+            "retrying with back-off up to %.0f s",
+            detail,
+            BACKOFF_MAX,
+        )
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
 
     def mark_down(self, e: BaseException) -> None:
@@ -213,8 +239,12 @@ class NvmlSession:
             self.last_error = error_name(e)
             self._next_try = self._clock() + self._backoff
             self._backoff = min(self._backoff * 2, BACKOFF_MAX)
-        self.once(("down", error_name(e)), logging.WARNING,
-                  "vramwatch: NVML stopped answering (%s); re-initialising with back-off", error_name(e))
+        self.once(
+            ("down", error_name(e)),
+            logging.WARNING,
+            "vramwatch: NVML stopped answering (%s); re-initialising with back-off",
+            error_name(e),
+        )
 
     def next_try_in(self) -> float:
         return max(0.0, self._next_try - self._clock())
@@ -233,16 +263,28 @@ class NvmlSession:
             try:
                 h = nv.nvmlDeviceGetHandleByIndex(i)
                 uuid = text(nv.nvmlDeviceGetUUID(h))
-            except Exception as e:  # noqa: BLE001 - a GPU we cannot identify is skipped, retried later
+            except Exception as e:
                 if classify(e) == "session":
                     raise
                 incomplete = True
-                self.once(("enumerate", i, error_name(e)), logging.WARNING,
-                          "vramwatch: NVML GPU %d cannot be identified (%s); skipping it for now", i, error_name(e))
+                self.once(
+                    ("enumerate", i, error_name(e)),
+                    logging.WARNING,
+                    "vramwatch: NVML GPU %d cannot be identified (%s); skipping it for now",
+                    i,
+                    error_name(e),
+                )
                 continue
-            devices.append(Device(i, uuid[:96], self._soft(lambda h=h: text(nv.nvmlDeviceGetName(h)))[:96],
-                                  self._soft(lambda h=h: text(nv.nvmlDeviceGetPciInfo(h).busId))[:32],
-                                  self._mig_mode(h), h))
+            devices.append(
+                Device(
+                    i,
+                    uuid[:96],
+                    self._soft(lambda h=h: text(nv.nvmlDeviceGetName(h)))[:96],
+                    self._soft(lambda h=h: text(nv.nvmlDeviceGetPciInfo(h).busId))[:32],
+                    self._mig_mode(h),
+                    h,
+                )
+            )
         self.devices = tuple(devices)
         # an identity getter that failed for real (not "not supported") leaves a label empty: that is
         # trouble, so `up` says 0 until a slow-cadence re-enumeration reads it

@@ -50,14 +50,18 @@ class Server:
         self.collectors = enabled_collectors(self.settings)
         self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors)
         registry = build_registry(self.exporter)
-        self.http = ExporterHTTPServer((self.settings.host, self.settings.port), registry,
-                                       max_connections=self.settings.max_connections,
-                                       ssl_context=ssl_context, authorize=authorize, headers=headers)
+        self.http = ExporterHTTPServer(
+            (self.settings.host, self.settings.port),
+            registry,
+            max_connections=self.settings.max_connections,
+            ssl_context=ssl_context,
+            authorize=authorize,
+            headers=headers,
+        )
         for c in self.collectors:
             c.start()
         with open(os.path.join(self.spool_dir, "server.json"), "w", encoding="utf-8") as fh:
-            json.dump({"pid": os.getpid(), "host": self.settings.host,
-                       "port": self.http.server_address[1]}, fh)
+            json.dump({"pid": os.getpid(), "host": self.settings.host, "port": self.http.server_address[1]}, fh)
         return True
 
     @property
@@ -67,8 +71,9 @@ class Server:
 
     def run(self, exit_when_idle: bool = False) -> None:
         assert self.http is not None and self.exporter is not None
-        t = threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.2},
-                             name="vramwatch-http", daemon=True)
+        t = threading.Thread(
+            target=self.http.serve_forever, kwargs={"poll_interval": 0.2}, name="vramwatch-http", daemon=True
+        )
         t.start()
         started = time.monotonic()
         last_seen: float | None = None
@@ -79,8 +84,9 @@ class Server:
                 now = time.monotonic()
                 if spool.read_samples(self.spool_dir, self.settings.max_ranks, reap=False):
                     last_seen = now
-                elif last_seen is None and (spool.any_rank_files(self.spool_dir)
-                                            or self.exporter.served_ranks_since(started)):
+                elif last_seen is None and (
+                    spool.any_rank_files(self.spool_dir) or self.exporter.served_ranks_since(started)
+                ):
                     last_seen = now  # a rank came and went before this loop saw it alive: linger from now
                 elif last_seen is None and now - started > _FIRST_RANK_GRACE:
                     log.warning("vramwatch: no rank published within %.0f s; exiting", _FIRST_RANK_GRACE)

@@ -37,8 +37,9 @@ def ensure_dir(path: str) -> None:
     if uid not in (st.st_uid, lst.st_uid) or st.st_uid != lst.st_uid:
         parent = os.stat(os.path.dirname(os.path.abspath(path)) or "/")
         if parent.st_mode & 0o002:
-            raise PermissionError(f"spool {path} belongs to uid {st.st_uid}, in a world-writable directory; "
-                                  "remove it or set spool_dir")
+            raise PermissionError(
+                f"spool {path} belongs to uid {st.st_uid}, in a world-writable directory; remove it or set spool_dir"
+            )
     elif st.st_mode & 0o077:
         os.chmod(path, 0o700)
 
@@ -138,8 +139,9 @@ class RankSample:
     mtime: float
 
 
-def read_samples(spool_dir: str, max_ranks: int, reaped: list[RankSample] | None = None,
-                 reap: bool = True) -> list[RankSample]:
+def read_samples(
+    spool_dir: str, max_ranks: int, reaped: list[RankSample] | None = None, reap: bool = True
+) -> list[RankSample]:
     """Live ranks' newest samples, one per rank; dead ranks' files are removed.
 
     A dead rank's final sample is appended to ``reaped`` when given, so the server can
@@ -193,7 +195,7 @@ def _read_record(path: str, tries: int = 5) -> dict[str, Any] | None:
             return None
         if len(raw) >= _HEADER.size:
             magic, length, crc = _HEADER.unpack_from(raw)
-            payload = raw[_HEADER.size:_HEADER.size + length]
+            payload = raw[_HEADER.size : _HEADER.size + length]
             if magic == _MAGIC and len(payload) == length and zlib.crc32(payload) == crc:
                 try:
                     return json.loads(payload)

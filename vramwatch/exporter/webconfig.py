@@ -102,11 +102,25 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "X-XSS-Protection": (),
     "Content-Security-Policy": (),
 }
-_TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version",
-             "cipher_suites", "prefer_server_cipher_suites", "curve_preferences")
+_TLS_KEYS = (
+    "cert_file",
+    "key_file",
+    "client_auth_type",
+    "client_ca_file",
+    "min_version",
+    "max_version",
+    "cipher_suites",
+    "prefer_server_cipher_suites",
+    "curve_preferences",
+)
 _TOP_KEYS = ("tls_server_config", "http_server_config", "basic_auth_users")
-_LATER = {"cert": "inline certificates", "key": "inline keys", "client_ca": "an inline client CA",
-          "client_allowed_sans": "client SAN checks", "rate_limit": "rate limits"}
+_LATER = {
+    "cert": "inline certificates",
+    "key": "inline keys",
+    "client_ca": "an inline client CA",
+    "client_allowed_sans": "client SAN checks",
+    "rate_limit": "rate limits",
+}
 _BCRYPT = re.compile(r"^\$2[abxy]?\$(\d\d)\$[./A-Za-z0-9]{53}$")
 # bcrypt of "fakepassword" (the toolkit's): unknown users cost what known ones do
 _DUMMY_HASH = b"$2y$10$QOauhQNbBCuQDKes6eFzPeMqBSjb7Mr5DUmpZ/VcEd00UAV/LDeSi"
@@ -167,8 +181,12 @@ def _keys(mapping: dict, allowed: tuple[str, ...], prefix: str) -> None:
         if not isinstance(key, str):
             raise _Fail(field, mapping[key], "unknown field")
         if key in _LATER:
-            raise _Fail(field, mapping[key], f"unknown field: {_LATER[key]} came after exporter-toolkit v0.8.2, "
-                        "the format vramwatch and promtool 2.42 read")
+            raise _Fail(
+                field,
+                mapping[key],
+                f"unknown field: {_LATER[key]} came after exporter-toolkit v0.8.2, "
+                "the format vramwatch and promtool 2.42 read",
+            )
         if key not in allowed:
             raise _Fail(field, mapping[key], "unknown field; known here: " + ", ".join(allowed))
 
@@ -223,8 +241,11 @@ def _parse_tls(raw: Any) -> TLSSettings | None:
     suites = []
     for i, name in enumerate(_list(m.get("cipher_suites"), p + "cipher_suites")):
         if not isinstance(name, str) or name not in CIPHER_SUITES:
-            raise _Fail(f"{p}cipher_suites[{i}]", name, "unknown or insecure cipher suite; use Go's names, "
-                        "e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256")
+            raise _Fail(
+                f"{p}cipher_suites[{i}]",
+                name,
+                "unknown or insecure cipher suite; use Go's names, e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+            )
         suites.append(name)
     if suites and not any(CIPHER_SUITES[s] for s in suites) and hi != "TLS13":
         raise _Fail(p + "cipher_suites", suites, "lists only TLS 1.3 suites, but max_version allows no TLS 1.3")
@@ -234,11 +255,23 @@ def _parse_tls(raw: Any) -> TLSSettings | None:
             raise _Fail(f"{p}curve_preferences[{i}]", name, "must be one of " + ", ".join(CURVES))
         curves.append(name)
     if len(curves) > 1:
-        raise _Fail(p + "curve_preferences", curves, "list one curve: Python's ssl module cannot set a "
-                    "preference list (leave it out for OpenSSL's defaults)")
+        raise _Fail(
+            p + "curve_preferences",
+            curves,
+            "list one curve: Python's ssl module cannot set a preference list (leave it out for OpenSSL's defaults)",
+        )
     prefer = _bool(m.get("prefer_server_cipher_suites", True), p + "prefer_server_cipher_suites")
-    return TLSSettings(_string(m["cert_file"], p + "cert_file"), _string(m["key_file"], p + "key_file"),
-                       auth, ca, lo, hi, tuple(suites), prefer, tuple(curves))
+    return TLSSettings(
+        _string(m["cert_file"], p + "cert_file"),
+        _string(m["key_file"], p + "key_file"),
+        auth,
+        ca,
+        lo,
+        hi,
+        tuple(suites),
+        prefer,
+        tuple(curves),
+    )
 
 
 def _parse_http(raw: Any) -> tuple[bool | None, tuple[tuple[str, str], ...]]:
@@ -271,8 +304,13 @@ def _parse_users(raw: Any) -> tuple[tuple[str, str], ...]:
         if ":" in name:
             raise _Fail(field, None, "user names cannot contain ':' (basic auth splits there)", show=False)
         if not isinstance(hashed, str) or not _BCRYPT.match(hashed) or not 4 <= int(hashed.split("$")[2]) <= 31:
-            raise _Fail(field, None, "must be a bcrypt hash ($2y$10$ and 53 characters), e.g. from "
-                        "htpasswd -nBC 10 \"\" | tr -d ':\\n'; never a plain password", show=False)
+            raise _Fail(
+                field,
+                None,
+                "must be a bcrypt hash ($2y$10$ and 53 characters), e.g. from "
+                "htpasswd -nBC 10 \"\" | tr -d ':\\n'; never a plain password",
+                show=False,
+            )
         users.append((name, hashed))
     return tuple(users)
 
@@ -335,8 +373,9 @@ def build_ssl_context(cfg: WebConfig) -> ssl.SSLContext:
         try:
             ctx.set_ciphers(":".join(classic))
         except ssl.SSLError as e:
-            raise _error(cfg.path, p + "cipher_suites", list(tls.cipher_suites),
-                         f"this OpenSSL offers none of them ({e})") from None
+            raise _error(
+                cfg.path, p + "cipher_suites", list(tls.cipher_suites), f"this OpenSSL offers none of them ({e})"
+            ) from None
     elif tls.cipher_suites:  # only TLS 1.3 suites named: like Go, no TLS 1.2 suite is left
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     if tls.curve_preferences:
@@ -346,18 +385,27 @@ def build_ssl_context(cfg: WebConfig) -> ssl.SSLContext:
     except (ssl.SSLError, ValueError) as e:
         why = str(e)
         if "encrypted" in why:
-            raise _error(cfg.path, p + "key_file", tls.key_file, "is encrypted; give an unencrypted key "
-                         "(protect it with file permissions)") from None
-        raise _error(cfg.path, p + "key_file", tls.key_file, "cert_file and key_file are not a PEM certificate "
-                     f"and its private key ({why})") from None
+            raise _error(
+                cfg.path,
+                p + "key_file",
+                tls.key_file,
+                "is encrypted; give an unencrypted key (protect it with file permissions)",
+            ) from None
+        raise _error(
+            cfg.path,
+            p + "key_file",
+            tls.key_file,
+            f"cert_file and key_file are not a PEM certificate and its private key ({why})",
+        ) from None
     if tls.client_ca_file:
         ca = _resolve(cfg.path, tls.client_ca_file)
         try:
             ctx.load_verify_locations(cafile=ca)
         except (OSError, ssl.SSLError) as e:
             why = getattr(e, "strerror", None) or str(e)
-            raise _error(cfg.path, p + "client_ca_file", tls.client_ca_file,
-                         f"cannot load PEM certificates: {why}") from None
+            raise _error(
+                cfg.path, p + "client_ca_file", tls.client_ca_file, f"cannot load PEM certificates: {why}"
+            ) from None
         if not ctx.cert_store_stats().get("x509"):
             raise _error(cfg.path, p + "client_ca_file", tls.client_ca_file, "holds no PEM certificate")
     ctx.verify_mode = CLIENT_AUTH[tls.client_auth_type]
@@ -409,9 +457,10 @@ class TLSServer:
                 self._lock.release()
         return self.context
 
-    def wrap_socket(self, sock, server_side: bool = True, do_handshake_on_connect: bool = True):  # noqa: ANN001
-        return self.current().wrap_socket(sock, server_side=server_side,
-                                          do_handshake_on_connect=do_handshake_on_connect)
+    def wrap_socket(self, sock, server_side: bool = True, do_handshake_on_connect: bool = True):
+        return self.current().wrap_socket(
+            sock, server_side=server_side, do_handshake_on_connect=do_handshake_on_connect
+        )
 
 
 # --- basic auth ---
@@ -486,8 +535,9 @@ def check_web_config(path: str) -> WebConfig:
         try:
             import bcrypt  # noqa: F401
         except ImportError:
-            raise _error(path, "basic_auth_users", None, "needs the bcrypt package (pip install bcrypt)",
-                         show=False) from None
+            raise _error(
+                path, "basic_auth_users", None, "needs the bcrypt package (pip install bcrypt)", show=False
+            ) from None
     return cfg
 
 

@@ -69,8 +69,13 @@ def teardown(handle: Handle) -> None:
     handle.step_hooks = ()
 
 
-def framework_settings(settings: dict[str, Any], rank: int | None, local_rank: int | None,
-                       world_size: int | None, env: dict[str, str] | None = None) -> dict[str, Any]:
+def framework_settings(
+    settings: dict[str, Any],
+    rank: int | None,
+    local_rank: int | None,
+    world_size: int | None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """``settings`` plus the framework's rank identity where the user set none.
 
     Precedence: an explicit setting (argument, ``VRAMWATCH_*``, config file) wins; then what
@@ -88,8 +93,9 @@ def framework_settings(settings: dict[str, Any], rank: int | None, local_rank: i
     return out
 
 
-def start_for_framework(settings: dict[str, Any], rank: int | None, local_rank: int | None,
-                        world_size: int | None) -> tuple[Handle | None, bool]:
+def start_for_framework(
+    settings: dict[str, Any], rank: int | None, local_rank: int | None, world_size: int | None
+) -> tuple[Handle | None, bool]:
     """Start the exporter for a framework callback: (handle, whether this call started it).
 
     An exporter the script already started is reused as it is. Never raises: a failure is

@@ -49,16 +49,18 @@ class VramwatchCallback(TrainerCallback):
             return  # a retried inner loop (auto_find_batch_size after an OOM): keep what we started
         try:
             self.handle, self._owned = start_for_framework(
-                self.settings, _attr(args, "process_index"), _attr(args, "local_process_index"),
-                _attr(args, "world_size"))
+                self.settings,
+                _attr(args, "process_index"),
+                _attr(args, "local_process_index"),
+                _attr(args, "world_size"),
+            )
         except Exception as e:  # noqa: BLE001
             log.warning("vramwatch: callback could not start: %r", e)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         vramwatch.step()
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
-               **kwargs: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         h = self.handle
         if h is None or not logs:
             return

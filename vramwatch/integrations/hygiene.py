@@ -38,8 +38,13 @@ def _torch_empty_cache(devices: tuple[int, ...]) -> None:
 
 
 class Hygiene:
-    def __init__(self, extra: dict[int, dict[str, float]], threshold: float,
-                 empty_cache: Callable[[tuple[int, ...]], None] = _torch_empty_cache, min_gap: float = 0.0) -> None:
+    def __init__(
+        self,
+        extra: dict[int, dict[str, float]],
+        threshold: float,
+        empty_cache: Callable[[tuple[int, ...]], None] = _torch_empty_cache,
+        min_gap: float = 0.0,
+    ) -> None:
         self.extra = extra
         self.threshold = threshold
         self.empty_cache = empty_cache
@@ -59,8 +64,7 @@ class Hygiene:
                 for dev in devices:
                     sim.empty_cache(dev)
 
-            return cls(handle.sampler.extra, handle.settings.reclaim_threshold, empty,
-                       min_gap=handle.settings.interval)
+            return cls(handle.sampler.extra, handle.settings.reclaim_threshold, empty, min_gap=handle.settings.interval)
         return cls(handle.sampler.extra, handle.settings.reclaim_threshold, min_gap=handle.settings.interval)
 
     def on_sample(self, devices: Iterable[dict[str, Any]]) -> None:
@@ -74,8 +78,11 @@ class Hygiene:
             reserved = v.get("torch_cuda_memory_reserved_bytes", 0.0)
             if limit <= 0 or reserved <= self.threshold * limit:
                 continue
-            releasable = (reserved - v.get("torch_cuda_memory_allocated_bytes", 0.0)
-                          - v.get("torch_cuda_memory_inactive_split_bytes", 0.0))
+            releasable = (
+                reserved
+                - v.get("torch_cuda_memory_allocated_bytes", 0.0)
+                - v.get("torch_cuda_memory_inactive_split_bytes", 0.0)
+            )
             if releasable >= MIN_RELEASABLE_RATIO * limit:
                 due.append(idx)
         if due and time.monotonic() - self._last_reclaim < self.min_gap:

@@ -67,8 +67,8 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
             return
         try:
             self.handle, self._owned = start_for_framework(
-                self.settings, _attr(trainer, "global_rank"), _attr(trainer, "local_rank"),
-                _attr(trainer, "world_size"))
+                self.settings, _attr(trainer, "global_rank"), _attr(trainer, "local_rank"), _attr(trainer, "world_size")
+            )
         except Exception as e:  # noqa: BLE001
             log.warning("vramwatch: callback could not start: %r", e)
         self._last_global_step = _attr(trainer, "global_step") or 0

@@ -100,11 +100,21 @@ def _remove(path: str) -> None:
 class OomWatcher:
     """The OOM observer of one process. ``sampler.extra`` receives the per-device values."""
 
-    def __init__(self, extra: dict[int, dict[str, float]], *, snapshot_dir: str = "", max_files: int = 5,
-                 max_bytes: int = 1 << 30, history_entries: int = 0, rank: int = 0,
-                 dump: Callable[[], Any] | None = None, on_snapshot: Callable[[str, float], None] | None = None,
-                 wake: Callable[[], None] | None = None, min_interval: float = 30.0,
-                 disk_usage: Callable[[str], Any] = shutil.disk_usage) -> None:
+    def __init__(
+        self,
+        extra: dict[int, dict[str, float]],
+        *,
+        snapshot_dir: str = "",
+        max_files: int = 5,
+        max_bytes: int = 1 << 30,
+        history_entries: int = 0,
+        rank: int = 0,
+        dump: Callable[[], Any] | None = None,
+        on_snapshot: Callable[[str, float], None] | None = None,
+        wake: Callable[[], None] | None = None,
+        min_interval: float = 30.0,
+        disk_usage: Callable[[str], Any] = shutil.disk_usage,
+    ) -> None:
         self.extra = extra
         self.snapshot_dir = snapshot_dir
         self.max_files = max_files
@@ -137,9 +147,16 @@ class OomWatcher:
         def on_snapshot(path: str, when: float) -> None:
             handle.extra["oom_snapshot"] = {"path": path, "time": when}
 
-        w = cls(handle.sampler.extra, snapshot_dir=s.oom_snapshot_dir, max_files=s.oom_snapshot_max_files,
-                max_bytes=s.oom_snapshot_max_bytes, history_entries=s.oom_history_entries,
-                rank=handle.identity.rank, on_snapshot=on_snapshot, wake=getattr(handle, "wake", None))
+        w = cls(
+            handle.sampler.extra,
+            snapshot_dir=s.oom_snapshot_dir,
+            max_files=s.oom_snapshot_max_files,
+            max_bytes=s.oom_snapshot_max_bytes,
+            history_entries=s.oom_history_entries,
+            rank=handle.identity.rank,
+            on_snapshot=on_snapshot,
+            wake=getattr(handle, "wake", None),
+        )
         if handle.sim is not None:
             w.attach_sim(handle.sim)
         else:
@@ -180,7 +197,8 @@ class OomWatcher:
                 self.dump = torch.cuda.memory._snapshot
             if self.snapshot_dir and self.history_entries > 0:
                 torch.cuda.memory._record_memory_history(
-                    enabled="all", context="all", stacks="python", max_entries=self.history_entries)
+                    enabled="all", context="all", stacks="python", max_entries=self.history_entries
+                )
                 self._history_on = True
         except Exception as e:  # noqa: BLE001
             self._attach_given_up = True
@@ -231,8 +249,14 @@ class OomWatcher:
         self._unlogged = 0
         self._last_log = now
         where = f"; memory snapshot: {path}" if path else ""
-        log.warning("vramwatch: CUDA out of memory on device %d: tried to allocate %s with %s free%s%s",
-                    device, _fmt(alloc), _fmt(free), where, more)
+        log.warning(
+            "vramwatch: CUDA out of memory on device %d: tried to allocate %s with %s free%s%s",
+            device,
+            _fmt(alloc),
+            _fmt(free),
+            where,
+            more,
+        )
 
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._logged:
@@ -274,8 +298,11 @@ class OomWatcher:
             size = capped.written
         except _CapExceeded:
             _remove(tmp)
-            self._log_once("cap", "vramwatch: OOM snapshot larger than %s (oom_snapshot_max_bytes or free "
-                           "disk); not written", _fmt(cap))
+            self._log_once(
+                "cap",
+                "vramwatch: OOM snapshot larger than %s (oom_snapshot_max_bytes or free disk); not written",
+                _fmt(cap),
+            )
             return None
         except Exception as e:  # noqa: BLE001 - disk full, permissions, an unpicklable object
             _remove(tmp)
@@ -312,18 +339,41 @@ def _sim_snapshot(sim: Any) -> dict[str, Any]:
         base = addr
         for b in seg.get("blocks", ()):
             size = int(b.get("size", 0))
-            blocks.append({"address": addr, "size": size, "requested_size": size,
-                           "state": b.get("state", "inactive"), "frames": []})
+            blocks.append(
+                {
+                    "address": addr,
+                    "size": size,
+                    "requested_size": size,
+                    "state": b.get("state", "inactive"),
+                    "frames": [],
+                }
+            )
             addr += size
         total = int(seg.get("total_size", addr - base))
         allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
-        segments.append({"device": int(seg.get("device", 0)), "address": base, "total_size": total,
-                         "allocated_size": allocated, "active_size": allocated, "requested_size": allocated,
-                         "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
-                         "is_expandable": False, "frames": [], "blocks": blocks})
+        segments.append(
+            {
+                "device": int(seg.get("device", 0)),
+                "address": base,
+                "total_size": total,
+                "allocated_size": allocated,
+                "active_size": allocated,
+                "requested_size": allocated,
+                "stream": 0,
+                "segment_type": "large",
+                "segment_pool_id": (0, 0),
+                "is_expandable": False,
+                "frames": [],
+                "blocks": blocks,
+            }
+        )
         addr = base + total + (2 << 20)
-    return {"segments": segments, "device_traces": [[] for _ in sim.devices()],
-            "allocator_settings": {}, "external_annotations": []}
+    return {
+        "segments": segments,
+        "device_traces": [[] for _ in sim.devices()],
+        "allocator_settings": {},
+        "external_annotations": [],
+    }
 
 
 def _fmt(n: float) -> str:

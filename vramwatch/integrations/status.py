@@ -44,8 +44,9 @@ GIB = float(1 << 30)
 status_log = logging.getLogger("vramwatch.status")
 
 
-def read_device_readings(spool_dir: str, simulate: bool = False, now: float | None = None
-                         ) -> dict[str, dict[str, float]]:
+def read_device_readings(
+    spool_dir: str, simulate: bool = False, now: float | None = None
+) -> dict[str, dict[str, float]]:
     """uuid -> {"power_watts", "memory_free_bytes"} from the server's NVML file, else the simulated GPU."""
     now = time.time() if now is None else now
     out: dict[str, dict[str, float]] = {}
@@ -57,8 +58,9 @@ def read_device_readings(spool_dir: str, simulate: bool = False, now: float | No
             if isinstance(gpus, dict):
                 gpus = [dict(v, uuid=k) for k, v in gpus.items()]
             for g in gpus:
-                vals = {k: float(g[k]) for k in ("power_watts", "memory_free_bytes")
-                        if isinstance(g.get(k), (int, float))}
+                vals = {
+                    k: float(g[k]) for k in ("power_watts", "memory_free_bytes") if isinstance(g.get(k), (int, float))
+                }
                 if g.get("uuid"):
                     out[str(g["uuid"])] = vals
     except (OSError, ValueError, TypeError, AttributeError):
@@ -158,9 +160,18 @@ def _ensure_output() -> None:
 
 
 class StatusLine:
-    def __init__(self, heartbeat: Any, every: int, *, rank: int = 0, show_rank: bool = False,
-                 spool_dir: str = "", simulate: bool = False, mode: str = "auto",
-                 emit: Callable[[list[str], str], None] | None = None) -> None:
+    def __init__(
+        self,
+        heartbeat: Any,
+        every: int,
+        *,
+        rank: int = 0,
+        show_rank: bool = False,
+        spool_dir: str = "",
+        simulate: bool = False,
+        mode: str = "auto",
+        emit: Callable[[list[str], str], None] | None = None,
+    ) -> None:
         self.heartbeat = heartbeat
         self.every = max(1, int(every))
         self.rank = rank
@@ -182,8 +193,14 @@ class StatusLine:
     @classmethod
     def for_handle(cls, handle: Handle) -> StatusLine:
         s = handle.settings
-        return cls(handle.heartbeat, s.status_every, rank=handle.identity.rank, show_rank=s.status_all_ranks,
-                   spool_dir=handle.spool_dir, simulate=s.simulate)
+        return cls(
+            handle.heartbeat,
+            s.status_every,
+            rank=handle.identity.rank,
+            show_rank=s.status_all_ranks,
+            spool_dir=handle.spool_dir,
+            simulate=s.simulate,
+        )
 
     def on_sample(self, devices: Iterable[dict[str, Any]]) -> None:
         """Sampler thread: keep the newest device values and NVML readings for the next line."""

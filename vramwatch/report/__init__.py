@@ -46,18 +46,42 @@ def parse_time(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prometheus", required=True, metavar="URL",
-                   help="Prometheus base URL (http://user:password@host:9090 for basic auth)")
+    p.add_argument(
+        "--prometheus",
+        required=True,
+        metavar="URL",
+        help="Prometheus base URL (http://user:password@host:9090 for basic auth)",
+    )
     p.add_argument("--start", type=parse_time, help="range start: unix seconds or RFC 3339 (default: end - last)")
     p.add_argument("--end", type=parse_time, help="range end (default: now)")
-    p.add_argument("--last", type=parse_duration, default=None, metavar="DURATION",
-                   help="range length when --start is not given (default: 1h)")
-    p.add_argument("--step", type=parse_duration, default=None, metavar="DURATION",
-                   help="query_range step (default: range / 300, at least the scrape interval)")
-    p.add_argument("--scrape-interval", type=parse_duration, default=15.0, metavar="DURATION",
-                   help="the targets' scrape interval, for $__rate_interval as Grafana computes it (default: 15s)")
-    p.add_argument("--var", action="append", default=[], metavar="NAME=V1[,V2]",
-                   help="a dashboard variable (job, host, gpu, rank); default: All")
+    p.add_argument(
+        "--last",
+        type=parse_duration,
+        default=None,
+        metavar="DURATION",
+        help="range length when --start is not given (default: 1h)",
+    )
+    p.add_argument(
+        "--step",
+        type=parse_duration,
+        default=None,
+        metavar="DURATION",
+        help="query_range step (default: range / 300, at least the scrape interval)",
+    )
+    p.add_argument(
+        "--scrape-interval",
+        type=parse_duration,
+        default=15.0,
+        metavar="DURATION",
+        help="the targets' scrape interval, for $__rate_interval as Grafana computes it (default: 15s)",
+    )
+    p.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="NAME=V1[,V2]",
+        help="a dashboard variable (job, host, gpu, rank); default: All",
+    )
     p.add_argument("--dashboard", action="append", default=[], metavar="UID", help="only these dashboards")
     p.add_argument("--out", default="report.html", help="HTML file to write (default: report.html)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per Prometheus request")
@@ -105,14 +129,14 @@ def run(args: argparse.Namespace) -> int:
     if args.dashboard:
         unknown = set(args.dashboard) - {s.uid for s in specs}
         if unknown:
-            print(f"vramwatch report: no dashboard {sorted(unknown)}; known: {[s.uid for s in specs]}",
-                  file=sys.stderr)
+            print(f"vramwatch report: no dashboard {sorted(unknown)}; known: {[s.uid for s in specs]}", file=sys.stderr)
             return 2
         specs = [s for s in specs if s.uid in args.dashboard]
     known = {v.name for s in specs for v in s.variables if v.type == "query"}
     if set(chosen) - known:
-        print(f"vramwatch report: unknown variable {sorted(set(chosen) - known)}; known: {sorted(known)}",
-              file=sys.stderr)
+        print(
+            f"vramwatch report: unknown variable {sorted(set(chosen) - known)}; known: {sorted(known)}", file=sys.stderr
+        )
         return 2
 
     client = PromClient(args.prometheus, timeout=args.timeout)
@@ -121,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
     except PromError as e:
         print(f"vramwatch report: {e}", file=sys.stderr)
         return 1
-    when = f"{datetime.fromtimestamp(start, tz=UTC):%Y-%m-%d %H:%M:%S} to " \
-           f"{datetime.fromtimestamp(end, tz=UTC):%Y-%m-%d %H:%M:%S} UTC"
+    when = (
+        f"{datetime.fromtimestamp(start, tz=UTC):%Y-%m-%d %H:%M:%S} to "
+        f"{datetime.fromtimestamp(end, tz=UTC):%Y-%m-%d %H:%M:%S} UTC"
+    )
     _say(args, f"vramwatch report: {args.prometheus}, {when}, step {step:g}s")
 
     rendered, charts_n, empty, failed = [], 0, 0, 0
@@ -143,14 +169,16 @@ def run(args: argparse.Namespace) -> int:
                 empty += not res.series_count
                 failed += bool(res.errors)
                 panels.append(html.RenderedPanel(p, c, [r.expr for r in res.results]))
-                _say(args, f"  {row.title} / {p.title}: {res.series_count} series"
-                           + (f" ({c.note})" if c.note else ""))
+                _say(args, f"  {row.title} / {p.title}: {res.series_count} series" + (f" ({c.note})" if c.note else ""))
             rows.append((row.title, panels))
         rendered.append((d, rows))
     shown_vars = {name: ",".join(chosen[name]) if name in chosen else "All" for name in sorted(known)}
     text = html.page(args.prometheus, tc, shown_vars, rendered, __version__)
     with open(args.out, "w", encoding="utf-8") as fh:
         fh.write(text)
-    _say(args, f"wrote {args.out}: {charts_n} charts, {len(text.encode()) / 1e6:.1f} MB"
-               f" ({empty} without data, {failed} with failed queries)")
+    _say(
+        args,
+        f"wrote {args.out}: {charts_n} charts, {len(text.encode()) / 1e6:.1f} MB"
+        f" ({empty} without data, {failed} with failed queries)",
+    )
     return 1 if args.strict and (empty or failed) else 0

@@ -11,25 +11,58 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display: render to PNG only
 
-import matplotlib.dates as mdates  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+import matplotlib.dates as mdates
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
-from vramwatch.dashboards.walk import Axis, PanelSpec, TimeContext  # noqa: E402
-from vramwatch.report.data import AnnotationResult, PanelResult, legend  # noqa: E402
+from vramwatch.dashboards.walk import Axis, PanelSpec, TimeContext
+from vramwatch.report.data import AnnotationResult, PanelResult, legend
 
 DPI = 100
 WIDTH_IN = 6.4  # 640 px: two charts side by side on a laptop screen
 # Grafana's named colours, as its dark/light themes render them
-COLORS = {"green": "#56a64b", "orange": "#ff9830", "red": "#e02f44", "yellow": "#fade2a", "blue": "#3274d9",
-          "purple": "#a352cc", "text": "#222222"}
-PALETTE = ["#3274d9", "#56a64b", "#ff9830", "#a352cc", "#e02f44", "#37872d", "#8ab8ff", "#fade2a",
-           "#c4162a", "#1f60c4", "#ffb357", "#ca95e5"]
+COLORS = {
+    "green": "#56a64b",
+    "orange": "#ff9830",
+    "red": "#e02f44",
+    "yellow": "#fade2a",
+    "blue": "#3274d9",
+    "purple": "#a352cc",
+    "text": "#222222",
+}
+PALETTE = [
+    "#3274d9",
+    "#56a64b",
+    "#ff9830",
+    "#a352cc",
+    "#e02f44",
+    "#37872d",
+    "#8ab8ff",
+    "#fade2a",
+    "#c4162a",
+    "#1f60c4",
+    "#ffb357",
+    "#ca95e5",
+]
 MAX_LEGEND = 12
 MAX_ROWS = 40
-LABEL_ORDER = ("alertname", "severity", "job", "instance", "hostname", "gpu", "uuid", "rank", "local_rank",
-               "device", "xid", "reason", "type", "kind")
+LABEL_ORDER = (
+    "alertname",
+    "severity",
+    "job",
+    "instance",
+    "hostname",
+    "gpu",
+    "uuid",
+    "rank",
+    "local_rank",
+    "device",
+    "xid",
+    "reason",
+    "type",
+    "kind",
+)
 
 
 @dataclass
@@ -134,6 +167,7 @@ def _limits(ax, axis: Axis) -> None:
 
 # --- panel types ---
 
+
 def timeseries(res: PanelResult, tc: TimeContext, annotations: list[AnnotationResult] = ()) -> Figure:
     p = res.panel
     fig, ax = _figure(3.1)
@@ -150,11 +184,24 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: list[AnnotationRe
             style = "--" if r.target.ref in p.dashed else "-"
             if p.bars:  # side by side within each step (matplotlib dates are days)
                 width = tc.step / 86400.0 * 0.9 / bar_series
-                h = target_ax.bar([mdates.date2num(t) + (n - 1) * width for t in x], y, width=width, color=col,
-                                  label=name, align="edge")
+                h = target_ax.bar(
+                    [mdates.date2num(t) + (n - 1) * width for t in x],
+                    y,
+                    width=width,
+                    color=col,
+                    label=name,
+                    align="edge",
+                )
             else:
-                (h,) = target_ax.plot(x, y, style, color=col, linewidth=1.3, label=name,
-                                      drawstyle="steps-post" if p.stepped else "default")
+                (h,) = target_ax.plot(
+                    x,
+                    y,
+                    style,
+                    color=col,
+                    linewidth=1.3,
+                    label=name,
+                    drawstyle="steps-post" if p.stepped else "default",
+                )
             handles.append(h)
     if not handles:
         _no_data(ax, p.no_value or "No data")
@@ -168,8 +215,15 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: list[AnnotationRe
             ax.axvline(x, color=color(a.annotation.color), linewidth=0.9, alpha=0.8)
             if (start, title) not in marked:
                 marked.add((start, title))
-                ax.text(x, 1.0, " " + title, transform=ax.get_xaxis_transform(), fontsize=6, va="top",
-                        color=color(a.annotation.color))
+                ax.text(
+                    x,
+                    1.0,
+                    " " + title,
+                    transform=ax.get_xaxis_transform(),
+                    fontsize=6,
+                    va="top",
+                    color=color(a.annotation.color),
+                )
     ax.set_xlim(_dt([tc.start])[0], _dt([tc.end])[0])
     ax.yaxis.set_major_formatter(_formatter(p.axis.unit))
     _limits(ax, p.axis)
@@ -191,10 +245,13 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: list[AnnotationRe
     ncol = 2 if len(shown) > 3 else 1
     rows = math.ceil(len(shown) / ncol)
     fig.set_figheight(2.4 + 0.17 * rows)
-    ax.legend(shown, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=ncol, fontsize=7,
-              frameon=False)
-    fig.subplots_adjust(left=0.11, right=0.89 if right is not None else 0.97, top=0.96,
-                        bottom=(0.2 + 0.17 * rows) / fig.get_figheight() + 0.05)
+    ax.legend(shown, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=ncol, fontsize=7, frameon=False)
+    fig.subplots_adjust(
+        left=0.11,
+        right=0.89 if right is not None else 0.97,
+        top=0.96,
+        bottom=(0.2 + 0.17 * rows) / fig.get_figheight() + 0.05,
+    )
     return fig
 
 
@@ -206,8 +263,10 @@ def _label_columns(keys: set[str], hidden: set[str]) -> list[str]:
 def table_rows(res: PanelResult) -> tuple[list[str], list[list[str]], list[list[float | None]]]:
     """Grafana's merge: one row per label set across the panel's queries, one column per query."""
     p = res.panel
-    value_cols = [(r.target.ref, p.columns.get(r.target.ref, "Value" if len(res.results) == 1
-                                             else f"Value #{r.target.ref}")) for r in res.results]
+    value_cols = [
+        (r.target.ref, p.columns.get(r.target.ref, "Value" if len(res.results) == 1 else f"Value #{r.target.ref}"))
+        for r in res.results
+    ]
     value_cols = [(ref, title) for ref, title in value_cols if title not in p.hidden]
     rows: dict[tuple, dict] = {}
     for r in res.results:
@@ -254,8 +313,14 @@ def table(res: PanelResult) -> Figure:
     fig = Figure(figsize=(width, height), dpi=DPI)
     ax = fig.add_axes((0.005, (0.25 if more else 0.02) / height, 0.99, 1 - (0.27 if more else 0.04) / height))
     ax.set_axis_off()
-    tab = ax.table(cellText=shown, colLabels=header, colWidths=[c / sum(chars) for c in chars],
-                   cellLoc="left", colLoc="left", bbox=(0, 0, 1, 1))
+    tab = ax.table(
+        cellText=shown,
+        colLabels=header,
+        colWidths=[c / sum(chars) for c in chars],
+        cellLoc="left",
+        colLoc="left",
+        bbox=(0, 0, 1, 1),
+    )
     tab.auto_set_font_size(False)
     tab.set_fontsize(8)
     n_labels = len(header) - len(nums[0]) if nums else len(header)

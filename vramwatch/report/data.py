@@ -69,8 +69,13 @@ def variable_options(client: PromClient, var: Variable, values: dict[str, str], 
     return sorted({s[label] for s in series if s.get(label)})
 
 
-def variable_values(spec: DashboardSpec, chosen: dict[str, list[str]], client: PromClient | None = None,
-                    tc: TimeContext | None = None, first: bool = False) -> dict[str, str]:
+def variable_values(
+    spec: DashboardSpec,
+    chosen: dict[str, list[str]],
+    client: PromClient | None = None,
+    tc: TimeContext | None = None,
+    first: bool = False,
+) -> dict[str, str]:
     """Formatted values for every query variable: the chosen ones, else All.
 
     ``first=True`` picks each variable's first offered value instead of All (needs a client),
@@ -93,8 +98,9 @@ def run_target(client: PromClient, target: Target, values: dict[str, str], tc: T
     expr = substitute(target.expr, values, tc)
     res = TargetResult(target, expr)
     try:
-        res.series = client.query(expr, tc.end) if target.instant else client.query_range(
-            expr, tc.start, tc.end, tc.step)
+        res.series = (
+            client.query(expr, tc.end) if target.instant else client.query_range(expr, tc.start, tc.end, tc.step)
+        )
     except PromError as e:
         res.error = str(e)
     return res

@@ -42,22 +42,32 @@ def _when(t: float) -> str:
     return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def page(prometheus: str, tc: TimeContext, variables: dict[str, str],
-         dashboards: list[tuple[DashboardSpec, list[tuple[str, list[RenderedPanel]]]]], version: str) -> str:
-    out = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
-           '<meta name="viewport" content="width=device-width, initial-scale=1">',
-           f"<title>vramwatch report {escape(_when(tc.start))} to {escape(_when(tc.end))}</title>",
-           f"<style>{CSS}</style></head><body>", "<header><h1>vramwatch report</h1>",
-           f"<p>{escape(_when(tc.start))} to {escape(_when(tc.end))} &middot; step {tc.step:g} s &middot; "
-           f"Prometheus {escape(prometheus)}</p>",
-           "<p>" + " &middot; ".join(f"{escape(k)} = {escape(v)}" for k, v in variables.items()) + "</p>",
-           f"<p>generated {escape(_when(datetime.now(UTC).timestamp()))} by vramwatch {escape(version)} "
-           "from the same dashboard definitions as the Grafana JSON</p><nav>"]
+def page(
+    prometheus: str,
+    tc: TimeContext,
+    variables: dict[str, str],
+    dashboards: list[tuple[DashboardSpec, list[tuple[str, list[RenderedPanel]]]]],
+    version: str,
+) -> str:
+    out = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>vramwatch report {escape(_when(tc.start))} to {escape(_when(tc.end))}</title>",
+        f"<style>{CSS}</style></head><body>",
+        "<header><h1>vramwatch report</h1>",
+        f"<p>{escape(_when(tc.start))} to {escape(_when(tc.end))} &middot; step {tc.step:g} s &middot; "
+        f"Prometheus {escape(prometheus)}</p>",
+        "<p>" + " &middot; ".join(f"{escape(k)} = {escape(v)}" for k, v in variables.items()) + "</p>",
+        f"<p>generated {escape(_when(datetime.now(UTC).timestamp()))} by vramwatch {escape(version)} "
+        "from the same dashboard definitions as the Grafana JSON</p><nav>",
+    ]
     out += [f'<a href="#{escape(d.uid)}">{escape(d.title)}</a>' for d, _ in dashboards]
     out.append("</nav></header><main>")
     for d, rows in dashboards:
-        out.append(f'<section class="dashboard" id="{escape(d.uid)}"><h2>{escape(d.title)}</h2>'
-                   f"<p>{escape(d.description)}</p>")
+        out.append(
+            f'<section class="dashboard" id="{escape(d.uid)}"><h2>{escape(d.title)}</h2><p>{escape(d.description)}</p>'
+        )
         for title, panels in rows:
             out.append(f'<section class="row"><h3>{escape(title)}</h3><div class="grid">')
             for rp in panels:
@@ -73,8 +83,10 @@ def _figure(d: DashboardSpec, rp: RenderedPanel) -> str:
     src = "data:image/png;base64," + base64.b64encode(c.png).decode("ascii")
     note = f' <span class="note">({escape(c.note)})</span>' if c.note else ""
     queries = "\n".join(escape(e) for e in rp.exprs)
-    return (f'<figure class="panel {escape(p.type)}" id="{escape(d.uid)}-{p.id}" data-panel-id="{p.id}" '
-            f'data-type="{escape(p.type)}" data-series="{c.series}" data-points="{c.points}">'
-            f'<img src="{src}" width="{c.width}" height="{c.height}" alt="{escape(p.title)}">'
-            f"<figcaption><b>{escape(p.title)}</b>{note}<br>{escape(p.description)}"
-            f"<details><summary>queries</summary><pre>{queries}</pre></details></figcaption></figure>")
+    return (
+        f'<figure class="panel {escape(p.type)}" id="{escape(d.uid)}-{p.id}" data-panel-id="{p.id}" '
+        f'data-type="{escape(p.type)}" data-series="{c.series}" data-points="{c.points}">'
+        f'<img src="{src}" width="{c.width}" height="{c.height}" alt="{escape(p.title)}">'
+        f"<figcaption><b>{escape(p.title)}</b>{note}<br>{escape(p.description)}"
+        f"<details><summary>queries</summary><pre>{queries}</pre></details></figcaption></figure>"
+    )

@@ -65,10 +65,13 @@ class PromClient:
         return [Series(r["metric"], [float(r["value"][0])], [float(r["value"][1])]) for r in data["result"]]
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
-        data = self._get("/api/v1/query_range",
-                         [("query", expr), ("start", _ts(start)), ("end", _ts(end)), ("step", _ts(step))])
-        return [Series(r["metric"], [float(t) for t, _ in r["values"]], [float(v) for _, v in r["values"]])
-                for r in data["result"]]
+        data = self._get(
+            "/api/v1/query_range", [("query", expr), ("start", _ts(start)), ("end", _ts(end)), ("step", _ts(step))]
+        )
+        return [
+            Series(r["metric"], [float(t) for t, _ in r["values"]], [float(v) for _, v in r["values"]])
+            for r in data["result"]
+        ]
 
     def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
         return self._get("/api/v1/series", [("match[]", match), ("start", _ts(start)), ("end", _ts(end))])

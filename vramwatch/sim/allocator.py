@@ -10,8 +10,17 @@ from vramwatch.sim.state import SimNode
 
 MIB = 1 << 20
 _POOLS = ("all", "large_pool", "small_pool")
-_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
-          "active_bytes", "inactive_split_bytes", "requested_bytes")
+_STATS = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
 
 
 class SimOutOfMemoryError(RuntimeError):
@@ -42,8 +51,13 @@ class _Device:
         self.total = total
         self.fraction = 1.0
         self.stats = {name: _Stat() for name in _STATS}
-        self.counters = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0,
-                         "num_device_alloc": 0, "num_device_free": 0}
+        self.counters = {
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+            "num_sync_all_streams": 0,
+            "num_device_alloc": 0,
+            "num_device_free": 0,
+        }
 
     def v(self, name: str) -> int:
         return self.stats[name].current
@@ -115,8 +129,9 @@ class SimAllocator:
             if split:
                 blocks.append({"size": split, "state": "inactive"})  # the largest of the split pieces
             if free - split:
-                segs.append({"device": idx, "total_size": free - split,
-                             "blocks": [{"size": free - split, "state": "inactive"}]})
+                segs.append(
+                    {"device": idx, "total_size": free - split, "blocks": [{"size": free - split, "state": "inactive"}]}
+                )
             segs.append({"device": idx, "total_size": d.v("allocated_bytes") + split, "blocks": blocks})
         return segs
 
@@ -147,7 +162,8 @@ class SimAllocator:
                     for obs in list(self.oom_observers):
                         obs(device, nbytes, int(limit), free)
                     raise SimOutOfMemoryError(
-                        f"CUDA out of memory (simulated). Tried to allocate {nbytes / MIB:.2f} MiB")
+                        f"CUDA out of memory (simulated). Tried to allocate {nbytes / MIB:.2f} MiB"
+                    )
             d.stats["reserved_bytes"].add(grow)
             d.stats["segment"].add(1)
             d.counters["num_device_alloc"] += 1

@@ -61,8 +61,9 @@ class SimEventSet:
 class SimNvml:
     """A pynvml-compatible object; build it with :meth:`from_spool` or :meth:`from_node`."""
 
-    def __init__(self, node: Callable[[], SimNode], samples: Callable[[], list[Any]] | None = None,
-                 poll: float = 0.05) -> None:
+    def __init__(
+        self, node: Callable[[], SimNode], samples: Callable[[], list[Any]] | None = None, poll: float = 0.05
+    ) -> None:
         self._node = node
         self._samples = samples or (lambda: [])
         self._poll = poll
@@ -192,8 +193,13 @@ class SimNvml:
         if not version:
             return SimpleNamespace(total=g.total_bytes, free=free, used=used)
         # v2 reports the driver's reservation apart (measured: v2.used = v1.used - reserved)
-        return SimpleNamespace(version=version, total=g.total_bytes, reserved=g.driver_reserved_bytes,
-                               free=free, used=used - g.driver_reserved_bytes)
+        return SimpleNamespace(
+            version=version,
+            total=g.total_bytes,
+            reserved=g.driver_reserved_bytes,
+            free=free,
+            used=used - g.driver_reserved_bytes,
+        )
 
     def nvmlDeviceGetPowerUsage(self, h: SimHandle) -> int:
         return int(round(self._call("nvmlDeviceGetPowerUsage", h)[1].power_w * 1000))
@@ -246,8 +252,10 @@ class SimNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: SimHandle) -> list[SimpleNamespace]:
         node, g = self._call("nvmlDeviceGetComputeRunningProcesses", h)
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=_NO_INSTANCE,
-                                computeInstanceId=_NO_INSTANCE) for pid, used in self._processes(node, g)]
+        return [
+            SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=_NO_INSTANCE, computeInstanceId=_NO_INSTANCE)
+            for pid, used in self._processes(node, g)
+        ]
 
     nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
 
@@ -280,9 +288,13 @@ class SimNvml:
                 idx, seq = int(x.get("gpu", -1)), int(x.get("seq", 0))
                 if es.masks.get(idx, 0) & pynvml.nvmlEventTypeXidCriticalError and seq > es.cursors.get(idx, 0):
                     es.cursors[idx] = seq
-                    return SimpleNamespace(device=SimHandle(idx), eventType=pynvml.nvmlEventTypeXidCriticalError,
-                                           eventData=int(x.get("xid", 999)), gpuInstanceId=_NO_INSTANCE,
-                                           computeInstanceId=_NO_INSTANCE)
+                    return SimpleNamespace(
+                        device=SimHandle(idx),
+                        eventType=pynvml.nvmlEventTypeXidCriticalError,
+                        eventData=int(x.get("xid", 999)),
+                        gpuInstanceId=_NO_INSTANCE,
+                        computeInstanceId=_NO_INSTANCE,
+                    )
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _err(pynvml.NVML_ERROR_TIMEOUT)

@@ -89,8 +89,9 @@ class RankStory:
         self.steps += 1
 
 
-def run_rank(t0: float, duration: float, stall_me: bool, fill_gib: float, steps_per_second: float,
-             parent: int = 0) -> None:
+def run_rank(
+    t0: float, duration: float, stall_me: bool, fill_gib: float, steps_per_second: float, parent: int = 0
+) -> None:
     h = vramwatch.start(simulate=True)
     assert h.sim is not None
     story = RankStory(h.sim, fill_gib, steps_per_second)

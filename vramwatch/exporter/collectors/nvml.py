@@ -64,14 +64,21 @@ Getter = Callable[[Any, Any], dict[Key, float]]
 
 def _memory_v2(nv: Any, h: Any) -> dict[Key, float]:
     m = nv.nvmlDeviceGetMemoryInfo(h, version=NVML_MEMORY_V2)
-    return {("gpu_memory_total_bytes", ""): float(m.total), ("gpu_memory_used_bytes", ""): float(m.used),
-            ("gpu_memory_free_bytes", ""): float(m.free), ("gpu_memory_reserved_bytes", ""): float(m.reserved)}
+    return {
+        ("gpu_memory_total_bytes", ""): float(m.total),
+        ("gpu_memory_used_bytes", ""): float(m.used),
+        ("gpu_memory_free_bytes", ""): float(m.free),
+        ("gpu_memory_reserved_bytes", ""): float(m.reserved),
+    }
 
 
 def _memory_v1(nv: Any, h: Any) -> dict[Key, float]:
     m = nv.nvmlDeviceGetMemoryInfo(h)
-    return {("gpu_memory_total_bytes", ""): float(m.total), ("gpu_memory_used_bytes", ""): float(m.used),
-            ("gpu_memory_free_bytes", ""): float(m.free)}
+    return {
+        ("gpu_memory_total_bytes", ""): float(m.total),
+        ("gpu_memory_used_bytes", ""): float(m.used),
+        ("gpu_memory_free_bytes", ""): float(m.free),
+    }
 
 
 def _power(nv: Any, h: Any) -> dict[Key, float]:
@@ -156,8 +163,11 @@ FIELDS: tuple[Field, ...] = (
     Field("pcie_replays", True, (_pcie_replays,)),
 )
 
-VALUE_FAMILIES = tuple(m.name for m in contract.METRICS
-                       if m.collector == "nvml" and m.name not in ("gpu_info", "gpu_up", "gpu_non_torch_memory_bytes"))
+VALUE_FAMILIES = tuple(
+    m.name
+    for m in contract.METRICS
+    if m.collector == "nvml" and m.name not in ("gpu_info", "gpu_up", "gpu_non_torch_memory_bytes")
+)
 
 
 @dataclass(frozen=True)
@@ -185,8 +195,9 @@ class _SessionDown(Exception):
 class NvmlCollector(Collector):
     name = "nvml"
 
-    def __init__(self, settings: Settings, session: nb.NvmlSession | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, settings: Settings, session: nb.NvmlSession | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__(settings)
         self.interval = settings.nvml_interval
         self.session = session or nb.session_for(settings)
@@ -254,8 +265,9 @@ class NvmlCollector(Collector):
         """NVML is not answering: the GPUs we knew read gpu_up 0; none known, no device series."""
         if not self._known:
             return None
-        return NvmlSnapshot(tuple(_reading(d, False, {}) for d in self._known), self.session.driver_version,
-                            time.time())
+        return NvmlSnapshot(
+            tuple(_reading(d, False, {}) for d in self._known), self.session.driver_version, time.time()
+        )
 
     def _read_gpu(self, d: nb.Device, now: float, slow: bool) -> tuple[GpuReading, bool]:
         if d.uuid in self._lost:  # probed again on the slow cadence only
@@ -294,16 +306,22 @@ class NvmlCollector(Collector):
         while i < len(f.getters):
             try:
                 return f.getters[i](nv, h), True
-            except Exception as e:  # noqa: BLE001 - every NVML error is sorted below
+            except Exception as e:
                 kind = nb.classify(e)
                 if kind == "unsupported":
                     i += 1
                     self._choice[key] = i
                     if i == len(f.getters):
                         level = logging.WARNING if nb.error_code(e) == nb.NO_PERMISSION else logging.INFO
-                        self.session.once(("unsupported", d.uuid, f.name), level,
-                                          "vramwatch: GPU %d %s: %s is %s; not asked again until NVML re-inits",
-                                          d.index, d.uuid, f.name, nb.error_name(e))
+                        self.session.once(
+                            ("unsupported", d.uuid, f.name),
+                            level,
+                            "vramwatch: GPU %d %s: %s is %s; not asked again until NVML re-inits",
+                            d.index,
+                            d.uuid,
+                            f.name,
+                            nb.error_name(e),
+                        )
                     continue
                 if kind == "lost":
                     return None, "lost"
@@ -311,20 +329,38 @@ class NvmlCollector(Collector):
                     self.session.mark_down(e)
                     raise _SessionDown() from e
                 if kind == "quiet":
-                    self.session.once(("quiet", d.uuid, f.name, nb.error_name(e)), logging.DEBUG,
-                                      "vramwatch: GPU %d: %s has no data yet (%s)", d.index, f.name, nb.error_name(e))
+                    self.session.once(
+                        ("quiet", d.uuid, f.name, nb.error_name(e)),
+                        logging.DEBUG,
+                        "vramwatch: GPU %d: %s has no data yet (%s)",
+                        d.index,
+                        f.name,
+                        nb.error_name(e),
+                    )
                     return None, True
-                self.session.once(("transient", d.uuid, f.name, nb.error_name(e)), logging.WARNING,
-                                  "vramwatch: GPU %d %s: reading %s failed (%s: %s); retrying every read",
-                                  d.index, d.uuid, f.name, nb.error_name(e), e)
+                self.session.once(
+                    ("transient", d.uuid, f.name, nb.error_name(e)),
+                    logging.WARNING,
+                    "vramwatch: GPU %d %s: reading %s failed (%s: %s); retrying every read",
+                    d.index,
+                    d.uuid,
+                    f.name,
+                    nb.error_name(e),
+                    e,
+                )
                 return None, False
         return None, True  # not supported: skipped, not a failure
 
     def _mark_lost(self, d: nb.Device, now: float) -> None:
         self._lost[d.uuid] = now + self.settings.nvml_slow_interval
         self.session.set_lost(d.uuid, True)
-        log.error("vramwatch: GPU %d %s is lost (GPU_IS_LOST: fallen off the bus or needs a reset); "
-                  "gpu_up is 0 and it is probed every %.0f s", d.index, d.uuid, self.settings.nvml_slow_interval)
+        log.error(
+            "vramwatch: GPU %d %s is lost (GPU_IS_LOST: fallen off the bus or needs a reset); "
+            "gpu_up is 0 and it is probed every %.0f s",
+            d.index,
+            d.uuid,
+            self.settings.nvml_slow_interval,
+        )
         ledger = ledger_for(self.session)
         if time.time() - ledger.last(d.uuid, LOST_XID) > 60.0:  # unless the event itself came just now
             ledger.record(d.index, d.uuid, LOST_XID)

@@ -81,18 +81,28 @@ class ProcessesCollector(Collector):
                 kind = nb.classify(e)
                 if kind == "unsupported":
                     self._unsupported.add(d.uuid)
-                    s.once(("unsupported", d.uuid, "processes"), logging.INFO,
-                           "vramwatch: GPU %d %s: compute processes are %s; not asked again",
-                           d.index, d.uuid, nb.error_name(e))
+                    s.once(
+                        ("unsupported", d.uuid, "processes"),
+                        logging.INFO,
+                        "vramwatch: GPU %d %s: compute processes are %s; not asked again",
+                        d.index,
+                        d.uuid,
+                        nb.error_name(e),
+                    )
                     continue
                 if kind == "session":
                     s.mark_down(e)
                     return None, False
                 if kind != "quiet":
                     ok = False
-                    s.once(("transient", d.uuid, "processes", nb.error_name(e)), logging.WARNING,
-                           "vramwatch: GPU %d %s: listing compute processes failed (%s)",
-                           d.index, d.uuid, nb.error_name(e))
+                    s.once(
+                        ("transient", d.uuid, "processes", nb.error_name(e)),
+                        logging.WARNING,
+                        "vramwatch: GPU %d %s: listing compute processes failed (%s)",
+                        d.index,
+                        d.uuid,
+                        nb.error_name(e),
+                    )
                 continue
             rows = tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in list(procs)[:MAX_PROCESSES])
             out.append(GpuProcesses(d.index, d.uuid, rows))
@@ -102,8 +112,7 @@ class ProcessesCollector(Collector):
         return process_families(snapshot, ctx, self.settings.gpus == "job")
 
 
-def foreign(procs: tuple[tuple[int, int], ...], rank_pids: set[int],
-            ranks_here: list[float]) -> list[tuple[int, int]]:
+def foreign(procs: tuple[tuple[int, int], ...], rank_pids: set[int], ranks_here: list[float]) -> list[tuple[int, int]]:
     """The processes that are not the job's. ``ranks_here``: reserved bytes of each rank on this GPU."""
     others = [p for p in procs if p[0] not in rank_pids]
     if ranks_here and len(others) == len(procs):
@@ -140,5 +149,6 @@ def process_families(snap: tuple[GpuProcesses, ...], ctx: ScrapeContext, job_onl
     return (count, mem)
 
 
-register("processes", lambda s: s.nvml and s.processes,
-         "Foreign compute processes on the GPUs (NVML, slow cadence).")(ProcessesCollector)
+register("processes", lambda s: s.nvml and s.processes, "Foreign compute processes on the GPUs (NVML, slow cadence).")(
+    ProcessesCollector
+)

@@ -10,8 +10,7 @@ from vramwatch import contract
 from vramwatch.exporter.collectors import ScrapeContext
 from vramwatch.exporter.spool import sample_age
 
-DEVICE_METRICS = [m for m in contract.METRICS
-                  if m.collector == "allocator" and m.labels == contract.RANK_DEVICE]
+DEVICE_METRICS = [m for m in contract.METRICS if m.collector == "allocator" and m.labels == contract.RANK_DEVICE]
 
 
 def _rank_labels(data: dict) -> list[str]:
@@ -70,7 +69,7 @@ def families(ctx: ScrapeContext) -> Iterable[Metric]:
 
 
 def info_keys() -> list[str]:
-    return list(contract.spec("torch_cuda_allocator_info").labels[len(contract.RANK):])
+    return list(contract.spec("torch_cuda_allocator_info").labels[len(contract.RANK) :])
 
 
 def _le(v: float) -> str:

@@ -40,11 +40,22 @@ MAX_XIDS_PER_GPU = 64  # beyond this many distinct Xids on one GPU, the rest cou
 PREINIT = tuple(dict.fromkeys(MONITORING.xid_critical + MONITORING.xid_warning))
 # mnemonics for the log line only (NVIDIA open-gpu-kernel-modules nverror.h; never a label)
 MNEMONICS = {
-    13: "graphics engine exception", 31: "MMU fault (illegal address)", 43: "channel reset after a user fault",
-    45: "preemptive cleanup", 48: "double-bit ECC error", 61: "PMU breakpoint", 62: "PMU halt",
-    63: "page retirement / row remap recorded", 64: "page retirement / row remap failed", 74: "NVLink error",
-    79: "GPU has fallen off the bus", 92: "excessive single-bit ECC", 94: "contained ECC error",
-    95: "uncontained ECC error", 119: "GSP RPC timeout", 120: "GSP error",
+    13: "graphics engine exception",
+    31: "MMU fault (illegal address)",
+    43: "channel reset after a user fault",
+    45: "preemptive cleanup",
+    48: "double-bit ECC error",
+    61: "PMU breakpoint",
+    62: "PMU halt",
+    63: "page retirement / row remap recorded",
+    64: "page retirement / row remap failed",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "excessive single-bit ECC",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
 }
 
 
@@ -87,8 +98,9 @@ class XidLedger:
     def rows(self) -> tuple[tuple[int, str, str, float, float], ...]:
         """(gpu index, uuid, xid label, count, newest time or 0), a copy."""
         with self._lock:
-            return tuple((self._gpus.get(u, -1), u, x, r[0], r[1])
-                         for u, per in self._counts.items() for x, r in per.items())
+            return tuple(
+                (self._gpus.get(u, -1), u, x, r[0], r[1]) for u, per in self._counts.items() for x, r in per.items()
+            )
 
 
 _LEDGER_LOCK = threading.Lock()
@@ -115,8 +127,10 @@ def ranks_on(spool_dir: str, max_ranks: int, uuid: str) -> list[tuple[str, int]]
 def describe_event(index: int, uuid: str, xid: int, ranks: list[tuple[str, int]], source: str = "") -> str:
     what = MNEMONICS.get(xid, "")
     who = ", ".join(f"rank {r} (last step {s})" for r, s in ranks) or "no rank of this job"
-    return (f"vramwatch: Xid {xid}{f' ({what})' if what else ''} on GPU {index} {uuid}"
-            f"{f' [{source}]' if source else ''}: {who}")
+    return (
+        f"vramwatch: Xid {xid}{f' ({what})' if what else ''} on GPU {index} {uuid}"
+        f"{f' [{source}]' if source else ''}: {who}"
+    )
 
 
 def log_event(settings: Settings, index: int, uuid: str, xid: int, source: str = "") -> None:
@@ -131,8 +145,14 @@ def log_event(settings: Settings, index: int, uuid: str, xid: int, source: str =
 class XidWatcher:
     """The thread that waits on the event set. ``up``/``errors`` feed the collector's health."""
 
-    def __init__(self, session: nb.NvmlSession, ledger: XidLedger, settings: Settings,
-                 wait_ms: int = WAIT_MS, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        session: nb.NvmlSession,
+        ledger: XidLedger,
+        settings: Settings,
+        wait_ms: int = WAIT_MS,
+        stop: threading.Event | None = None,
+    ) -> None:
         self.session = session
         self.ledger = ledger
         self.settings = settings
@@ -209,14 +229,25 @@ class XidWatcher:
                     raise _NoXid()
                 nv.nvmlDeviceRegisterEvents(d.handle, mask, self._es)
             except _NoXid:
-                s.once(("xid-unsupported", d.uuid), logging.INFO,
-                       "vramwatch: GPU %d %s offers no Xid events; not watched", d.index, d.uuid)
+                s.once(
+                    ("xid-unsupported", d.uuid),
+                    logging.INFO,
+                    "vramwatch: GPU %d %s offers no Xid events; not watched",
+                    d.index,
+                    d.uuid,
+                )
                 continue
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 kind = nb.classify(e)
                 if kind in ("unsupported", "lost"):
-                    s.once(("xid-register", d.uuid, nb.error_name(e)), logging.INFO,
-                           "vramwatch: Xid events on GPU %d %s: %s; not watched", d.index, d.uuid, nb.error_name(e))
+                    s.once(
+                        ("xid-register", d.uuid, nb.error_name(e)),
+                        logging.INFO,
+                        "vramwatch: Xid events on GPU %d %s: %s; not watched",
+                        d.index,
+                        d.uuid,
+                        nb.error_name(e),
+                    )
                     continue
                 raise  # session trouble, UNKNOWN, ...: free the set and back off
             self.registered[d.uuid] = d.index
@@ -253,9 +284,14 @@ class XidWatcher:
         kind = nb.classify(e)
         if kind == "session":
             self.session.mark_down(e)
-        self.session.once(("xid", where, nb.error_name(e)), logging.WARNING,
-                          "vramwatch: Xid watcher %s failed (%s: %s); retrying with back-off",
-                          where, nb.error_name(e), e)
+        self.session.once(
+            ("xid", where, nb.error_name(e)),
+            logging.WARNING,
+            "vramwatch: Xid watcher %s failed (%s: %s); retrying with back-off",
+            where,
+            nb.error_name(e),
+            e,
+        )
         self._free()
         pause = self._backoff
         self._backoff = min(self._backoff * 2, nb.BACKOFF_MAX)
@@ -306,8 +342,9 @@ class XidCollector(Collector):
         return xid_families(snapshot, ctx, self.settings.gpus == "job")
 
 
-def xid_families(rows: Iterable[tuple[int, str, str, float, float]], ctx: ScrapeContext,
-                 job_only: bool = False) -> Iterable[Metric]:
+def xid_families(
+    rows: Iterable[tuple[int, str, str, float, float]], ctx: ScrapeContext, job_only: bool = False
+) -> Iterable[Metric]:
     total = contract.family("gpu_xid_errors_total")
     last = contract.family("gpu_last_xid_timestamp_seconds")
     job = job_uuids(ctx) if job_only else None
