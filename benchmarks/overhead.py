@@ -294,8 +294,9 @@ def instrument_sample_parts() -> dict[str, float]:
     """Count, by part, the CPU time (the calling thread's clock) a sample spends: the whole ``tick``, the
     allocator read, the largest-free-block snapshot inside it, the heartbeat (loss read) and the publish.
     Wraps vramwatch's classes in this (benchmark) process only; a few clock reads per sample."""
-    from vramwatch import runtime
-    from vramwatch.exporter import allocator, heartbeat, spool
+    from vramwatch import spool
+    from vramwatch.rank import allocator, heartbeat
+    from vramwatch.rank import handle as runtime
 
     acc: dict[str, float] = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from vramwatch import contract
+from vramwatch.monitoring import contract
 
 _FUNCS = {
     "abs",

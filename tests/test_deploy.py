@@ -33,7 +33,8 @@ import pytest
 import yaml
 from harness import ROOT, free_port, http_get, tool, wait_until
 
-from vramwatch import config, contract
+from vramwatch import config
+from vramwatch.monitoring import contract
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"

@@ -24,9 +24,9 @@ pytest.importorskip("matplotlib")
 import live_scenario
 from harness import tool
 
-from vramwatch.alerts.config import DEFAULT
-from vramwatch.dashboards import build_all
-from vramwatch.dashboards.walk import TimeContext, spec
+from vramwatch.monitoring.config import DEFAULT
+from vramwatch.monitoring.dashboards import build_all
+from vramwatch.monitoring.dashboards.walk import TimeContext, spec
 from vramwatch.report import charts
 from vramwatch.report.data import legend, run_panel, variable_values
 from vramwatch.report.prom import PromClient
@@ -209,7 +209,7 @@ def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
 
 
 def test_table_sorts_merges_and_formats():
-    from vramwatch.dashboards.walk import Target
+    from vramwatch.monitoring.dashboards.walk import Target
     from vramwatch.report.data import PanelResult, TargetResult
     from vramwatch.report.prom import Series
 

@@ -20,7 +20,7 @@ from vramwatch._version import __version__
 from vramwatch.config import ConfigError, Settings
 
 if TYPE_CHECKING:
-    from vramwatch.runtime import Handle
+    from vramwatch.rank.handle import Handle
 
 __all__ = ["ConfigError", "Handle", "Settings", "__version__", "current", "start", "step", "stop", "track"]
 
@@ -38,7 +38,7 @@ def start(**settings: Any) -> Handle:
     """
     global _handle
     from vramwatch import config
-    from vramwatch.runtime import Handle
+    from vramwatch.rank.handle import Handle
 
     resolved, sources = config.load(settings)  # the one place that may raise
     with _lock:
@@ -94,7 +94,7 @@ def current() -> Handle | None:
 
 def __getattr__(name: str) -> Any:
     if name == "Handle":
-        from vramwatch.runtime import Handle
+        from vramwatch.rank.handle import Handle
 
         return Handle
     raise AttributeError(name)

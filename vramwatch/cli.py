@@ -19,8 +19,8 @@ from vramwatch.config import ConfigError, Settings
 
 # subcommand -> module providing add_arguments(parser) and run(args) -> int
 _PLUGINS = {
-    "alerts": ("vramwatch.alerts.cli", "print the alert rules (Prometheus rule file or PrometheusRule)"),
-    "dashboards": ("vramwatch.dashboards.cli", "write the Grafana dashboards as JSON"),
+    "alerts": ("vramwatch.monitoring.alerts.cli", "print the alert rules (Prometheus rule file or PrometheusRule)"),
+    "dashboards": ("vramwatch.monitoring.dashboards.cli", "write the Grafana dashboards as JSON"),
     "report": ("vramwatch.report", "render the dashboards from a Prometheus into one HTML file"),
 }
 _FLAG_ALIASES = {"web_config_file": ["--web.config.file"]}
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "serve":
-            from vramwatch.exporter.server import serve
+            from vramwatch.server.main import serve
 
             settings, _ = settings_from_args(args)
             logging.getLogger("vramwatch").setLevel(min(logging.INFO, logging.getLevelName(settings.log_level)))

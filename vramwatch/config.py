@@ -69,7 +69,7 @@ def _label_value(v: str) -> None:
 
 def _web_config(v: str) -> None:
     if v:  # the whole file, certificates included, so a bad one fails before the job runs
-        from vramwatch.exporter.webconfig import check_web_config
+        from vramwatch.server.webconfig import check_web_config
 
         check_web_config(v)  # its ConfigError (a ValueError) names the field inside the file
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from vramwatch import contract
+from vramwatch.monitoring import contract
 
 BEGIN = "<!-- BEGIN GENERATED METRICS (vramwatch docs) -->"
 END = "<!-- END GENERATED METRICS -->"
@@ -55,7 +55,7 @@ def settings_table() -> str:
 
 def metrics_doc() -> str:
     return (
-        "# Metrics\n\nGenerated from `vramwatch/contract.py` by `vramwatch docs`; do not edit by hand.\n"
+        "# Metrics\n\nGenerated from `vramwatch/monitoring/contract.py` by `vramwatch docs`; do not edit by hand.\n"
         "Units are Prometheus base units (bytes, seconds, watts, joules, celsius, hertz, ratios 0..1).\n"
         "Info families are gauges of value 1 whose labels carry the information.\n\n" + metric_table(with_absent=True)
     )

@@ -197,7 +197,7 @@ SNAPSHOT_JOB = r"""
 import random, statistics
 history = sys.argv[1] == "history"
 import torch
-from vramwatch.exporter.allocator import AllocatorSampler, TorchSource, segment_summary
+from vramwatch.rank.allocator import AllocatorSampler, TorchSource, segment_summary
 if history:
     torch.cuda.memory._record_memory_history(max_entries=100_000)
 rng = random.Random(0)

@@ -17,7 +17,7 @@ from harness import ROOT, free_port
 from jobs import job_env, run_job
 from promql_names import metric_names
 
-from vramwatch import contract
+from vramwatch.monitoring import contract
 
 pytestmark = pytest.mark.gpu
 

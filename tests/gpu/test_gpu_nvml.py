@@ -19,8 +19,8 @@ import pytest
 from harness import Exporter, base_env, free_port, http_get, parse_metrics, stop_proc, wait_until
 
 from vramwatch.config import Settings
-from vramwatch.exporter import nvml_backend as nb
-from vramwatch.exporter.collectors.xid import PREINIT, XidCollector, XidLedger, XidWatcher
+from vramwatch.server import nvml_backend as nb
+from vramwatch.server.collectors.xid import PREINIT, XidCollector, XidLedger, XidWatcher
 
 pytestmark = pytest.mark.gpu
 MIB = 1 << 20
@@ -180,7 +180,7 @@ PROBE = r"""
 import json, logging, os, signal, sys, threading, time
 logging.basicConfig(level=logging.INFO)
 from vramwatch import config
-from vramwatch.exporter.server import Server
+from vramwatch.server.main import Server
 settings, _ = config.load()
 server = Server(settings)
 assert server.open()

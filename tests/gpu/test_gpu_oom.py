@@ -95,7 +95,7 @@ def test_a_real_oom_is_counted_and_leaves_a_snapshot_memory_viz_opens(tmp_path):
 PEAK_JOB = r"""
 port, spool = int(sys.argv[1]), sys.argv[2]
 import torch, vramwatch
-from vramwatch.exporter import spool as sp
+from vramwatch import spool as sp
 STEP_PEAK = "torch_cuda_memory_step_peak_allocated_bytes"
 h = vramwatch.start(port=port, spool_dir=spool, interval=0.02, serve="external")
 x = torch.zeros(1 << 20, device="cuda")

@@ -3,9 +3,9 @@
 - :mod:`vramwatch.integrations.hf`: ``VramwatchCallback`` for the Hugging Face ``Trainer``.
 - :mod:`vramwatch.integrations.lightning`: ``VramwatchCallback`` for Lightning (``lightning`` or
   ``pytorch_lightning``).
-- :mod:`vramwatch.integrations.oom`: OOM forensics (the allocator's out-of-memory observer, snapshots).
-- :mod:`vramwatch.integrations.hygiene`: opt-in cache reclaim between steps.
-- :mod:`vramwatch.integrations.status`: the console status line.
+- :mod:`vramwatch.rank.oom`: OOM forensics (the allocator's out-of-memory observer, snapshots).
+- :mod:`vramwatch.rank.hygiene`: opt-in cache reclaim between steps.
+- :mod:`vramwatch.rank.status`: the console status line.
 
 Importing this package imports neither torch nor a training framework; the two callback modules import
 their framework when they are imported themselves.
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vramwatch.runtime import Handle
+    from vramwatch.rank.handle import Handle
 
 __all__ = ["framework_settings", "setup", "start_for_framework"]
 
@@ -35,20 +35,20 @@ def setup(handle: Handle) -> None:
     s = handle.settings
     step_hooks: list[Callable[[], None]] = []
 
-    from vramwatch.integrations.oom import OomWatcher
+    from vramwatch.rank.oom import OomWatcher
 
     handle.oom = OomWatcher.for_handle(handle)
     handle.sample_hooks.append(handle.oom.on_sample)
 
     if s.reclaim_threshold > 0:
-        from vramwatch.integrations.hygiene import Hygiene
+        from vramwatch.rank.hygiene import Hygiene
 
         handle.hygiene = Hygiene.for_handle(handle)
         handle.sample_hooks.append(handle.hygiene.on_sample)
         step_hooks.append(handle.hygiene.on_step)
 
     if s.status_every > 0 and (s.status_all_ranks or handle.identity.rank == 0):
-        from vramwatch.integrations.status import StatusLine
+        from vramwatch.rank.status import StatusLine
 
         handle.status = StatusLine.for_handle(handle)
         handle.sample_hooks.append(handle.status.on_sample)
@@ -80,7 +80,7 @@ def framework_settings(
 
     Precedence: an explicit setting (argument, ``VRAMWATCH_*``, config file) wins; then what
     the framework reports; then the launcher's environment (torchrun, SLURM, ...), which
-    ``vramwatch.launcher`` reads when a value stays unset. Raises ``ConfigError`` for bad
+    ``vramwatch.rank.identity`` reads when a value stays unset. Raises ``ConfigError`` for bad
     settings, like ``start()``.
     """
     from vramwatch import config

@@ -97,8 +97,8 @@ def _say(args: argparse.Namespace, msg: str) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         from vramwatch import __version__
-        from vramwatch.dashboards import build_all
-        from vramwatch.dashboards.walk import TimeContext, spec
+        from vramwatch.monitoring.dashboards import build_all
+        from vramwatch.monitoring.dashboards.walk import TimeContext, spec
         from vramwatch.report import charts, html
         from vramwatch.report.data import run_annotation, run_panel, variable_values
         from vramwatch.report.prom import PromClient, PromError

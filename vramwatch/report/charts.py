@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from vramwatch.dashboards.walk import Axis, PanelSpec, TimeContext
+from vramwatch.monitoring.dashboards.walk import Axis, PanelSpec, TimeContext
 from vramwatch.report.data import AnnotationResult, PanelResult, legend
 
 DPI = 100

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from vramwatch.dashboards.walk import (
+from vramwatch.monitoring.dashboards.walk import (
     Annotation,
     DashboardSpec,
     PanelSpec,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from html import escape
 
-from vramwatch.dashboards.walk import DashboardSpec, PanelSpec, TimeContext
+from vramwatch.monitoring.dashboards.walk import DashboardSpec, PanelSpec, TimeContext
 from vramwatch.report.charts import Chart
 
 CSS = """

@@ -346,7 +346,7 @@ class _SpoolSamples:
     def __call__(self) -> list[Any]:
         now = time.monotonic()
         if now - self._at >= self.ttl:
-            from vramwatch.exporter.spool import read_samples
+            from vramwatch.spool import read_samples
 
             self._samples = read_samples(self.spool_dir, 4096, reap=False)
             self._at = now

@@ -1,0 +1,186 @@
+"""A real Hugging Face Trainer on CPU with a tiny random GPT-2 (built from a config: nothing downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never reach the Hub
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import pytest
+from harness import wait_until
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+pytest.importorskip("accelerate")
+
+import vramwatch  # noqa: E402
+from vramwatch.integrations import framework_settings  # noqa: E402
+
+
+class TinyLM(torch.utils.data.Dataset):
+    def __init__(self, n=64, length=16, vocab=64):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def tiny_args(tmp_path, **kw):
+    kw.setdefault("max_steps", 8)
+    return transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        **kw,
+    )
+
+
+def train(tmp_path, callbacks):
+    trainer = transformers.Trainer(
+        model=tiny_model(), args=tiny_args(tmp_path), train_dataset=TinyLM(), callbacks=callbacks
+    )
+    trainer.train()
+    return trainer
+
+
+def series(exp, name, **labels):
+    return [v for lab, v in exp.metrics().get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
+
+
+class Probe(transformers.TrainerCallback):
+    """At one optimiser step, look at the live target from inside the run."""
+
+    def __init__(self, exp, at_step):
+        self.exp, self.at_step = exp, at_step
+        self.logged = []
+        self.seen = None
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            self.logged.append((logs["loss"], logs.get("grad_norm")))
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step != self.at_step:
+            return
+        exp, n = self.exp, self.at_step
+        wait_until(
+            lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
+            15,
+            f"{n} optimiser steps in the scrape",
+        )
+        loss, gnorm = self.logged[-1]  # logged after the previous step's on_step_end
+        wait_until(
+            lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss)], 10, "the logged loss"
+        )
+        self.seen = {
+            "grad_norm": series(exp, "vramwatch_training_grad_norm", rank=0),
+            "rank_info": [lab for lab, _ in exp.metrics().get("vramwatch_rank_info", [])],
+            "gnorm": gnorm,
+            "hist_count": series(exp, "vramwatch_training_step_duration_seconds_count", rank=0),
+        }
+
+
+def test_trainer_drives_the_heartbeat_with_loss_and_labels(exporter, tmp_path):
+    from vramwatch.integrations.hf import VramwatchCallback
+
+    exp = exporter().start()
+    probe = Probe(exp, at_step=6)
+    cb = VramwatchCallback(simulate=True, serve="external", spool_dir=exp.spool, port=exp.port, interval=0.05)
+    trainer = train(tmp_path, [cb, probe])
+    assert trainer.state.global_step == 8
+    seen = probe.seen
+    assert seen is not None, "the probe never ran"
+    assert seen["gnorm"] is not None and seen["grad_norm"] == [pytest.approx(seen["gnorm"])]
+    (info,) = seen["rank_info"]
+    assert info["rank"] == "0" and info["local_rank"] == "0" and info["world_size"] == "1"
+    assert seen["hist_count"] == [5.0]  # six optimiser steps: five intervals (12 micro-batches would give 11)
+    # the callback started the exporter, so it stopped it at the end: no heartbeat left to go stale
+    assert vramwatch.current() is None
+    wait_until(lambda: series(exp, "vramwatch_training_steps_total") == [], 10, "the series to go")
+
+
+def test_the_callback_does_not_change_training(tmp_path):
+    from vramwatch.integrations.hf import VramwatchCallback
+
+    spool = str(tmp_path / "spool")
+    with_cb = train(
+        tmp_path / "a",
+        [VramwatchCallback(simulate=True, serve="external", spool_dir=spool, interval=0.05, status_every=2)],
+    )
+    without = train(tmp_path / "b", [])
+    losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (with_cb, without)]
+    assert len(losses[0]) == 8 and losses[0] == losses[1]
+    for p, q in zip(with_cb.model.parameters(), without.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_an_exporter_the_script_started_is_reused_and_kept(tmp_path):
+    from vramwatch.integrations.hf import VramwatchCallback
+
+    h = vramwatch.start(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05, rank=0)
+    try:
+        train(tmp_path, [VramwatchCallback()])
+        assert vramwatch.current() is h and h.heartbeat.steps == 8
+    finally:
+        vramwatch.stop()
+
+
+def test_bad_settings_fail_when_the_callback_is_made():
+    from vramwatch.integrations.hf import VramwatchCallback
+
+    with pytest.raises(vramwatch.ConfigError, match="port"):
+        VramwatchCallback(port=70000)
+
+
+def test_rank_precedence_explicit_then_framework_then_launcher():
+    env = {"RANK": "7", "LOCAL_RANK": "3", "WORLD_SIZE": "16"}
+    # the framework's identity fills what the user left unset
+    assert framework_settings({}, 2, 1, 4, env=env) == {"rank": 2, "local_rank": 1, "world_size": 4}
+    # an explicit setting (argument or VRAMWATCH_*) wins over the framework
+    assert framework_settings({"rank": 5}, 2, 1, 4, env=env) == {"rank": 5, "local_rank": 1, "world_size": 4}
+    assert framework_settings({}, 2, None, 4, env={**env, "VRAMWATCH_LOCAL_RANK": "0"}) == {"rank": 2, "world_size": 4}
+    # no framework value: nothing is set, and the launcher's environment decides at start()
+    assert framework_settings({}, None, None, None, env=env) == {}
+    from vramwatch.rank.identity import identify
+
+    assert identify(env=env).rank == 7
+
+
+def test_a_retried_inner_loop_keeps_ownership(tmp_path):
+    """auto_find_batch_size reruns the inner loop after an OOM: on_train_begin comes twice, on_train_end once."""
+    import types
+
+    from vramwatch.integrations.hf import VramwatchCallback
+
+    cb = VramwatchCallback(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05)
+    args = types.SimpleNamespace(process_index=0, local_process_index=0, world_size=1)
+    cb.on_train_begin(args, None, None)
+    first = vramwatch.current()
+    cb.on_train_begin(args, None, None)
+    assert vramwatch.current() is first is cb.handle
+    cb.on_step_end(args, None, None)
+    cb.on_log(args, None, None, logs={"loss": 1.25, "grad_norm": 0.5, "learning_rate": 1e-4})
+    cb.on_log(args, None, None, logs={"eval_loss": 9.0})
+    assert (first.heartbeat.steps, first.heartbeat.loss, first.heartbeat.grad_norm) == (1, 1.25, 0.5)
+    cb.on_train_end(args, None, None)
+    assert vramwatch.current() is None

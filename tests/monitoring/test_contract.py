@@ -1,0 +1,141 @@
+"""The metric contract is the API: everything exposed is listed, names follow Prometheus practice."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from harness import start_sim_rank, stop_proc, tool, wait_until
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+
+from vramwatch.monitoring import contract
+from vramwatch.server.collectors import ScrapeContext, ranks
+from vramwatch.spool import RankSample
+
+GOLDEN = Path(__file__).parents[1] / "golden"
+UNITS = ("bytes", "seconds", "watts", "joules", "celsius", "hertz", "ratio")
+
+
+def test_names_are_unique_snake_case_with_base_units():
+    names = [m.name for m in contract.METRICS]
+    assert len(names) == len(set(names))
+    for m in contract.METRICS:
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", m.name), m.name
+        assert m.name.split("_")[0] in ("torch", "gpu", "vramwatch"), m.name
+        assert m.type in ("gauge", "counter", "histogram", "info")
+        if m.type == "counter":
+            assert m.name.endswith("_total"), m.name
+        if m.type == "info":
+            assert m.name.endswith("_info"), m.name
+        if m.unit:
+            assert m.unit in UNITS and f"_{m.unit}" in m.name, m.name
+        assert not re.search(r"_(mib|mb|kb|percent|ms|mj|mw|mhz)(_|$)", m.name), m.name
+        assert m.help.endswith((".", ")")), m.name
+
+
+def test_no_label_can_grow_without_bound():
+    forbidden = {"pid", "step", "epoch", "command", "cmdline", "process_name", "username", "message", "err_msg"}
+    for m in contract.METRICS:
+        assert not forbidden & set(m.labels), m.name
+
+
+def _ctx() -> ScrapeContext:
+    sample = {
+        "v": 1,
+        "time": 1000.0,
+        "pid": 42,
+        "rank": 1,
+        "local_rank": 1,
+        "world_size": 2,
+        "hostname": "node-a",
+        "devices": [
+            {
+                "device": 0,
+                "uuid": "GPU-1111",
+                "values": {
+                    "torch_cuda_memory_allocated_bytes": 3.08e9,
+                    "torch_cuda_memory_reserved_bytes": 3.28e9,
+                    "torch_cuda_memory_fragmentation_ratio": 0.2 / 3.28,
+                    "torch_cuda_memory_alloc_retries_total": 2.0,
+                    "not_in_the_contract": 1.0,
+                },
+            }
+        ],
+        "allocator_info": {
+            "backend": "native",
+            "expandable_segments": "true",
+            "garbage_collection_threshold": "0.8",
+            "max_split_size_mb": "",
+        },
+        "heartbeat": {
+            "steps": 3,
+            "last": 999.0,
+            "buckets": [0.1, 1.0],
+            "counts": [1, 1, 0],
+            "sum": 0.55,
+            "loss": 0.6929,
+            "grad_norm": None,
+        },
+        "collectors": {"allocator": {"up": 1, "errors": 0, "duration": 0.0001}},
+    }
+    return ScrapeContext((RankSample(1, 42, sample, 1000.0),), now=1002.5, hostname="node-a")
+
+
+class _Static:
+    def __init__(self, fams: list[Metric]):
+        self.fams = fams
+
+    def collect(self):
+        return self.fams
+
+
+def _render(ctx) -> str:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Static(list(ranks.families(ctx))))
+    return generate_latest(reg).decode()
+
+
+def test_rank_families_golden():
+    text = _render(_ctx())
+    golden = GOLDEN / "rank_families.prom"
+    if os.environ.get("VRAMWATCH_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), "set VRAMWATCH_UPDATE_GOLDEN=1 to accept the new output"
+    assert "not_in_the_contract" not in text  # values outside the contract are dropped
+
+
+def test_promtool_accepts_the_exposition(tmp_path):
+    text = _render(_ctx())
+    r = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.e2e
+def test_every_exposed_family_is_in_the_contract(exporter):
+    exp = exporter().start()
+    rank = start_sim_rank(exp, 0, "--duration", "30")
+    try:
+        text = wait_until(
+            lambda: (lambda t: "torch_cuda_memory_allocated_bytes{" in t and t)(exp.scrape()), 15, "allocator series"
+        )
+        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
+        unknown = contract.exposed_names(names) - set(contract.BY_NAME)
+        assert not unknown, f"exposed but not in the contract: {sorted(unknown)}"
+        r = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        stop_proc(rank)
+
+
+def test_docs_are_generated_from_the_contract():
+    from vramwatch.docs import regenerate
+
+    root = Path(__file__).resolve().parents[2]
+    assert regenerate(check=True, root=str(root)) == 0, "run `vramwatch docs`"
+    readme = (root / "README.md").read_text()
+    for m in contract.METRICS:
+        assert f"`{m.name}`" in readme

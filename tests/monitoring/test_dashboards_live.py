@@ -1,0 +1,127 @@
+"""Every query of every panel, run through a real Prometheus scraping the simulated GPU and two ranks.
+
+A query that errors or returns no series fails the test; all failures are listed at once. Each
+query runs twice: with every variable at All, and with each variable at the first value its own
+query offers (job, host, GPU, rank), as a person narrowing the dashboard down would.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("grafana_foundation_sdk")
+
+import live_scenario
+
+from vramwatch.monitoring.config import DEFAULT
+from vramwatch.monitoring.dashboards import build_all
+from vramwatch.monitoring.dashboards.walk import TimeContext, spec
+from vramwatch.report.data import run_annotation, run_panel, variable_options, variable_values
+from vramwatch.report.prom import PromClient
+from vramwatch.sim.state import SimGpu
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    lv = live_scenario.start(tmp_path_factory.mktemp("dash-live"))
+    yield lv
+    live_scenario.stop(lv)
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return PromClient(live.prometheus.url, timeout=10)
+
+
+def _tc(live) -> TimeContext:
+    end = time.time()
+    return TimeContext(start=live.t0 - 2, end=end, step=1.0, scrape_interval=1.0)
+
+
+def test_variables_offer_the_node_its_gpus_and_ranks(live, client):
+    tc = _tc(live)
+    for d in (spec(m) for m in build_all()):
+        values: dict[str, str] = {}
+        offered = {}
+        for v in d.variables:
+            if v.type == "query":
+                offered[v.name] = variable_options(client, v, values, tc)
+                values[v.name] = v.all_value
+        node = live.exporter.node()
+        assert offered == {
+            "job": ["vramwatch"],
+            "host": [f"127.0.0.1:{live.exporter.port}"],
+            "gpu": sorted(g.uuid for g in node.gpus),
+            "rank": ["0", "1"],
+        }, d.uid
+
+
+@pytest.mark.parametrize("mode", ["all", "first"])
+def test_every_panel_query_returns_series(live, client, mode):
+    tc = _tc(live)
+    failures, ran = [], 0
+    for d in (spec(m) for m in build_all()):
+        values = variable_values(d, {}, client, tc, first=(mode == "first"))
+        if mode == "first":
+            assert ".*" not in values.values(), values
+        for p in d.panels:
+            res = run_panel(client, p, values, tc)
+            for r in res.results:
+                ran += 1
+                if r.error:
+                    failures.append(f"{d.uid} / {p.title} / {r.target.ref}: error {r.error}\n    {r.expr}")
+                elif not r.series:
+                    failures.append(f"{d.uid} / {p.title} / {r.target.ref}: no series\n    {r.expr}")
+                elif not any(v == v for s in r.series for v in s.values):  # all NaN draws nothing
+                    failures.append(f"{d.uid} / {p.title} / {r.target.ref}: only NaN\n    {r.expr}")
+    assert ran >= 50  # 52 targets when written
+    assert not failures, f"{len(failures)} of {ran} queries failed:\n" + "\n".join(failures)
+
+
+def test_annotations_mark_the_xid_and_the_oom(live, client):
+    tc = _tc(live)
+    seen = {}
+    for d in (spec(m) for m in build_all()):
+        values = variable_values(d, {})
+        for a in d.annotations:
+            res = run_annotation(client, a, values, tc)
+            assert not res.error, (d.uid, a.name, res.error)
+            seen.setdefault(a.name, []).extend(res.events)
+    assert any(title == f"Xid {live_scenario.XID}" for _, _, title in seen["Xid events"]), seen
+    assert any(title == "OOM in rank 0" for _, _, title in seen["OOMs"]), seen
+    for start, _, _ in seen["Xid events"] + seen["OOMs"]:
+        assert live.t0 - 2 <= start <= time.time()
+
+
+def test_stall_signature_and_live_values(live, client):
+    """A few panels' numbers against what the scenario did (the queries mean what they say)."""
+    tc = _tc(live)
+    d = {x.uid: x for x in (spec(m) for m in build_all())}
+    values = variable_values(d["vramwatch-fleet"], {})
+
+    def panel(uid, title):
+        (p,) = [p for p in d[uid].panels if p.title == title]
+        return {r.target.ref: r for r in run_panel(client, p, values, tc).results}
+
+    stalled = panel("vramwatch-fleet", "Stalled ranks")["A"].series
+    assert [s.values[-1] for s in stalled] == [0.0]  # the 14 s scenario stays under the 120 s minimum bound
+    ages = panel("vramwatch-fleet", "Ranks by heartbeat age")
+    by_rank = {s.labels["rank"]: s.values[-1] for s in ages["A"].series}
+    assert by_rank["0"] > by_rank["1"] + 2, by_rank  # rank 0 stopped stepping
+    assert [s.labels["rank"] for s in ages["A"].series][0] == "0"  # sort_desc: the oldest first
+    power = panel("vramwatch-gpu-health", "Power against utilisation")
+    gpu0 = {ref: next(s for s in power[ref].series if s.labels.get("gpu") == "0") for ref in "ABC"}
+    assert gpu0["C"].values[-1] == pytest.approx(1.0)  # utilisation pinned
+    assert gpu0["A"].values[-1] < max(gpu0["A"].values) - 100  # power fell
+    assert gpu0["B"].values[-1] == pytest.approx(SimGpu(0, "").power_limit_w * DEFAULT.busy_power_ratio)
+    xids = panel("vramwatch-gpu-health", "Xid events")
+    assert {s.labels["xid"] for s in xids["B"].series} == {str(live_scenario.XID)}
+    assert xids["B"].series[0].values == [1.0]
+    pressure = panel("vramwatch-fleet", "GPUs by memory pressure")
+    used = [s.values[0] for s in pressure["A"].series]
+    assert used == sorted(used, reverse=True) and len(used) == 2
+    assert {s.labels["gpu"] for s in pressure["B"].series} == {"0", "1"}  # joined to the GPU index

@@ -1,0 +1,221 @@
+"""The public API: start/stop/step, idempotence, errors at start only, never raising afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import timeit
+
+import pytest
+
+import vramwatch
+from vramwatch import spool
+
+
+@pytest.fixture
+def started(tmp_path):
+    handles = []
+
+    def start(**kw):
+        kw.setdefault("spool_dir", str(tmp_path / "spool"))
+        kw.setdefault("serve", "external")
+        kw.setdefault("simulate", True)
+        kw.setdefault("interval", 0.05)
+        h = vramwatch.start(**kw)
+        handles.append(h)
+        return h
+
+    yield start
+    vramwatch.stop()
+
+
+def _sample(h):
+    (s,) = spool.read_samples(h.spool_dir, 64)
+    return s.data
+
+
+def test_start_is_idempotent_and_publishes(started):
+    h = started(rank=3, local_rank=1, world_size=8)
+    assert vramwatch.start() is h
+    assert vramwatch.current() is h
+    d = _sample(h)
+    assert (d["rank"], d["local_rank"], d["world_size"]) == (3, 1, 8)
+    assert d["devices"] == []  # nothing initialised yet: nothing read
+
+
+def test_bad_config_raises_before_the_job_runs(tmp_path, monkeypatch):
+    with pytest.raises(vramwatch.ConfigError, match="port"):
+        vramwatch.start(port=123456)
+    monkeypatch.setenv("VRAMWATCH_INTERVAL", "soon")
+    with pytest.raises(vramwatch.ConfigError, match=r"from VRAMWATCH_INTERVAL"):
+        vramwatch.start(spool_dir=str(tmp_path))
+    assert vramwatch.current() is None
+
+
+def test_step_counts_and_sample_carries_heartbeat(started):
+    h = started()
+    for i in range(10):
+        vramwatch.step(loss=1.0 / (i + 1))
+    h.tick()
+    hb = _sample(h)["heartbeat"]
+    assert hb["steps"] == 10 and hb["loss"] == pytest.approx(0.1)
+    assert sum(hb["counts"]) == 9  # durations between consecutive steps
+
+
+def test_track_reports_a_step_per_item(started):
+    h = started()
+    assert list(vramwatch.track(range(5))) == [0, 1, 2, 3, 4]
+    assert h.heartbeat.steps == 5
+
+
+def test_nothing_raises_after_start_even_when_everything_breaks(started, tmp_path):
+    h = started()
+    h.sim.init(0)
+    h.sim.faults.add("*")
+    h.tick()
+    d = _sample(h)
+    assert d["collectors"]["allocator"]["up"] == 0 and d["collectors"]["allocator"]["errors"] >= 1
+    h.heartbeat.loss = object()  # something that is not a number
+    vramwatch.step(loss=float("nan"))
+    h.tick()
+    assert _sample(h)["heartbeat"]["loss"] is None
+    # the spool vanishing under us is logged, not raised
+    for name in os.listdir(h.spool_dir):
+        os.unlink(os.path.join(h.spool_dir, name))
+    os.rmdir(h.spool_dir)
+    h.tick()
+    vramwatch.step()
+
+
+def test_stop_withdraws_the_series(started):
+    h = started()
+    assert spool.read_samples(h.spool_dir, 64)
+    vramwatch.stop()
+    assert spool.read_samples(h.spool_dir, 64) == []
+    assert vramwatch.current() is None
+    vramwatch.step()  # after stop: a no-op
+
+
+def test_step_costs_microseconds(started):
+    started()
+    n = 200_000
+    best = min(timeit.repeat(vramwatch.step, number=n, repeat=5)) / n
+    # the target is <= 5 us on the training machine (benchmarks/RESULTS.md); CI machines are slower
+    assert best < 5e-6 * 4, f"step() took {best * 1e6:.2f} us"
+
+
+def test_import_does_not_import_torch_or_frameworks():
+    code = (
+        "import sys, vramwatch, vramwatch.cli, vramwatch.server.main; "
+        "print(sorted(m for m in ('torch','transformers','lightning','pytorch_lightning','grafana_foundation_sdk',"
+        "'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.replace("'", '"')) == []
+
+
+def test_rank_starts_the_server_and_it_leaves_after_the_ranks(tmp_path):
+    from harness import free_port, http_get, wait_until
+
+    port = free_port()
+    code = (
+        "import time, vramwatch\n"
+        f"h = vramwatch.start(port={port}, spool_dir={str(tmp_path / 's')!r}, simulate=True, interval=0.1, linger=1)\n"
+        "h.sim.init(0); h.sim.allocate(1 << 30)\n"
+        "for _ in range(60):\n    vramwatch.step(); time.sleep(0.05)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        body = wait_until(
+            lambda: (lambda r: r[0] == 200 and b"torch_cuda_memory_allocated_bytes{" in r[1] and r)(
+                http_get(f"http://127.0.0.1:{port}/metrics", 1)
+            ),
+            15,
+            "the rank-started server",
+        )
+        assert b'rank="0"' in body[1]
+        proc.wait(timeout=30)
+        wait_until(lambda: not spool.server_running(str(tmp_path / "s")), 15, "the server to leave")
+    finally:
+        proc.kill()
+
+
+def test_a_tensor_loss_does_not_keep_its_graph_alive():
+    import gc
+    import weakref
+
+    import torch
+
+    from vramwatch.rank.heartbeat import Heartbeat
+
+    hb = Heartbeat()
+    w = torch.ones(3, requires_grad=True)
+    activation = w * 2  # what the graph saves for backward
+    loss = activation.sum()
+    probe = weakref.ref(loss)
+    hb.step(loss=loss)
+    assert hb.loss is not loss and hb.loss.grad_fn is None, "kept detached"
+    del loss, activation
+    gc.collect()
+    assert probe() is None, "the heartbeat must not keep the job's loss (and its graph) alive"
+    assert hb.snapshot()["loss"] == 6.0  # the value is still published
+    hb.step(loss=torch.tensor(0.25))  # a detached tensor the job keeps no reference to
+    assert hb.snapshot()["loss"] == 0.25
+    hb.step(loss=0.5)
+    assert hb.snapshot()["loss"] == 0.5
+
+
+def test_a_rank_started_server_leaves_even_when_its_rank_died_at_once(tmp_path):
+    from harness import free_port, wait_until
+
+    port = free_port()
+    spool_dir = str(tmp_path / "s")
+    code = (
+        f"import os, vramwatch\nvramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, linger=1)\n"
+        "os._exit(0)\n"
+    )  # gone before the server's idle loop ever sees it alive
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=30)
+    wait_until(lambda: spool.server_running(spool_dir), 10, "the server to start")
+    wait_until(lambda: not spool.server_running(spool_dir), 15, "the server to leave well before the 60 s grace")
+
+
+def test_eight_ranks_starting_together_spawn_one_server(tmp_path):
+    from harness import free_port, http_get, wait_until
+
+    port = free_port()
+    spool_dir = str(tmp_path / "s")
+    code = (
+        "import sys, time, vramwatch\n"
+        f"vramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, interval=0.1, linger=1, "
+        "rank=int(sys.argv[1]))\n"
+        "for _ in range(80):\n    vramwatch.step(); time.sleep(0.05)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env) for r in range(8)]
+    try:
+        wait_until(
+            lambda: http_get(f"http://127.0.0.1:{port}/metrics", 1)[1].count(b"vramwatch_rank_info{") == 8,
+            20,
+            "all eight ranks in one target",
+        )
+        log = open(os.path.join(spool_dir, "server.log")).read()
+        assert log.count("serving http") == 1, log
+        assert "another server already serves" not in log, "only one rank should have tried"
+    finally:
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def test_an_unusable_spool_never_raises_from_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    h = vramwatch.start(spool_dir=str(blocker / "spool"), simulate=True, serve="auto")
+    try:
+        vramwatch.step()
+        h.tick()
+    finally:
+        vramwatch.stop()

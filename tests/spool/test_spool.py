@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+from vramwatch import spool
+
+
+def _hold_and_wait(spool_dir, rank, ready, done):
+    pub = spool.RankPublisher(spool_dir, rank)
+    pub.publish({"time": time.time(), "rank": rank})
+    ready.set()
+    done.wait(30)
+
+
+def test_publish_is_atomic_and_readable(tmp_path):
+    pub = spool.RankPublisher(str(tmp_path), 3)
+    pub.publish({"time": 1.0, "rank": 3, "x": [1, 2]})
+    (s,) = spool.read_samples(str(tmp_path), 64)
+    assert (s.rank, s.pid, s.data["x"]) == (3, os.getpid(), [1, 2])
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    pub.close()
+    assert spool.read_samples(str(tmp_path), 64) == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_dead_rank_is_reaped_live_rank_kept(tmp_path):
+    ctx = mp.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_hold_and_wait, args=(str(tmp_path), 1, ready, done))
+    p.start()
+    assert ready.wait(10)
+    assert [s.rank for s in spool.read_samples(str(tmp_path), 64)] == [1]
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(5)
+    assert spool.read_samples(str(tmp_path), 64) == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_newest_sample_wins_per_rank_and_cap(tmp_path):
+    pubs = [spool.RankPublisher(str(tmp_path / "a"), r) for r in range(5)]
+    for i, p in enumerate(pubs):
+        p.publish({"time": float(i)})
+    assert [s.rank for s in spool.read_samples(str(tmp_path / "a"), 3)] == [0, 1, 2]
+    for p in pubs:
+        p.close()
+
+
+def test_server_lock(tmp_path):
+    d = str(tmp_path)
+    assert not spool.server_running(d)
+    fd = spool.hold_lock(os.path.join(d, spool.SERVER_LOCK))
+    assert fd is not None
+    assert spool.server_running(d)
+    assert spool.hold_lock(os.path.join(d, spool.SERVER_LOCK)) is None
+    os.close(fd)
+    assert not spool.server_running(d)
+
+
+def test_forked_child_does_not_keep_a_dead_parent_alive(tmp_path):
+    # parent publishes, forks a long-lived child (a DataLoader worker), then dies
+    ctx = mp.get_context("fork")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the "rank"
+        try:
+            pub = spool.RankPublisher(str(tmp_path), 0)
+            pub.publish({"time": time.time()})
+            child = ctx.Process(target=time.sleep, args=(30,), daemon=False)
+            child.start()
+            os.write(w, str(child.pid).encode())
+        finally:
+            os._exit(0)  # dies without cleanup, the worker lives on
+    os.close(w)
+    child_pid = int(os.read(r, 32))
+    os.waitpid(pid, 0)
+    try:
+        # the worker drops its copy of the lock right after fork; give it a moment to be scheduled
+        deadline = time.monotonic() + 5
+        while spool.read_samples(str(tmp_path), 64) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert spool.read_samples(str(tmp_path), 64) == []
+    finally:
+        os.kill(child_pid, signal.SIGKILL)
+
+
+def test_a_torn_record_is_never_parsed(tmp_path):
+    pub = spool.RankPublisher(str(tmp_path), 0)
+    pub.publish({"time": 1.0, "pad": "x" * 100})
+    pub.publish({"time": 2.0})  # shorter than the first: the stale tail must be ignored
+    (s,) = spool.read_samples(str(tmp_path), 64)
+    assert s.data == {"time": 2.0}
+    with open(pub.path, "r+b") as fh:  # flip a payload byte: what a reader sees mid-write
+        fh.seek(spool._HEADER.size + 3)
+        fh.write(b"#")
+    assert spool.read_samples(str(tmp_path), 64) == []
+    pub.publish({"time": 3.0})
+    assert spool.read_samples(str(tmp_path), 64)[0].data == {"time": 3.0}
+    pub.close()
+
+
+def test_only_the_scrape_path_reaps_and_it_keeps_the_last_sample(tmp_path):
+    ctx = mp.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_hold_and_wait, args=(str(tmp_path), 2, ready, done))
+    p.start()
+    assert ready.wait(10)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(5)
+    assert spool.read_samples(str(tmp_path), 64, reap=False) == []
+    assert os.listdir(tmp_path), "a reader that does not reap leaves the files"
+    reaped = []
+    assert spool.read_samples(str(tmp_path), 64, reaped) == []
+    assert [s.rank for s in reaped] == [2] and reaped[0].data["rank"] == 2
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,67 @@
+"""Allocator pressure: cudaMalloc retries, OOMs, fragmentation while memory is high, leaks."""
+
+from __future__ import annotations
+
+from vramwatch.monitoring.alerts.promql import (
+    DEVICE_WHERE,
+    VALUE_BYTES,
+    VALUE_INT,
+    VALUE_PERCENT,
+    WARNING,
+    alert,
+    duration,
+    metric,
+    num,
+    percent,
+)
+from vramwatch.monitoring.config import MonitoringConfig
+
+
+def rules(cfg: MonitoringConfig) -> list[dict]:
+    retries = metric(cfg, "torch_cuda_memory_alloc_retries_total")
+    ooms = metric(cfg, "torch_cuda_memory_ooms_total")
+    frag = metric(cfg, "torch_cuda_memory_fragmentation_ratio")
+    reserved = metric(cfg, "torch_cuda_memory_reserved_bytes")
+    limit = metric(cfg, "torch_cuda_memory_limit_bytes")
+    peak = metric(cfg, "torch_cuda_memory_step_peak_allocated_bytes")
+    leak_w = duration(cfg.leak_window)
+    return [
+        alert(
+            "TorchAllocatorRetries",
+            f"increase({retries}[{duration(cfg.alloc_retry_window)}]) > {num(cfg.alloc_retries_max)}",
+            WARNING,
+            "The caching allocator keeps flushing its cache to retry cudaMalloc.",
+            f"{DEVICE_WHERE}: about {VALUE_INT} cudaMalloc retries in the last {cfg.alloc_retry_window}. "
+            "Each retry frees the whole cache and synchronises: steps slow down, and an OOM is near.",
+        ),
+        alert(
+            "TorchOutOfMemory",
+            f"increase({ooms}[{duration(cfg.oom_window)}]) > 0",
+            WARNING,
+            "The caching allocator raised an out-of-memory error.",
+            f"{DEVICE_WHERE}: about {VALUE_INT} CUDA out-of-memory error(s) in the last {cfg.oom_window}. "
+            "torch_cuda_memory_last_oom_requested_bytes shows the request that failed.",
+        ),
+        alert(
+            "TorchMemoryFragmented",
+            f"{frag} > {num(cfg.fragmentation_ratio)}\nand {reserved} / {limit} > {num(cfg.memory_warning_ratio)}",
+            WARNING,
+            f"More than {percent(cfg.fragmentation_ratio)} of the allocator's cache holds no tensor "
+            f"while memory is above {percent(cfg.memory_warning_ratio)}.",
+            f"{DEVICE_WHERE}: {VALUE_PERCENT} of the reserved bytes are free cached pieces "
+            f"(fragmentation) while the rank's reserved bytes exceed {percent(cfg.memory_warning_ratio)} "
+            "of its budget: a large request can fail although the card shows memory free.",
+            cfg.fragmentation_for,
+        ),
+        alert(
+            "TorchMemoryLeak",
+            f"predict_linear({peak}[{leak_w}], {num(cfg.leak_horizon_seconds)}) > {limit}\nand {peak} offset {leak_w}",
+            WARNING,
+            f"A rank's per-step peak memory is on course to exhaust its budget within "
+            f"{cfg.leak_horizon_hours:g} hours.",
+            f"{DEVICE_WHERE}: the per-step high-water mark of allocated bytes is rising; extrapolated over "
+            f"the last {cfg.leak_window} it reaches {VALUE_BYTES} in {cfg.leak_horizon_hours:g} hours, "
+            "beyond the rank's budget (torch_cuda_memory_limit_bytes).",
+            cfg.leak_for,
+        ),
+    ]

@@ -1,0 +1,43 @@
+"""Contention: someone else on the job's GPU, and one rank far above its peers."""
+
+from __future__ import annotations
+
+from vramwatch.monitoring.alerts.promql import (
+    DEVICE_WHERE,
+    GPU_WHERE,
+    VALUE_INT,
+    VALUE_RATIO,
+    WARNING,
+    alert,
+    job_gpus,
+    metric,
+    num,
+)
+from vramwatch.monitoring.config import MonitoringConfig
+
+
+def rules(cfg: MonitoringConfig) -> list[dict]:
+    reserved = metric(cfg, "torch_cuda_memory_reserved_bytes")
+    by = ", ".join(cfg.job_labels)
+    median = f"quantile by ({by}) (0.5, {reserved})"
+    return [
+        alert(
+            "GPUForeignProcess",
+            job_gpus(cfg, f"{metric(cfg, 'gpu_foreign_processes')} > 0"),
+            WARNING,
+            "A process that is not part of the job runs on one of its GPUs.",
+            f"{GPU_WHERE} runs {VALUE_INT} compute process(es) that are not ranks of this job; they compete "
+            "for its memory (gpu_foreign_process_memory_bytes) and time, a known cause of stalls.",
+            cfg.foreign_process_for,
+        ),
+        alert(
+            "TrainingRankMemorySkew",
+            f"{reserved} / on({by}) group_left() {median} > {num(cfg.rank_skew_ratio)}\n"
+            f"and {reserved} - on({by}) group_left() {median} > {num(cfg.rank_skew_min_bytes)}",
+            WARNING,
+            "One rank holds far more GPU memory than the median of its peers.",
+            f"{DEVICE_WHERE} reserves {VALUE_RATIO}x the median of its job's ranks: uneven batches, a rank "
+            "doing extra work (evaluation, logging), or a leak on one rank.",
+            cfg.rank_skew_for,
+        ),
+    ]

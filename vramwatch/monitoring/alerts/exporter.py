@@ -1,0 +1,71 @@
+"""The exporter's own health: target down, stale samples, a failing collector."""
+
+from __future__ import annotations
+
+from vramwatch.monitoring.alerts.promql import (
+    RANK_WHERE,
+    VALUE_DURATION,
+    WARNING,
+    alert,
+    duration,
+    label,
+    metric,
+    num,
+    up,
+)
+from vramwatch.monitoring.config import MonitoringConfig
+
+
+def target_down(cfg: MonitoringConfig) -> str:
+    """vramwatch targets failing their scrape: by job name, or by having served vramwatch recently."""
+    seen = metric(cfg, "vramwatch_build_info")
+    recent = f"up == 0 and on(job, instance) max_over_time({seen}[{duration(cfg.target_seen_window)}])"
+    return f"{up(cfg)} == 0\nor {recent}" if cfg.target_selector else recent
+
+
+def rules(cfg: MonitoringConfig) -> list[dict]:
+    out = [
+        alert(
+            "VramwatchTargetDown",
+            target_down(cfg),
+            WARNING,
+            "Prometheus cannot scrape a vramwatch target.",
+            f"Prometheus has failed to scrape {label('instance')} (job {label('job')}) for more than "
+            f"{cfg.target_down_for}: the node, the job or its exporter is gone, and none of its alerts "
+            "can fire.",
+            cfg.target_down_for,
+        ),
+        alert(
+            "VramwatchSamplesStale",
+            f"{metric(cfg, 'vramwatch_sample_age_seconds')} > {num(cfg.sample_stale_seconds)}",
+            WARNING,
+            "A rank stopped publishing samples: it is wedged.",
+            f"The newest sample of {RANK_WHERE} is {VALUE_DURATION} old: the rank's process is alive "
+            "(it holds its lock) but its sampler thread cannot run, e.g. the rank is blocked in a C "
+            "call holding the GIL. Its allocator readings are that old.",
+            cfg.sample_stale_for,
+        ),
+        alert(
+            "VramwatchCollectorDown",
+            f"{metric(cfg, 'vramwatch_collector_up')} == 0",
+            WARNING,
+            "A vramwatch collector is failing.",
+            f"The {label('collector')} collector on {label('instance')} (rank '{label('rank')}', empty for "
+            f"the server) has failed for more than {cfg.collector_down_for}; its families are missing or "
+            "old. The exporter's log says why (logged once).",
+            cfg.collector_down_for,
+        ),
+    ]
+    if cfg.target_absent_for:
+        out.append(
+            alert(
+                "VramwatchTargetAbsent",
+                f"absent({up(cfg)})",
+                WARNING,
+                "No vramwatch target is known to Prometheus.",
+                f"Prometheus has had no target matching {cfg.target_selector} for more than "
+                f"{cfg.target_absent_for}: service discovery lost the jobs, or none runs.",
+                cfg.target_absent_for,
+            )
+        )
+    return out

@@ -1,0 +1,88 @@
+"""Stalls: a rank's heartbeat older than a bound derived from its own recent step times.
+
+The bound is ``max(stall_min_seconds, stall_factor x mean step time over stall_window)``. When no
+step has completed for a whole ``stall_window`` the mean is undefined (0/0) and the bound falls back
+to ``stall_min_seconds``: a heartbeat older than the window is a stall whatever the step time was.
+
+Split by what the rank's GPU does (rank series join GPU series on ``uuid`` through the allocator's
+series, which carry both the rank and the GPU):
+
+- busy stall (critical): utilisation high and power low, the field notes' hang signature (a
+  deadlocked collective spins at 100% "utilisation" drawing little power);
+- idle stall (warning): anything else, including ranks without an NVML reading.
+"""
+
+from __future__ import annotations
+
+from vramwatch.monitoring import contract
+from vramwatch.monitoring.alerts.promql import (
+    CRITICAL,
+    RANK_WHERE,
+    VALUE_DURATION,
+    WARNING,
+    alert,
+    label,
+    metric,
+    num,
+    percent,
+    stall_bound,
+)
+from vramwatch.monitoring.config import MonitoringConfig
+
+_PER_GPU_ONLY = ",".join(x for x in contract.RANK_DEVICE if x not in contract.RANK)  # uuid,device
+_GPU_JOIN = "gpu," + ",".join(x for x in contract.RANK_DEVICE if x != "uuid")  # gpu,device,rank,local_rank
+
+
+def stalled_ranks(cfg: MonitoringConfig) -> str:
+    """Per rank: the heartbeat's age in seconds, where it exceeds the rank's bound."""
+    hb = metric(cfg, "vramwatch_training_last_step_timestamp_seconds")
+    bound = stall_bound(cfg, lambda name: metric(cfg, name))
+    return f"(time() - {hb})\n> (\n  {bound}\n)"
+
+
+def busy_stalls(cfg: MonitoringConfig) -> str:
+    """Per rank and GPU: stalled ranks whose GPU reads busy at low power."""
+    alloc = metric(cfg, "torch_cuda_memory_allocated_bytes")
+    util = metric(cfg, "gpu_utilization_ratio")
+    power = metric(cfg, "gpu_power_watts")
+    plimit = metric(cfg, "gpu_power_limit_watts")
+    return (
+        f"(\n{_indent(stalled_ranks(cfg))}\n)\n"
+        f"* ignoring({_PER_GPU_ONLY}) group_right()\n({alloc} * 0 + 1)\n"
+        f"and ignoring({_GPU_JOIN}) {util} >= {num(cfg.busy_utilization_ratio)}\n"
+        f"and ignoring({_GPU_JOIN}) {power} / {plimit} <= {num(cfg.busy_power_ratio)}"
+    )
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def rules(cfg: MonitoringConfig) -> list[dict]:
+    why = (
+        f"(bound: {cfg.stall_factor:g}x its mean step time over {cfg.stall_window}, "
+        f"at least {cfg.stall_min_seconds:g}s)"
+    )
+    return [
+        alert(
+            "TrainingStalled",
+            busy_stalls(cfg),
+            CRITICAL,
+            "A rank stopped making progress while its GPU reads busy at low power (a hang).",
+            f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {why}, while its GPU "
+            f"{label('uuid')} reads at least {percent(cfg.busy_utilization_ratio)} utilisation at no more "
+            f"than {percent(cfg.busy_power_ratio)} of its power limit: the hang signature. "
+            "Checkpoint-less work is being lost.",
+            cfg.stall_for,
+        ),
+        alert(
+            "TrainingStalled",
+            f"(\n{_indent(stalled_ranks(cfg))}\n)\nunless ignoring({_PER_GPU_ONLY})\n(\n{_indent(busy_stalls(cfg))}\n)",
+            WARNING,
+            "A rank stopped making progress.",
+            f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {why}; its GPU does not show the "
+            "busy-at-low-power hang signature (idle, input pipeline, evaluation, checkpointing, or no "
+            "NVML reading).",
+            cfg.stall_for,
+        ),
+    ]

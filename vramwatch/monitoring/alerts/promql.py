@@ -1,0 +1,110 @@
+"""Small helpers the rule modules share: selectors from the contract, templates, rule dicts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vramwatch.monitoring import contract
+from vramwatch.monitoring.config import MonitoringConfig, format_duration, parse_duration
+
+CRITICAL = "critical"  # pages
+WARNING = "warning"  # a ticket, not a page
+
+# the labels a rank's allocator series carry beyond the target's own (contract.RANK_DEVICE)
+RANK_DEVICE = ",".join(contract.RANK_DEVICE)
+_HISTOGRAM_SUFFIXES = ("_sum", "_count", "_bucket")
+
+
+def metric(cfg: MonitoringConfig, name: str, *matchers: str) -> str:
+    """``name{selector,matchers}`` for a family of the contract (histogram series included)."""
+    base = name
+    for suffix in _HISTOGRAM_SUFFIXES:
+        if name.endswith(suffix) and name[: -len(suffix)] in contract.BY_NAME:
+            base = name[: -len(suffix)]
+    contract.spec(base)  # KeyError: not in the contract
+    parts = [m for m in (cfg.selector, *matchers) if m]
+    return name + ("{" + ", ".join(parts) + "}" if parts else "")
+
+
+def up(cfg: MonitoringConfig) -> str:
+    return "up{" + cfg.target_selector + "}"
+
+
+def regex(values: tuple[Any, ...]) -> str:
+    return "|".join(str(v) for v in values)
+
+
+def duration(text: str) -> str:
+    """A config duration as PromQL writes it (normalised, so scaled configs stay valid)."""
+    return format_duration(parse_duration(text))
+
+
+def num(value: float) -> str:
+    """A threshold as PromQL text: 0.85, 120, 4294967296."""
+    return repr(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def percent(ratio: float) -> str:
+    """0.85 -> '85%', 0.355 -> '35.5%'."""
+    text = f"{ratio:.4%}"[:-1]
+    return (text.rstrip("0").rstrip(".") if "." in text else text) + "%"
+
+
+def label(name: str) -> str:
+    return "{{ $labels." + name + " }}"
+
+
+VALUE = "{{ $value }}"
+VALUE_PERCENT = "{{ $value | humanizePercentage }}"
+VALUE_BYTES = "{{ $value | humanize1024 }}B"
+VALUE_DURATION = "{{ $value | humanizeDuration }}"
+VALUE_RATIO = '{{ $value | printf "%.1f" }}'
+VALUE_INT = '{{ $value | printf "%.0f" }}'
+
+# who a rank alert is about, and where the GPU is
+RANK_WHERE = "rank " + label("rank") + " (local rank " + label("local_rank") + ") on " + label("instance")
+GPU_WHERE = "GPU " + label("gpu") + " (" + label("uuid") + ") on " + label("instance")
+DEVICE_WHERE = RANK_WHERE + ", cuda:" + label("device") + " (" + label("uuid") + ")"
+
+
+def job_gpus(cfg: MonitoringConfig, expr: str, *labels: str) -> str:
+    """Keep a per-GPU expression only for GPUs a rank of the job holds (if the config says so).
+
+    ``labels``: the expression's labels beyond the GPU's own (e.g. ``reason``)."""
+    if not cfg.job_gpus_only:
+        return expr
+    ignore = ",".join(("gpu", *labels, *(x for x in contract.RANK_DEVICE if x != "uuid")))
+    return f"{expr}\nand ignoring({ignore})\n{metric(cfg, 'torch_cuda_memory_allocated_bytes')}"
+
+
+def alert(
+    name: str,
+    expr: str,
+    severity: str,
+    summary: str,
+    description: str,
+    for_: str = "",
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    rule: dict[str, Any] = {"alert": name, "expr": expr}
+    if for_ and parse_duration(for_) > 0:
+        rule["for"] = duration(for_)
+    rule["labels"] = {"severity": severity, **(labels or {})}
+    rule["annotations"] = {"summary": summary, "description": description}
+    return rule
+
+
+def stall_bound(cfg: MonitoringConfig, series: Callable[[str], str]) -> str:
+    """How old a rank's heartbeat may get before it counts as stalled; alerts and dashboards share it.
+
+    ``stall_factor`` x the rank's mean step time over ``stall_window``, at least
+    ``stall_min_seconds``; when no step completed in the whole window the mean is undefined (0/0)
+    and the bound is the minimum. ``series(name)`` renders a family with its label matchers.
+    """
+    w = duration(cfg.stall_window)
+    h = "vramwatch_training_step_duration_seconds"
+    mean = f"rate({series(h + '_sum')}[{w}]) / rate({series(h + '_count')}[{w}])"
+    low = num(cfg.stall_min_seconds)
+    last = series("vramwatch_training_last_step_timestamp_seconds")
+    return f"clamp_min({num(cfg.stall_factor)} * ({mean} > 0), {low})\n  or {last} * 0 + {low}"

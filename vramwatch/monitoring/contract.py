@@ -1,0 +1,555 @@
+"""The metric contract: every family vramwatch exposes, defined once.
+
+Collectors build families only through :func:`family`, the README table and
+``docs/METRICS.md`` are generated from :data:`METRICS`, and alerts and
+dashboards take names from here. A test fails on any exposed family that is
+not listed. Names never derive from ``memory_stats()`` keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from vramwatch.rank.device_scalar import READ_MAX_GAP
+
+RANK = ("rank", "local_rank")
+RANK_DEVICE = ("uuid", "device", "rank", "local_rank")
+GPU = ("gpu", "uuid")
+COLLECTOR = ("collector", "rank")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # full exposed name (counters include _total)
+    type: str  # gauge | counter | histogram | info
+    unit: str  # Prometheus base unit, "" for dimensionless
+    labels: tuple[str, ...]
+    help: str
+    collector: str  # which collector publishes it
+    absent_when: str = ""
+
+
+def _m(name, type_, unit, labels, help_, collector, absent_when=""):
+    return MetricSpec(name, type_, unit, tuple(labels), help_, collector, absent_when)
+
+
+_NOT_INIT = "the rank has not initialised CUDA on that device"
+_ASYNC = "the backend is cudaMallocAsync (always reported as zero there)"
+
+METRICS: tuple[MetricSpec, ...] = (
+    # --- allocator: one series per (rank, CUDA device) the rank initialised ---
+    _m(
+        "torch_cuda_memory_allocated_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Bytes held by live tensors (allocated_bytes.all.current).",
+        "allocator",
+        _NOT_INIT,
+    ),
+    _m(
+        "torch_cuda_memory_reserved_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Bytes cached by the caching allocator, what the driver sees (reserved_bytes.all.current).",
+        "allocator",
+        _NOT_INIT,
+    ),
+    _m(
+        "torch_cuda_memory_active_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Bytes in active blocks, allocated or awaiting stream events (active_bytes.all.current).",
+        "allocator",
+        _NOT_INIT,
+    ),
+    _m(
+        "torch_cuda_memory_inactive_split_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Free pieces of split segments that empty_cache() cannot release (fragmentation).",
+        "allocator",
+        _NOT_INIT + "; " + _ASYNC,
+    ),
+    _m(
+        "torch_cuda_memory_requested_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Bytes requested by tensors before the allocator's rounding.",
+        "allocator",
+        _NOT_INIT + "; " + _ASYNC,
+    ),
+    _m(
+        "torch_cuda_memory_fragmentation_ratio",
+        "gauge",
+        "",
+        RANK_DEVICE,
+        "(reserved - allocated) / reserved: the share of the cache not holding tensors, 0 when nothing is reserved.",
+        "allocator",
+        _NOT_INIT,
+    ),
+    _m(
+        "torch_cuda_memory_largest_free_block_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Largest free cached block, from the allocator snapshot on a slower cadence.",
+        "allocator",
+        _NOT_INIT + "; the backend is cudaMallocAsync (no snapshot); before the first slow sample",
+    ),
+    _m(
+        "torch_cuda_memory_peak_allocated_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Peak allocated bytes since start or the job's own reset_peak_memory_stats().",
+        "allocator",
+        _NOT_INIT,
+    ),
+    _m(
+        "torch_cuda_memory_peak_reserved_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Peak reserved bytes since start or the job's own reset_peak_memory_stats().",
+        "allocator",
+        _NOT_INIT,
+    ),
+    _m(
+        "torch_cuda_memory_step_peak_allocated_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "High-water mark of allocated bytes over the last sample window, without resetting the "
+        "job's peak statistics (a slow leak shows as a rising series).",
+        "allocator",
+        _NOT_INIT,
+    ),
+    _m(
+        "torch_cuda_memory_limit_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Per-process budget: the memory fraction in force times the device's total memory.",
+        "allocator",
+        _NOT_INIT,
+    ),
+    _m(
+        "torch_cuda_memory_alloc_retries_total",
+        "counter",
+        "",
+        RANK_DEVICE,
+        "cudaMalloc retries after the allocator flushed its cache (num_alloc_retries).",
+        "allocator",
+        _NOT_INIT + "; " + _ASYNC,
+    ),
+    _m(
+        "torch_cuda_memory_ooms_total",
+        "counter",
+        "",
+        RANK_DEVICE,
+        "Out-of-memory errors raised by the allocator (num_ooms).",
+        "allocator",
+        _NOT_INIT,
+    ),
+    _m(
+        "torch_cuda_memory_device_allocs_total",
+        "counter",
+        "",
+        RANK_DEVICE,
+        "cudaMalloc (or cuMemMap) calls made by the allocator.",
+        "allocator",
+        _NOT_INIT + "; " + _ASYNC,
+    ),
+    _m(
+        "torch_cuda_memory_device_frees_total",
+        "counter",
+        "",
+        RANK_DEVICE,
+        "cudaFree (or cuMemUnmap) calls made by the allocator.",
+        "allocator",
+        _NOT_INIT + "; " + _ASYNC,
+    ),
+    _m(
+        "torch_cuda_memory_segments",
+        "gauge",
+        "",
+        RANK_DEVICE,
+        "Segments held by the allocator (from the snapshot under expandable segments).",
+        "allocator",
+        _NOT_INIT + "; " + _ASYNC,
+    ),
+    _m(
+        "torch_cuda_memory_cache_reclaims_total",
+        "counter",
+        "",
+        RANK_DEVICE,
+        "Times the opt-in allocator hygiene emptied the cache between steps.",
+        "allocator",
+        "allocator hygiene is off",
+    ),
+    _m(
+        "torch_cuda_memory_last_oom_requested_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Size of the allocation that failed in the newest out-of-memory error.",
+        "allocator",
+        "no OOM has happened in this rank",
+    ),
+    _m(
+        "torch_cuda_memory_last_oom_free_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE,
+        "Free device memory the driver reported at the newest out-of-memory error.",
+        "allocator",
+        "no OOM has happened in this rank",
+    ),
+    _m(
+        "torch_cuda_memory_last_oom_timestamp_seconds",
+        "gauge",
+        "seconds",
+        RANK_DEVICE,
+        "When the newest out-of-memory error happened (Unix time).",
+        "allocator",
+        "no OOM has happened in this rank",
+    ),
+    _m(
+        "torch_cuda_allocator_info",
+        "info",
+        "",
+        RANK + ("backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb"),
+        "Allocator settings in force (value 1).",
+        "allocator",
+        "the rank has not initialised CUDA",
+    ),
+    _m(
+        "vramwatch_oom_snapshot_info",
+        "info",
+        "",
+        RANK + ("path",),
+        "The newest memory snapshot written on an OOM, openable at pytorch.org/memory_viz (value 1).",
+        "allocator",
+        "OOM snapshots are off or none was written",
+    ),
+    _m(
+        "vramwatch_oom_snapshot_timestamp_seconds",
+        "gauge",
+        "seconds",
+        RANK,
+        "When the newest OOM memory snapshot was written (Unix time).",
+        "allocator",
+        "OOM snapshots are off or none was written",
+    ),
+    # --- heartbeat: one series per rank ---
+    _m(
+        "vramwatch_training_steps_total",
+        "counter",
+        "",
+        RANK,
+        "Training steps reported by the job (vramwatch.step()).",
+        "heartbeat",
+    ),
+    _m(
+        "vramwatch_training_last_step_timestamp_seconds",
+        "gauge",
+        "seconds",
+        RANK,
+        "When the newest step was reported (Unix time): the heartbeat.",
+        "heartbeat",
+        "no step has been reported yet",
+    ),
+    _m(
+        "vramwatch_training_step_duration_seconds",
+        "histogram",
+        "seconds",
+        RANK,
+        "Time between consecutive steps.",
+        "heartbeat",
+    ),
+    _m(
+        "vramwatch_training_loss",
+        "gauge",
+        "",
+        RANK,
+        f"Loss the job passed with its newest step (a GPU tensor: copied without waiting for the GPU, "
+        f"at most {READ_MAX_GAP:g} s apart, so it may trail the step counter by two of those).",
+        "heartbeat",
+        "the job passes no loss",
+    ),
+    _m(
+        "vramwatch_training_grad_norm",
+        "gauge",
+        "",
+        RANK,
+        f"Gradient norm the job passed with its newest step (a GPU tensor: read like the loss, at most "
+        f"{READ_MAX_GAP:g} s apart).",
+        "heartbeat",
+        "the job passes no grad norm",
+    ),
+    _m(
+        "vramwatch_sample_age_seconds",
+        "gauge",
+        "seconds",
+        RANK,
+        "Age of the rank's newest published sample: grows while the rank is wedged.",
+        "heartbeat",
+    ),
+    _m(
+        "vramwatch_rank_info",
+        "info",
+        "",
+        RANK + ("world_size", "hostname"),
+        "A rank publishing into this target (value 1).",
+        "heartbeat",
+    ),
+    # --- NVML device readings: one series per GPU of the node ---
+    _m(
+        "gpu_info",
+        "info",
+        "",
+        GPU + ("name", "driver_version", "pci_bus_id", "hostname", "mig_mode"),
+        "GPU identity (value 1).",
+        "nvml",
+        "NVML is unavailable",
+    ),
+    _m(
+        "gpu_up",
+        "gauge",
+        "",
+        GPU,
+        "1 while NVML answers for the GPU, 0 when it is lost (GPU_IS_LOST) or stops answering.",
+        "nvml",
+        "NVML is unavailable",
+    ),
+    _m(
+        "gpu_memory_total_bytes",
+        "gauge",
+        "bytes",
+        GPU,
+        "Device memory as NVML reports it.",
+        "nvml",
+        "NVML is unavailable",
+    ),
+    _m(
+        "gpu_memory_used_bytes",
+        "gauge",
+        "bytes",
+        GPU,
+        "Device memory in use by all processes, as NVML reports it.",
+        "nvml",
+        "NVML is unavailable",
+    ),
+    _m(
+        "gpu_memory_free_bytes",
+        "gauge",
+        "bytes",
+        GPU,
+        "Free device memory, as NVML reports it.",
+        "nvml",
+        "NVML is unavailable",
+    ),
+    _m(
+        "gpu_memory_reserved_bytes",
+        "gauge",
+        "bytes",
+        GPU,
+        "Device memory the driver reserves for itself (NVML memory info v2).",
+        "nvml",
+        "the driver has no v2 memory call",
+    ),
+    _m(
+        "gpu_non_torch_memory_bytes",
+        "gauge",
+        "bytes",
+        GPU,
+        "NVML used memory minus the reserved bytes of this job's ranks on the GPU (CUDA contexts, "
+        "NCCL buffers, other libraries, other processes).",
+        "nvml",
+        "NVML is unavailable",
+    ),
+    _m(
+        "gpu_power_watts",
+        "gauge",
+        "watts",
+        GPU,
+        "Power draw (NVML averages over 1 s on Ampere and newer).",
+        "nvml",
+        "not supported by the GPU",
+    ),
+    _m(
+        "gpu_power_limit_watts",
+        "gauge",
+        "watts",
+        GPU,
+        "Enforced power limit after all limiters.",
+        "nvml",
+        "not supported by the GPU",
+    ),
+    _m(
+        "gpu_energy_joules_total",
+        "counter",
+        "joules",
+        GPU,
+        "Energy since the driver loaded (slow cadence); resets on driver reload.",
+        "nvml",
+        "not supported by the GPU (pre-Volta)",
+    ),
+    _m(
+        "gpu_utilization_ratio",
+        "gauge",
+        "",
+        GPU,
+        "Share of the sample period a kernel ran (0..1).",
+        "nvml",
+        "not supported (MIG)",
+    ),
+    _m(
+        "gpu_memory_utilization_ratio",
+        "gauge",
+        "",
+        GPU,
+        "Share of the sample period device memory was read or written (0..1).",
+        "nvml",
+        "not supported (MIG)",
+    ),
+    _m("gpu_temperature_celsius", "gauge", "celsius", GPU, "GPU core temperature.", "nvml", "not supported by the GPU"),
+    _m("gpu_sm_clock_hertz", "gauge", "hertz", GPU, "Current SM clock.", "nvml", "not supported"),
+    _m("gpu_memory_clock_hertz", "gauge", "hertz", GPU, "Current memory clock.", "nvml", "not supported"),
+    _m(
+        "gpu_clock_throttle",
+        "gauge",
+        "",
+        GPU + ("reason",),
+        "1 while the clocks are held down for that reason, else 0.",
+        "nvml",
+        "not supported",
+    ),
+    _m(
+        "gpu_ecc_errors_total",
+        "counter",
+        "",
+        GPU + ("type",),
+        "ECC errors since the driver loaded (volatile), by type corrected/uncorrected.",
+        "nvml",
+        "ECC is off or not supported",
+    ),
+    _m(
+        "gpu_remapped_rows",
+        "gauge",
+        "",
+        GPU + ("kind",),
+        "Remapped memory rows: correctable, uncorrectable, pending (reset needed), failure.",
+        "nvml",
+        "not supported (pre-Ampere, MIG)",
+    ),
+    _m("gpu_pcie_replays_total", "counter", "", GPU, "PCIe replay counter (slow cadence).", "nvml", "not supported"),
+    _m(
+        "gpu_foreign_processes",
+        "gauge",
+        "",
+        GPU,
+        "Compute processes on the GPU that are not ranks of this job.",
+        "processes",
+        "process attribution is off",
+    ),
+    _m(
+        "gpu_foreign_process_memory_bytes",
+        "gauge",
+        "bytes",
+        GPU,
+        "Device memory used by the foreign processes.",
+        "processes",
+        "process attribution is off",
+    ),
+    _m(
+        "gpu_xid_errors_total",
+        "counter",
+        "",
+        GPU + ("xid",),
+        "Xid events seen since the exporter started (pre-initialised at 0 for the Xids that matter).",
+        "xid",
+        "the Xid watcher is off or NVML has no events",
+    ),
+    _m(
+        "gpu_last_xid_timestamp_seconds",
+        "gauge",
+        "seconds",
+        GPU + ("xid",),
+        "When the newest event of that Xid came (Unix time).",
+        "xid",
+        "no event of that Xid yet",
+    ),
+    # --- self-health ---
+    _m(
+        "vramwatch_collector_up",
+        "gauge",
+        "",
+        COLLECTOR,
+        "1 if the collector's last read worked (an unsupported field keeps it 1), else 0. "
+        "rank is empty for the server's own collectors.",
+        "self",
+    ),
+    _m("vramwatch_collector_errors_total", "counter", "", COLLECTOR, "Failed reads of the collector.", "self"),
+    _m(
+        "vramwatch_collector_duration_seconds",
+        "gauge",
+        "seconds",
+        COLLECTOR,
+        "How long the collector's last read took.",
+        "self",
+    ),
+    _m("vramwatch_ranks", "gauge", "", (), "Ranks publishing into this target.", "self"),
+    _m("vramwatch_build_info", "info", "", ("version", "hostname"), "vramwatch build (value 1).", "self"),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def spec(name: str) -> MetricSpec:
+    return BY_NAME[name]
+
+
+def _base(s: MetricSpec) -> str:
+    if s.type == "counter" and s.name.endswith("_total"):
+        return s.name[: -len("_total")]
+    if s.type == "info" and s.name.endswith("_info"):
+        return s.name
+    return s.name
+
+
+def family(name: str):
+    """A fresh metric family for ``name`` with the contract's help and labels."""
+    s = BY_NAME[name]
+    labels = list(s.labels)
+    if s.type == "counter":
+        return CounterMetricFamily(_base(s), s.help, labels=labels)
+    if s.type == "histogram":
+        return HistogramMetricFamily(s.name, s.help, labels=labels)
+    # info families are exposed as gauges of value 1 (the *_info convention), so
+    # that PromQL joins and text format 0.0.4 treat them alike.
+    return GaugeMetricFamily(s.name, s.help, labels=labels)
+
+
+def exposed_names(text_names: Iterable[str]) -> set[str]:
+    """Map sample names of an exposition to contract names (strip histogram suffixes)."""
+    out = set()
+    for n in text_names:
+        for suffix in ("_bucket", "_sum", "_count", "_created"):
+            if n.endswith(suffix) and n[: -len(suffix)] in BY_NAME:
+                n = n[: -len(suffix)]
+                break
+        out.add(n)
+    return out

@@ -1,0 +1,36 @@
+"""Grafana dashboards defined in Python with grafana-foundation-sdk (the ``dashboards`` extra).
+
+:func:`build_all` returns the built dashboard models; :mod:`.render` turns them into
+the JSON files under ``deploy/`` and the report walks the same models.
+"""
+
+from __future__ import annotations
+
+from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
+
+__all__ = ["build_all", "MODULES"]
+
+# one module per dashboard, each with UID, TITLE and build(cfg)
+MODULES = (
+    "vramwatch.monitoring.dashboards.memory",
+    "vramwatch.monitoring.dashboards.health",
+    "vramwatch.monitoring.dashboards.fleet",
+)
+
+
+def build_all(cfg: MonitoringConfig = DEFAULT) -> list:
+    """The built dashboard models (``grafana_foundation_sdk.models.dashboard.Dashboard``), in order."""
+    import importlib
+
+    out = []
+    for name in MODULES:
+        model = importlib.import_module(name).build(cfg).build()
+        _number_panels(model)
+        out.append(model)
+    return out
+
+
+def _number_panels(model) -> None:
+    # Grafana wants unique panel ids; the builder leaves them unset (rows get 0)
+    for i, p in enumerate(model.panels or (), start=1):
+        p.id_val = i

@@ -1,0 +1,51 @@
+"""``vramwatch dashboards``: print, write or check the generated Grafana dashboards.
+
+The SDK is imported only when the command runs: every ``vramwatch`` command line (the
+scrape server's too) builds this parser, and the server needs neither the SDK nor its import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+NEEDS = "grafana-foundation-sdk==0.0.21 (pip install 'vramwatch[dashboards]')"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--write",
+        metavar="DIR",
+        help="write DIR/grafana/dashboards/<uid>.json and DIR/kubernetes/dashboards-configmap.yaml",
+    )
+    g.add_argument("--check", metavar="DIR", help="exit 1 if the files under DIR are missing or out of date")
+    g.add_argument("--uid", help="print one dashboard's JSON (default: list the dashboards)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from vramwatch.monitoring.dashboards import build_all, render
+    except ImportError as e:
+        print(f"vramwatch dashboards: needs {NEEDS}: {e}", file=sys.stderr)
+        return 2
+    if args.write:
+        for path in render.write(args.write):
+            print(path)
+        return 0
+    if args.check:
+        bad = render.stale(args.check)
+        for rel in bad:
+            print(f"stale: {args.check}/{rel} (run: vramwatch dashboards --write {args.check})", file=sys.stderr)
+        return 1 if bad else 0
+    models = build_all()
+    if args.uid:
+        for m in models:
+            if m.uid == args.uid:
+                sys.stdout.write(render.dashboard_json(m))
+                return 0
+        print(f"no dashboard {args.uid!r}; known: {', '.join(m.uid for m in models)}", file=sys.stderr)
+        return 2
+    for m in models:
+        print(f"{m.uid:28} {m.title}")
+    return 0

@@ -1,0 +1,422 @@
+"""Shared pieces of the dashboards: variables, label matchers, panel helpers.
+
+Every metric name goes through :func:`m`, which looks it up in
+:mod:`vramwatch.monitoring.contract` (a typo fails at build time), and every threshold
+comes from a :class:`~vramwatch.monitoring.config.MonitoringConfig` passed in.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from vramwatch.monitoring import contract
+from vramwatch.monitoring.alerts import promql
+from vramwatch.monitoring.config import MonitoringConfig
+
+with warnings.catch_warnings():
+    # the classic (v1) dashboard model and builder warn "Prefer using dashboardv2" from their class
+    # bodies, i.e. on import; v1 JSON is what file provisioning and the Grafana sidecar load
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from grafana_foundation_sdk.builders import bargauge, dashboard, prometheus, stat, table, timeseries
+    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common as cm
+    from grafana_foundation_sdk.models import units
+    from grafana_foundation_sdk.models.common import DataSourceRef
+    from grafana_foundation_sdk.models.dashboard import (
+        DashboardCursorSync,
+        DataTransformerConfig,
+        DynamicConfigValue,
+        Threshold,
+        ThresholdsMode,
+        VariableOption,
+        VariableRefresh,
+        VariableSort,
+    )
+    from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+__all__ = [
+    "PROM",
+    "Scope",
+    "m",
+    "variables",
+    "ts",
+    "table_panel",
+    "stat_panel",
+    "bar_panel",
+    "q",
+    "qt",
+    "thresholds",
+    "right_axis",
+    "dashed",
+    "units",
+    "dashboard",
+    "base_dashboard",
+    "xid_annotation",
+    "JSONEncoder",
+]
+
+PROM = DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+# Variables every dashboard has, in order: name -> label. The values are regexes (multi-select,
+# "All" = ".*"), so every matcher uses =~.
+VARIABLES = {"datasource": "Data source", "job": "Job", "host": "Host", "gpu": "GPU (UUID)", "rank": "Rank"}
+ALL = ".*"
+
+
+def m(name: str) -> str:
+    """A metric name, checked against the contract."""
+    return contract.spec(name).name
+
+
+class Scope:
+    """Label matchers for the dashboard variables, optionally narrowed by the config's selector.
+
+    ``node`` for per-target series, ``gpu`` for NVML series (uuid), ``rank`` for heartbeat
+    series, ``device`` for allocator series (uuid and rank).
+    """
+
+    def __init__(self, cfg: MonitoringConfig) -> None:
+        base = [cfg.selector] if cfg.selector else []
+        node = base + ['job=~"$job"', 'instance=~"$host"']
+        self.job = "{" + ", ".join(base + ['job=~"$job"']) + "}"
+        self.node = "{" + ", ".join(node) + "}"
+        self.gpu = "{" + ", ".join(node + ['uuid=~"$gpu"']) + "}"
+        self.rank = "{" + ", ".join(node + ['rank=~"$rank"']) + "}"
+        self.device = "{" + ", ".join(node + ['uuid=~"$gpu"', 'rank=~"$rank"']) + "}"
+        self.base = "{" + ", ".join(base) + "}" if base else ""
+
+
+def _query_variable(name: str, query: str) -> dashboard.QueryVariable:
+    return (
+        dashboard.QueryVariable(name)
+        .label(VARIABLES[name])
+        .datasource(PROM)
+        .query(query)
+        .definition(query)
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.NATURAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(ALL)
+        .current(VariableOption(selected=True, text="All", value="$__all"))
+    )
+
+
+def variables(cfg: MonitoringConfig) -> list:
+    """datasource, job, host, gpu, rank: each query narrowed by the ones before it."""
+    s = Scope(cfg)
+    build_info = m("vramwatch_build_info")
+    return [
+        dashboard.DatasourceVariable("datasource").label(VARIABLES["datasource"]).type("prometheus"),
+        _query_variable("job", f"label_values({build_info}{s.base}, job)"),
+        _query_variable("host", f"label_values({build_info}{s.job}, instance)"),
+        _query_variable("gpu", f"label_values({m('gpu_info')}{s.node}, uuid)"),
+        _query_variable("rank", f"label_values({m('vramwatch_rank_info')}{s.node}, rank)"),
+    ]
+
+
+def base_dashboard(uid: str, title: str, description: str, cfg: MonitoringConfig) -> dashboard.Dashboard:
+    d = (
+        dashboard.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(list(cfg.dashboard_tags))
+        .timezone("browser")
+        .time("now-1h", "now")
+        .refresh("30s")
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .editable()
+    )
+    for v in variables(cfg):
+        d = d.with_variable(v)
+    return d
+
+
+def xid_annotation(s: Scope) -> dashboard.AnnotationQuery:
+    """Xid events as annotations: a region from each event's time, for a minute.
+
+    Built from the timestamp gauge, which also shows the first event of an Xid that was
+    not pre-initialised (``increase()`` of its counter would miss it).
+    """
+    return (
+        dashboard.AnnotationQuery()
+        .name("Xid events")
+        .datasource(PROM)
+        .enable(True)
+        .icon_color("red")
+        .expr(f"{m('gpu_last_xid_timestamp_seconds')}{s.gpu} > time() - 60")
+        .step("60s")
+        .title_format("Xid {{xid}}")
+        .text_format("GPU {{gpu}} ({{uuid}}) on {{instance}}")
+        .tag_keys("xid,gpu,instance")
+    )
+
+
+# --- queries ---
+
+
+def q(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
+    """A range query, as a time series panel runs it."""
+    d = prometheus.Dataquery().expr(expr).ref_id(ref).range().datasource(PROM)
+    return d.legend_format(legend) if legend else d
+
+
+def qt(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
+    """An instant query in table format, as a table or stat panel runs it."""
+    d = prometheus.Dataquery().expr(expr).ref_id(ref).instant().format(PromQueryFormat.TABLE).datasource(PROM)
+    return d.legend_format(legend) if legend else d
+
+
+# --- panels ---
+
+
+def thresholds(*steps: tuple[float, str], base: str = "green") -> dashboard.ThresholdsConfig:
+    return (
+        dashboard.ThresholdsConfig()
+        .mode(ThresholdsMode.ABSOLUTE)
+        .steps([Threshold(value=None, color=base)] + [Threshold(value=float(v), color=c) for v, c in steps])
+    )
+
+
+def _legend() -> cb.VizLegendOptions:
+    return (
+        cb.VizLegendOptions()
+        .show_legend(True)
+        .display_mode(cm.LegendDisplayMode.LIST)
+        .placement(cm.LegendPlacement.BOTTOM)
+    )
+
+
+def ts(
+    title: str,
+    description: str,
+    unit: str,
+    targets: list,
+    *,
+    span: int = 12,
+    height: int = 8,
+    min_: float | None = None,
+    max_: float | None = None,
+    limits: dashboard.ThresholdsConfig | None = None,
+    bars: bool = False,
+    stepped: bool = False,
+    stack: bool = False,
+) -> timeseries.Panel:
+    p = (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(PROM)
+        .unit(unit)
+        .span(span)
+        .height(height)
+        .legend(_legend())
+        .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING))
+        .line_width(1)
+        .fill_opacity(10 if not bars else 80)
+        .show_points(cm.VisibilityMode.NEVER)
+    )
+    if bars:
+        p = p.draw_style(cm.GraphDrawStyle.BARS)
+    if stepped:
+        p = p.line_interpolation(cm.LineInterpolation.STEP_AFTER)
+    if stack:
+        p = p.stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL))
+    if min_ is not None:
+        p = p.min(min_)
+    if max_ is not None:
+        p = p.max(max_)
+    if limits is not None:
+        p = p.thresholds(limits).thresholds_style(
+            cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)
+        )
+    for t in targets:
+        p = p.with_target(t)
+    return p
+
+
+def right_axis(
+    p: timeseries.Panel,
+    ref: str,
+    unit: str,
+    *,
+    min_: float | None = None,
+    max_: float | None = None,
+    limits: dashboard.ThresholdsConfig | None = None,
+    dashed: bool = False,
+) -> timeseries.Panel:
+    """Move query ``ref``'s series to a right-hand axis with its own unit (and threshold lines)."""
+    props = [
+        DynamicConfigValue(id_val="custom.axisPlacement", value=cm.AxisPlacement.RIGHT),
+        DynamicConfigValue(id_val="unit", value=unit),
+    ]
+    if min_ is not None:
+        props.append(DynamicConfigValue(id_val="min", value=min_))
+    if max_ is not None:
+        props.append(DynamicConfigValue(id_val="max", value=max_))
+    if limits is not None:
+        props.append(DynamicConfigValue(id_val="thresholds", value=limits.build()))
+        props.append(DynamicConfigValue(id_val="custom.thresholdsStyle", value={"mode": "dashed"}))
+    if dashed:
+        props.append(DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}))
+    return p.override_by_query(ref, props)
+
+
+def dashed(p: timeseries.Panel, ref: str, color: str | None = None) -> timeseries.Panel:
+    """Draw query ``ref`` as a dashed reference line (a limit, a projection)."""
+    props = [
+        DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+        DynamicConfigValue(id_val="custom.fillOpacity", value=0),
+    ]
+    if color:
+        props.append(DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": color}))
+    return p.override_by_query(ref, props)
+
+
+def table_panel(
+    title: str,
+    description: str,
+    targets: list,
+    *,
+    unit: str = units.Short,
+    span: int = 12,
+    height: int = 8,
+    sort_by: str | None = None,
+    sort_desc: bool = True,
+    limits: dashboard.ThresholdsConfig | None = None,
+    columns: dict[str, str] | None = None,
+    hide: tuple[str, ...] = (),
+    no_value: str = "",
+    column_units: dict[str, str] | None = None,
+    color_columns: tuple[str, ...] = (),
+) -> table.Panel:
+    """A table of instant queries; several queries are merged into one row per label set.
+
+    ``columns`` maps a query's refId to its column title (``Value #A`` in Grafana's frames);
+    ``hide`` names label columns to leave out; ``column_units`` sets a unit per column title;
+    ``limits`` colours the cells of every value column, or only of ``color_columns`` when given.
+    """
+    p = (
+        table.Panel()
+        .title(title)
+        .description(description)
+        .datasource(PROM)
+        .unit(unit)
+        .span(span)
+        .height(height)
+        .show_header(True)
+        .filterable(True)
+    )
+    if no_value:
+        p = p.no_value(no_value)
+    for t in targets:
+        p = p.with_target(t)
+    renames = {}
+    if len(targets) > 1:
+        p = p.with_transformation(DataTransformerConfig(id_val="merge", options={}))
+        renames = {f"Value #{ref}": name for ref, name in (columns or {}).items()}
+    elif columns:
+        renames = {"Value": next(iter(columns.values()))}
+    p = p.with_transformation(
+        DataTransformerConfig(
+            id_val="organize",
+            options={"excludeByName": {c: True for c in ("Time", "__name__", *hide)}, "renameByName": renames},
+        )
+    )
+    for col, unit in (column_units or {}).items():
+        p = p.override_by_name(col, [DynamicConfigValue(id_val="unit", value=unit)])
+    cell = cm.TableColoredBackgroundCellOptions(mode=cm.TableCellBackgroundDisplayMode.BASIC)
+    if limits is not None and not color_columns:
+        p = p.thresholds(limits).cell_options(cell)
+    for col in color_columns if limits is not None else ():
+        p = p.override_by_name(
+            col,
+            [
+                DynamicConfigValue(id_val="thresholds", value=limits.build()),
+                DynamicConfigValue(id_val="custom.cellOptions", value=cell),
+            ],
+        )
+    if sort_by:
+        p = p.sort_by([cb.TableSortByFieldState().display_name(sort_by).desc(sort_desc)])
+    return p
+
+
+def stat_panel(
+    title: str,
+    description: str,
+    target,
+    *,
+    unit: str = units.Short,
+    span: int = 6,
+    height: int = 4,
+    limits: dashboard.ThresholdsConfig | None = None,
+) -> stat.Panel:
+    p = (
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(PROM)
+        .unit(unit)
+        .span(span)
+        .height(height)
+        .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .graph_mode(cm.BigValueGraphMode.NONE)
+        .color_mode(cm.BigValueColorMode.BACKGROUND)
+        .with_target(target)
+    )
+    return p.thresholds(limits) if limits is not None else p
+
+
+def bar_panel(
+    title: str,
+    description: str,
+    target,
+    *,
+    unit: str = units.Short,
+    span: int = 12,
+    height: int = 8,
+    limits: dashboard.ThresholdsConfig | None = None,
+) -> bargauge.Panel:
+    p = (
+        bargauge.Panel()
+        .title(title)
+        .description(description)
+        .datasource(PROM)
+        .unit(unit)
+        .span(span)
+        .height(height)
+        .orientation(cm.VizOrientation.HORIZONTAL)
+        .display_mode(cm.BarGaugeDisplayMode.BASIC)
+        .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .min(0)
+        .with_target(target)
+    )
+    return p.thresholds(limits) if limits is not None else p
+
+
+# --- expressions shared by several panels ---
+
+
+def num(v: float) -> str:
+    """A config number as PromQL text, without losing precision (0.85, 120, 1e-05)."""
+    f = float(v)
+    return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
+
+
+def heartbeat_age(s: Scope) -> str:
+    return f"time() - {m('vramwatch_training_last_step_timestamp_seconds')}{s.rank}"
+
+
+def mean_step_seconds(s: Scope, window: str) -> str:
+    h = m("vramwatch_training_step_duration_seconds")
+    return f"rate({h}_sum{s.rank}[{window}]) / rate({h}_count{s.rank}[{window}])"
+
+
+def stall_bound(cfg: MonitoringConfig, s: Scope) -> str:
+    """How old a rank's heartbeat may get: the stall alert's own bound, with the dashboard's variables."""
+    return promql.stall_bound(cfg, lambda name: f"{name}{s.rank}").replace("\n ", "")
+
+
+def memory_limits(cfg: MonitoringConfig) -> dashboard.ThresholdsConfig:
+    return thresholds((cfg.memory_warning_ratio, "orange"), (cfg.memory_critical_ratio, "red"))

@@ -1,0 +1,264 @@
+"""Training memory: the caching allocator's view of each rank, next to the card's."""
+
+from __future__ import annotations
+
+from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.dashboards.common import (
+    PROM,
+    Scope,
+    base_dashboard,
+    dashboard,
+    dashed,
+    heartbeat_age,
+    m,
+    mean_step_seconds,
+    memory_limits,
+    num,
+    q,
+    qt,
+    stall_bound,
+    table_panel,
+    thresholds,
+    ts,
+    units,
+)
+
+UID = "vramwatch-training-memory"
+TITLE = "vramwatch / Training memory"
+RANK = "rank {{rank}}"
+
+
+def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
+    s = Scope(cfg)
+    alloc, reserved = m("torch_cuda_memory_allocated_bytes"), m("torch_cuda_memory_reserved_bytes")
+    limit = m("torch_cuda_memory_limit_bytes")
+    d = base_dashboard(
+        UID,
+        TITLE,
+        "What the PyTorch caching allocator holds in each rank, against the card "
+        "and the per-process budget; allocator events; training progress.",
+        cfg,
+    )
+    d = d.annotation(
+        dashboard.AnnotationQuery()
+        .name("OOMs")
+        .datasource(PROM)
+        .enable(True)
+        .icon_color("orange")
+        .expr(f"increase({m('torch_cuda_memory_ooms_total')}{s.device}[1m]) > 0")
+        .step("60s")
+        .title_format("OOM in rank {{rank}}")
+        .text_format("cuda:{{device}} {{uuid}} on {{instance}}")
+        .tag_keys("rank,instance")
+    )
+
+    d = d.with_row(dashboard.Row("Memory"))
+    d = d.with_panel(
+        dashed(
+            dashed(
+                ts(
+                    "Allocated, reserved, card total and limit",
+                    "Allocated: bytes in live tensors. Reserved: what the allocator took from the driver and keeps "
+                    "cached (it is not given back on its own). Card total: the GPU's memory (NVML), for the GPUs the "
+                    "ranks use. Limit: the per-process budget (memory fraction x total). nvidia-smi's used memory is "
+                    "reserved plus what is outside PyTorch (see below).",
+                    units.BytesIEC,
+                    [
+                        q(f"{alloc}{s.device}", f"allocated {RANK} cuda:{{{{device}}}}", "A"),
+                        q(f"{reserved}{s.device}", f"reserved {RANK} cuda:{{{{device}}}}", "B"),
+                        q(
+                            f"{m('gpu_memory_total_bytes')}{s.gpu} and on (job, instance, uuid) {reserved}{s.device}",
+                            "card total gpu{{gpu}}",
+                            "C",
+                        ),
+                        q(f"{limit}{s.device}", f"limit {RANK}", "D"),
+                    ],
+                    min_=0,
+                ),
+                "C",
+                "red",
+            ),
+            "D",
+            "orange",
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Memory pressure",
+            f"Reserved / per-process limit for each rank (covers a capped job) and NVML used / total for each "
+            f"GPU (covers every process on the card). The alerts warn above {num(cfg.memory_warning_ratio)} for "
+            f"{cfg.memory_warning_for} and page above {num(cfg.memory_critical_ratio)}: the dashed lines.",
+            units.PercentUnit,
+            [
+                q(f"{reserved}{s.device} / {limit}{s.device}", f"{RANK} reserved / limit", "A"),
+                q(
+                    f"{m('gpu_memory_used_bytes')}{s.gpu} / {m('gpu_memory_total_bytes')}{s.gpu}",
+                    "gpu{{gpu}} used / total",
+                    "B",
+                ),
+            ],
+            min_=0,
+            max_=1,
+            limits=memory_limits(cfg),
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Memory outside PyTorch",
+            "NVML used memory minus the reserved bytes of this job's ranks on the GPU: CUDA contexts, NCCL "
+            "buffers, other libraries, other processes. It grows when something else takes the card.",
+            units.BytesIEC,
+            [q(f"{m('gpu_non_torch_memory_bytes')}{s.gpu}", "gpu{{gpu}} outside PyTorch")],
+            min_=0,
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Fragmentation",
+            f"(reserved - allocated) / reserved: the share of the cache not holding tensors. High fragmentation "
+            f"with high memory means a large request can fail while memory looks free; the alert warns above "
+            f"{num(cfg.fragmentation_ratio)} (dashed) once memory is also high.",
+            units.PercentUnit,
+            [q(f"{m('torch_cuda_memory_fragmentation_ratio')}{s.device}", RANK)],
+            min_=0,
+            max_=1,
+            limits=thresholds((cfg.fragmentation_ratio, "orange")),
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Largest free block and split leftovers",
+            "Largest free cached block (the biggest request the cache can serve without cudaMalloc; sampled on a "
+            "slower cadence) and the free pieces of split segments that empty_cache() cannot release.",
+            units.BytesIEC,
+            [
+                q(f"{m('torch_cuda_memory_largest_free_block_bytes')}{s.device}", f"largest free block {RANK}", "A"),
+                q(f"{m('torch_cuda_memory_inactive_split_bytes')}{s.device}", f"inactive split {RANK}", "B"),
+            ],
+            min_=0,
+        )
+    )
+    d = d.with_panel(
+        table_panel(
+            "Allocator settings in force",
+            "The allocator backend and PYTORCH_CUDA_ALLOC_CONF settings each rank actually runs with "
+            "(expandable_segments, garbage_collection_threshold, max_split_size_mb).",
+            [qt(f"{m('torch_cuda_allocator_info')}{s.rank}")],
+            hide=("Value",),
+        )
+    )
+
+    d = d.with_row(dashboard.Row("Allocator events and leaks"))
+    d = d.with_panel(
+        ts(
+            "cudaMalloc retries and OOMs",
+            "Events per interval. A retry means the allocator had to flush its cache and call cudaMalloc "
+            "again: memory is nearly exhausted or fragmented. OOMs are also drawn as annotations.",
+            units.Short,
+            [
+                q(
+                    f"increase({m('torch_cuda_memory_alloc_retries_total')}{s.device}[$__rate_interval])",
+                    f"retries {RANK}",
+                    "A",
+                ),
+                q(f"increase({m('torch_cuda_memory_ooms_total')}{s.device}[$__rate_interval])", f"OOMs {RANK}", "B"),
+            ],
+            min_=0,
+            bars=True,
+        )
+    )
+    step_peak = f"{m('torch_cuda_memory_step_peak_allocated_bytes')}{s.device}"
+    hours = num(cfg.leak_horizon_hours)
+    d = d.with_panel(
+        dashed(
+            dashed(
+                ts(
+                    "Per-step peak and leak projection",
+                    f"High-water mark of allocated bytes per sample window; a peak that keeps rising is a leak. The "
+                    f"projection extends the last {cfg.leak_window}'s trend {hours} h ahead "
+                    f"(the leak alert's horizon): "
+                    f"when it crosses the limit, the job runs out within that time.",
+                    units.BytesIEC,
+                    [
+                        q(step_peak, f"step peak {RANK}", "A"),
+                        q(
+                            f"predict_linear({step_peak}[{cfg.leak_window}], {num(cfg.leak_horizon_hours * 3600)})",
+                            f"in {hours} h {RANK}",
+                            "B",
+                        ),
+                        q(f"{limit}{s.device}", f"limit {RANK}", "C"),
+                    ],
+                    min_=0,
+                ),
+                "B",
+            ),
+            "C",
+            "red",
+        )
+    )
+
+    d = d.with_row(dashboard.Row("Progress"))
+    h = m("vramwatch_training_step_duration_seconds")
+    by = "job, instance, rank, local_rank"  # the heartbeat's labels (contract.RANK) and the target's
+    d = d.with_panel(
+        ts(
+            "Step time",
+            "Mean step time and the 50th / 99th percentile (from the step-time histogram). A spike is a signal, "
+            "not always a reason to kill: runs have spiked and recovered by themselves.",
+            units.Seconds,
+            [
+                q(mean_step_seconds(s, "$__rate_interval"), f"mean {RANK}", "A"),
+                q(
+                    f"histogram_quantile(0.5, sum by ({by}, le) (rate({h}_bucket{s.rank}[$__rate_interval])))",
+                    f"p50 {RANK}",
+                    "B",
+                ),
+                q(
+                    f"histogram_quantile(0.99, sum by ({by}, le) (rate({h}_bucket{s.rank}[$__rate_interval])))",
+                    f"p99 {RANK}",
+                    "C",
+                ),
+            ],
+            min_=0,
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Steps per second",
+            "Training steps the job reported (vramwatch.step()).",
+            units.Short,
+            [q(f"rate({m('vramwatch_training_steps_total')}{s.rank}[$__rate_interval])", RANK)],
+            min_=0,
+        )
+    )
+    d = d.with_panel(
+        dashed(
+            ts(
+                "Heartbeat age",
+                f"Seconds since each rank's newest step, against its stall bound (dashed): {num(cfg.stall_factor)} x "
+                f"its mean step time over the last {cfg.stall_window}, at least {num(cfg.stall_min_seconds)} s. "
+                f"A heartbeat "
+                f"above its bound is a stalled rank; check the GPU health dashboard for the busy-stall signature.",
+                units.Seconds,
+                [
+                    q(heartbeat_age(s), f"age {RANK}", "A"),
+                    q(stall_bound(cfg, s), f"stall bound {RANK}", "B"),
+                ],
+                min_=0,
+            ),
+            "B",
+            "red",
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Sample age",
+            f"Age of each rank's newest in-process sample. It grows while the rank is wedged (for example "
+            f"holding the GIL in a C extension); the exporter alert fires above {num(cfg.sample_stale_seconds)} s.",
+            units.Seconds,
+            [q(f"{m('vramwatch_sample_age_seconds')}{s.rank}", RANK)],
+            min_=0,
+            limits=thresholds((cfg.sample_stale_seconds, "red")),
+        )
+    )
+    return d

@@ -1,0 +1,107 @@
+"""Opt-in allocator hygiene: give the cache back between steps once reserved passes a threshold.
+
+The field notes' cure for fragmentation-driven OOMs was ``empty_cache()`` between steps, and
+``garbage_collection_threshold:0.8`` in ``PYTORCH_CUDA_ALLOC_CONF``. This does the same from outside
+the allocator and counts it (``torch_cuda_memory_cache_reclaims_total``), so a reclaim that makes
+every step slow is visible on the dashboard and the status line.
+
+Off unless ``reclaim_threshold`` > 0. The decision is made on the sampler thread from the values it
+just read (reserved above ``reclaim_threshold`` x the limit, and at least ``MIN_RELEASABLE_RATIO``
+of the limit held as releasable cache); the training thread only checks one attribute in
+``vramwatch.step()`` and, when a reclaim is due, calls ``torch.cuda.empty_cache()`` there, between
+steps, where the implied synchronisation costs the least. At most one reclaim per sample interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vramwatch.rank.handle import Handle
+
+log = logging.getLogger("vramwatch")
+
+RECLAIMS = "torch_cuda_memory_cache_reclaims_total"
+# Reclaim only when the cache holds this share of the limit that empty_cache() can give back:
+# emptying a nearly empty cache costs a device sync for nothing.
+MIN_RELEASABLE_RATIO = 0.01
+
+
+def _torch_empty_cache(devices: tuple[int, ...]) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # every device of the process; the job's devices are the ones pending
+
+
+class Hygiene:
+    def __init__(
+        self,
+        extra: dict[int, dict[str, float]],
+        threshold: float,
+        empty_cache: Callable[[tuple[int, ...]], None] = _torch_empty_cache,
+        min_gap: float = 0.0,
+    ) -> None:
+        self.extra = extra
+        self.threshold = threshold
+        self.empty_cache = empty_cache
+        # a sample read before the last reclaim must not ask for another: at most one per sample interval
+        self.min_gap = min_gap
+        self._last_reclaim = float("-inf")
+        self.pending: tuple[int, ...] = ()  # written by the sampler thread, cleared by the training thread
+        self.reclaims = 0
+        self._failed = False
+
+    @classmethod
+    def for_handle(cls, handle: Handle) -> Hygiene:
+        if handle.sim is not None:
+            sim = handle.sim
+
+            def empty(devices: tuple[int, ...]) -> None:
+                for dev in devices:
+                    sim.empty_cache(dev)
+
+            return cls(handle.sampler.extra, handle.settings.reclaim_threshold, empty, min_gap=handle.settings.interval)
+        return cls(handle.sampler.extra, handle.settings.reclaim_threshold, min_gap=handle.settings.interval)
+
+    def on_sample(self, devices: Iterable[dict[str, Any]]) -> None:
+        """Sampler thread: decide which devices need a reclaim at the next step."""
+        due = []
+        for dev in devices:
+            v = dev.get("values") or {}
+            idx = int(dev.get("device", 0))
+            self.extra.setdefault(idx, {}).setdefault(RECLAIMS, 0.0)  # the counter exists from the start
+            limit = v.get("torch_cuda_memory_limit_bytes", 0.0)
+            reserved = v.get("torch_cuda_memory_reserved_bytes", 0.0)
+            if limit <= 0 or reserved <= self.threshold * limit:
+                continue
+            releasable = (
+                reserved
+                - v.get("torch_cuda_memory_allocated_bytes", 0.0)
+                - v.get("torch_cuda_memory_inactive_split_bytes", 0.0)
+            )
+            if releasable >= MIN_RELEASABLE_RATIO * limit:
+                due.append(idx)
+        if due and time.monotonic() - self._last_reclaim < self.min_gap:
+            due = []  # these values may predate the last reclaim
+        self.pending = tuple(due)
+
+    def on_step(self) -> None:
+        """Training thread, between steps: one attribute read unless a reclaim is due."""
+        if not self.pending or self._failed:
+            return
+        devices, self.pending = self.pending, ()
+        self._last_reclaim = time.monotonic()
+        try:
+            self.empty_cache(devices)
+        except Exception as e:  # noqa: BLE001
+            self._failed = True
+            log.warning("vramwatch: empty_cache failed (%r); allocator hygiene is off", e)
+            return
+        for dev in devices:
+            values = self.extra.setdefault(dev, {})
+            values[RECLAIMS] = values.get(RECLAIMS, 0.0) + 1.0
+        self.reclaims += 1

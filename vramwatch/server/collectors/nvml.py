@@ -1,0 +1,430 @@
+"""NVML device readings in the server: one snapshot per ``nvml_interval``, never read at scrape.
+
+Fast getters (memory, power, limit, utilisation, temperature, clocks,
+throttle reasons: 1-10 us each on an H200) run every ``nvml_interval``; slow
+ones (energy ~3 ms, ECC, remapped rows, PCIe replays) every
+``nvml_slow_interval``. Units leave here as Prometheus base units.
+
+Faults (see :mod:`vramwatch.server.nvml_backend`): a field a GPU does not
+support is dropped for that GPU after the first try, logged once, and keeps
+``up`` 1; a lost GPU reads ``gpu_up`` 0 (its identity stays, its readings go),
+is probed again on the slow cadence, turns the collector's ``up`` to 0 and is
+counted once as Xid 79; NVML missing or gone makes ``up`` 0 with init retried
+under back-off, while the rest of the exporter keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from vramwatch.config import Settings
+from vramwatch.monitoring import contract
+from vramwatch.server import nvml_backend as nb
+from vramwatch.server.collectors import Collector, ScrapeContext, register
+from vramwatch.server.collectors import processes as _processes  # noqa: F401 - registers "processes"
+from vramwatch.server.collectors.xid import job_uuids, ledger_for, log_event
+
+log = logging.getLogger("vramwatch")
+
+# nvidia-ml-py constants, by value (nvml.h), so the getters work on the fake and the real module alike
+NVML_TEMPERATURE_GPU = 0
+NVML_CLOCK_SM = 1
+NVML_CLOCK_MEM = 2
+NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
+NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+NVML_VOLATILE_ECC = 0
+NVML_MEMORY_V2 = 0x02000028  # pynvml.nvmlMemory_v2
+
+# NVML clocks-event (throttle) reason bits -> the reason label (torch-nvml.md B3)
+THROTTLE_REASONS: tuple[tuple[int, str], ...] = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+    (0x200, "board_limit"),
+    (0x400, "reliability"),
+)
+REMAPPED_KINDS = ("correctable", "uncorrectable", "pending", "failure")
+LOST_XID = 79  # GPU_IS_LOST is what "fallen off the bus" looks like through NVML
+
+Key = tuple[str, str]  # (contract name, value of its one extra label or "")
+Getter = Callable[[Any, Any], dict[Key, float]]
+
+
+def _memory_v2(nv: Any, h: Any) -> dict[Key, float]:
+    m = nv.nvmlDeviceGetMemoryInfo(h, version=NVML_MEMORY_V2)
+    return {
+        ("gpu_memory_total_bytes", ""): float(m.total),
+        ("gpu_memory_used_bytes", ""): float(m.used),
+        ("gpu_memory_free_bytes", ""): float(m.free),
+        ("gpu_memory_reserved_bytes", ""): float(m.reserved),
+    }
+
+
+def _memory_v1(nv: Any, h: Any) -> dict[Key, float]:
+    m = nv.nvmlDeviceGetMemoryInfo(h)
+    return {
+        ("gpu_memory_total_bytes", ""): float(m.total),
+        ("gpu_memory_used_bytes", ""): float(m.used),
+        ("gpu_memory_free_bytes", ""): float(m.free),
+    }
+
+
+def _power(nv: Any, h: Any) -> dict[Key, float]:
+    return {("gpu_power_watts", ""): nv.nvmlDeviceGetPowerUsage(h) / 1000.0}  # mW
+
+
+def _power_limit(nv: Any, h: Any) -> dict[Key, float]:
+    return {("gpu_power_limit_watts", ""): nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0}  # mW
+
+
+def _utilization(nv: Any, h: Any) -> dict[Key, float]:
+    u = nv.nvmlDeviceGetUtilizationRates(h)
+    return {("gpu_utilization_ratio", ""): u.gpu / 100.0, ("gpu_memory_utilization_ratio", ""): u.memory / 100.0}
+
+
+def _temperature_v(nv: Any, h: Any) -> dict[Key, float]:
+    return {("gpu_temperature_celsius", ""): float(nv.nvmlDeviceGetTemperatureV(h, NVML_TEMPERATURE_GPU))}
+
+
+def _temperature(nv: Any, h: Any) -> dict[Key, float]:  # deprecated in NVML 13, kept for older drivers
+    return {("gpu_temperature_celsius", ""): float(nv.nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU))}
+
+
+def _sm_clock(nv: Any, h: Any) -> dict[Key, float]:
+    return {("gpu_sm_clock_hertz", ""): nv.nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM) * 1e6}  # MHz
+
+
+def _memory_clock(nv: Any, h: Any) -> dict[Key, float]:
+    return {("gpu_memory_clock_hertz", ""): nv.nvmlDeviceGetClockInfo(h, NVML_CLOCK_MEM) * 1e6}
+
+
+def _reasons(mask: int) -> dict[Key, float]:
+    return {("gpu_clock_throttle", name): 1.0 if mask & bit else 0.0 for bit, name in THROTTLE_REASONS}
+
+
+def _throttle(nv: Any, h: Any) -> dict[Key, float]:
+    return _reasons(int(nv.nvmlDeviceGetCurrentClocksEventReasons(h)))
+
+
+def _throttle_old(nv: Any, h: Any) -> dict[Key, float]:  # the deprecated name, for older drivers
+    return _reasons(int(nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)))
+
+
+def _energy(nv: Any, h: Any) -> dict[Key, float]:
+    return {("gpu_energy_joules_total", ""): nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0}  # mJ
+
+
+def _ecc(nv: Any, h: Any) -> dict[Key, float]:
+    corr = nv.nvmlDeviceGetTotalEccErrors(h, NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_VOLATILE_ECC)
+    unc = nv.nvmlDeviceGetTotalEccErrors(h, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC)
+    return {("gpu_ecc_errors_total", "corrected"): float(corr), ("gpu_ecc_errors_total", "uncorrected"): float(unc)}
+
+
+def _remapped(nv: Any, h: Any) -> dict[Key, float]:
+    rows = nv.nvmlDeviceGetRemappedRows(h)
+    return {("gpu_remapped_rows", kind): float(v) for kind, v in zip(REMAPPED_KINDS, rows, strict=False)}
+
+
+def _pcie_replays(nv: Any, h: Any) -> dict[Key, float]:
+    return {("gpu_pcie_replays_total", ""): float(nv.nvmlDeviceGetPcieReplayCounter(h))}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    slow: bool
+    getters: tuple[Getter, ...]  # tried in order; one a GPU does not support is dropped for that GPU
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("memory", False, (_memory_v2, _memory_v1)),
+    Field("power", False, (_power,)),
+    Field("power_limit", False, (_power_limit,)),
+    Field("utilization", False, (_utilization,)),
+    Field("temperature", False, (_temperature_v, _temperature)),
+    Field("sm_clock", False, (_sm_clock,)),
+    Field("memory_clock", False, (_memory_clock,)),
+    Field("throttle", False, (_throttle, _throttle_old)),
+    Field("energy", True, (_energy,)),
+    Field("ecc", True, (_ecc,)),
+    Field("remapped_rows", True, (_remapped,)),
+    Field("pcie_replays", True, (_pcie_replays,)),
+)
+
+VALUE_FAMILIES = tuple(
+    m.name
+    for m in contract.METRICS
+    if m.collector == "nvml" and m.name not in ("gpu_info", "gpu_up", "gpu_non_torch_memory_bytes")
+)
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    mig_mode: str
+    up: bool
+    values: Mapping[Key, float]
+
+
+@dataclass(frozen=True)
+class NvmlSnapshot:
+    gpus: tuple[GpuReading, ...]
+    driver_version: str
+    time: float
+
+
+class _SessionDown(Exception):
+    pass
+
+
+class NvmlCollector(Collector):
+    name = "nvml"
+
+    def __init__(
+        self, settings: Settings, session: nb.NvmlSession | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__(settings)
+        self.interval = settings.nvml_interval
+        self.session = session or nb.session_for(settings)
+        self._clock = clock
+        self._generation = -1
+        self._choice: dict[tuple[str, str], int] = {}  # (uuid, field) -> first getter not known unsupported
+        self._slow: dict[str, dict[str, dict[Key, float]]] = {}  # uuid -> field -> last slow values
+        self._next_slow = 0.0
+        self._lost: dict[str, float] = {}  # uuid -> when to probe it again
+        self._handles: dict[str, Any] = {}  # re-acquired handles of GPUs that came back
+        self._known: tuple[nb.Device, ...] = ()
+
+    # --- reading (the collector's thread) ---
+    def poll_once(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            snap, ok = self._read()
+            if snap is not None:
+                self.snapshot = snap
+                # power / free memory for the ranks' console status line (never raises)
+                from vramwatch.rank.status import write_readings
+
+                write_readings(self.settings.resolved_spool_dir(), snap)
+            self.health.up = 1 if ok else 0
+            if not ok:
+                self.health.errors += 1
+        except Exception as e:  # noqa: BLE001 - a collector never takes the server down
+            self.health.failed("read:" + type(e).__name__, "vramwatch: nvml collector failed: %r", e)
+        self.health.duration = time.perf_counter() - t0
+
+    def read(self) -> Any:
+        return self._read()[0]
+
+    def _read(self) -> tuple[NvmlSnapshot | None, bool]:
+        s = self.session
+        if not s.ensure():
+            return self._down_snapshot(), False
+        if self._generation != s.generation:  # (re)initialised: re-check everything we remembered
+            self._generation = s.generation
+            self._choice.clear()
+            self._slow.clear()
+            self._lost.clear()
+            self._handles.clear()
+            for d in s.devices:
+                s.set_lost(d.uuid, False)
+        now = self._clock()
+        slow = now >= self._next_slow
+        if slow:
+            self._next_slow = now + self.settings.nvml_slow_interval
+            if s.incomplete:
+                s.reenumerate()
+        self._known = s.devices
+        ok = True
+        gpus = []
+        try:
+            for d in s.devices:
+                reading, gpu_ok = self._read_gpu(d, now, slow)
+                gpus.append(reading)
+                ok = ok and gpu_ok
+        except _SessionDown:
+            return self._down_snapshot(), False
+        return NvmlSnapshot(tuple(gpus), s.driver_version, time.time()), ok and not s.incomplete
+
+    def _down_snapshot(self) -> NvmlSnapshot | None:
+        """NVML is not answering: the GPUs we knew read gpu_up 0; none known, no device series."""
+        if not self._known:
+            return None
+        return NvmlSnapshot(
+            tuple(_reading(d, False, {}) for d in self._known), self.session.driver_version, time.time()
+        )
+
+    def _read_gpu(self, d: nb.Device, now: float, slow: bool) -> tuple[GpuReading, bool]:
+        if d.uuid in self._lost:  # probed again on the slow cadence only
+            if now < self._lost[d.uuid]:
+                return _reading(d, False, {}), False
+            if not self._probe(d):
+                self._lost[d.uuid] = now + self.settings.nvml_slow_interval
+                return _reading(d, False, {}), False
+            slow = True  # back: read everything now
+        nv = self.session.nv
+        h = self._handles.get(d.uuid, d.handle)
+        values: dict[Key, float] = {}
+        ok = True
+        slow_cache = self._slow.setdefault(d.uuid, {})
+        for f in FIELDS:
+            if f.slow and not slow:
+                values.update(slow_cache.get(f.name, {}))
+                continue
+            out, field_ok = self._read_field(d, f, nv, h)
+            if out is None and field_ok == "lost":
+                self._mark_lost(d, now)
+                return _reading(d, False, {}), False
+            ok = ok and field_ok is True
+            if out is not None:
+                values.update(out)
+                if f.slow:
+                    slow_cache[f.name] = out
+            elif f.slow:
+                slow_cache.pop(f.name, None)
+        return _reading(d, True, values), ok
+
+    def _read_field(self, d: nb.Device, f: Field, nv: Any, h: Any) -> tuple[dict[Key, float] | None, Any]:
+        """(values or None, True | False | "lost"); False: a failed read that turns ``up`` 0."""
+        key = (d.uuid, f.name)
+        i = self._choice.get(key, 0)
+        while i < len(f.getters):
+            try:
+                return f.getters[i](nv, h), True
+            except Exception as e:
+                kind = nb.classify(e)
+                if kind == "unsupported":
+                    i += 1
+                    self._choice[key] = i
+                    if i == len(f.getters):
+                        level = logging.WARNING if nb.error_code(e) == nb.NO_PERMISSION else logging.INFO
+                        self.session.once(
+                            ("unsupported", d.uuid, f.name),
+                            level,
+                            "vramwatch: GPU %d %s: %s is %s; not asked again until NVML re-inits",
+                            d.index,
+                            d.uuid,
+                            f.name,
+                            nb.error_name(e),
+                        )
+                    continue
+                if kind == "lost":
+                    return None, "lost"
+                if kind == "session":
+                    self.session.mark_down(e)
+                    raise _SessionDown() from e
+                if kind == "quiet":
+                    self.session.once(
+                        ("quiet", d.uuid, f.name, nb.error_name(e)),
+                        logging.DEBUG,
+                        "vramwatch: GPU %d: %s has no data yet (%s)",
+                        d.index,
+                        f.name,
+                        nb.error_name(e),
+                    )
+                    return None, True
+                self.session.once(
+                    ("transient", d.uuid, f.name, nb.error_name(e)),
+                    logging.WARNING,
+                    "vramwatch: GPU %d %s: reading %s failed (%s: %s); retrying every read",
+                    d.index,
+                    d.uuid,
+                    f.name,
+                    nb.error_name(e),
+                    e,
+                )
+                return None, False
+        return None, True  # not supported: skipped, not a failure
+
+    def _mark_lost(self, d: nb.Device, now: float) -> None:
+        self._lost[d.uuid] = now + self.settings.nvml_slow_interval
+        self.session.set_lost(d.uuid, True)
+        log.error(
+            "vramwatch: GPU %d %s is lost (GPU_IS_LOST: fallen off the bus or needs a reset); "
+            "gpu_up is 0 and it is probed every %.0f s",
+            d.index,
+            d.uuid,
+            self.settings.nvml_slow_interval,
+        )
+        ledger = ledger_for(self.session)
+        if time.time() - ledger.last(d.uuid, LOST_XID) > 60.0:  # unless the event itself came just now
+            ledger.record(d.index, d.uuid, LOST_XID)
+            log_event(self.settings, d.index, d.uuid, LOST_XID, source="GPU_IS_LOST")
+
+    def _probe(self, d: nb.Device) -> bool:
+        nv = self.session.nv
+        try:
+            h = nv.nvmlDeviceGetHandleByUUID(d.uuid)
+            nv.nvmlDeviceGetMemoryInfo(h)
+        except Exception as e:  # noqa: BLE001
+            if nb.classify(e) == "session":
+                self.session.mark_down(e)
+            return False
+        self._handles[d.uuid] = h
+        del self._lost[d.uuid]
+        self.session.set_lost(d.uuid, False)
+        log.warning("vramwatch: GPU %d %s answers again", d.index, d.uuid)
+        return True
+
+    # --- families (pure) ---
+    def families(self, snapshot: NvmlSnapshot, ctx: ScrapeContext) -> Iterable[Metric]:
+        return nvml_families(snapshot, ctx, self.settings.gpus == "job")
+
+
+def _reading(d: nb.Device, up: bool, values: Mapping[Key, float]) -> GpuReading:
+    return GpuReading(d.index, d.uuid, d.name, d.pci_bus_id, d.mig_mode, up, values)
+
+
+def reserved_by_uuid(ctx: ScrapeContext) -> dict[str, float]:
+    """Sum of the ranks' reserved bytes per GPU uuid."""
+    out: dict[str, float] = {}
+    for s in ctx.samples:
+        for dev in s.data.get("devices") or ():
+            v = (dev.get("values") or {}).get("torch_cuda_memory_reserved_bytes")
+            if dev.get("uuid") and isinstance(v, (int, float)):
+                out[str(dev["uuid"])] = out.get(str(dev["uuid"]), 0.0) + float(v)
+    return out
+
+
+def nvml_families(snap: NvmlSnapshot, ctx: ScrapeContext, job_only: bool = False) -> Iterable[Metric]:
+    info = contract.family("gpu_info")
+    up = contract.family("gpu_up")
+    non_torch = contract.family("gpu_non_torch_memory_bytes")
+    fams = {name: contract.family(name) for name in VALUE_FAMILIES}
+    job = job_uuids(ctx) if job_only else None
+    reserved = reserved_by_uuid(ctx)
+    for g in snap.gpus:
+        if job is not None and g.uuid not in job:
+            continue
+        labels = [str(g.index), g.uuid]
+        info.add_metric(labels + [g.name, snap.driver_version, g.pci_bus_id, ctx.hostname[:128], g.mig_mode], 1.0)
+        up.add_metric(labels, 1.0 if g.up else 0.0)
+        if not g.up:
+            continue  # a lost GPU's last readings would be stale
+        for (name, extra), v in g.values.items():
+            fam = fams.get(name)
+            if fam is not None:
+                fam.add_metric(labels + [extra] if extra else labels, v)
+        used = g.values.get(("gpu_memory_used_bytes", ""))
+        if used is not None:
+            # sampled at other moments than NVML: clamp the small negative a fresh allocation can leave
+            non_torch.add_metric(labels, max(0.0, used - reserved.get(g.uuid, 0.0)))
+    return (info, up, non_torch, *fams.values())
+
+
+register("nvml", lambda s: s.nvml, "NVML device readings (power, memory, utilisation, clocks, health).")(NvmlCollector)

@@ -1,0 +1,154 @@
+"""Who else is on the card: compute processes that are not ranks of this job.
+
+Read on the slow cadence (``nvmlDeviceGetComputeRunningProcesses`` costs ~170 us
+per GPU on an H200). A process is the job's when its pid is a rank's pid from
+the spool samples. In a container NVML may report host pids (drivers before
+560 do not translate them) while ranks know their namespaced pid: when none of
+the ranks on a GPU is found by pid although they hold memory there, each rank
+is matched instead to the unmatched process whose memory is closest to its
+reserved bytes. Only counts and bytes are exported: no pid label, ever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from vramwatch.config import Settings
+from vramwatch.monitoring import contract
+from vramwatch.server import nvml_backend as nb
+from vramwatch.server.collectors import Collector, ScrapeContext, register
+
+MAX_PROCESSES = 256  # per GPU, to bound the work on a card shared by very many processes
+
+
+@dataclass(frozen=True)
+class GpuProcesses:
+    index: int
+    uuid: str
+    processes: tuple[tuple[int, int], ...]  # (pid, used bytes)
+
+
+class ProcessesCollector(Collector):
+    name = "processes"
+
+    def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
+        super().__init__(settings)
+        self.interval = settings.nvml_slow_interval
+        self.session = session or nb.session_for(settings)
+        self._unsupported: set[str] = set()
+        self._generation = -1
+
+    def poll_once(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            snap, ok = self._read()
+            self.snapshot = snap
+            self.health.up = 1 if ok else 0
+            if not ok:
+                self.health.errors += 1
+        except Exception as e:  # noqa: BLE001
+            self.health.failed("read:" + type(e).__name__, "vramwatch: processes collector failed: %r", e)
+        self.health.duration = time.perf_counter() - t0
+
+    def read(self) -> Any:
+        return self._read()[0]
+
+    def _read(self) -> tuple[tuple[GpuProcesses, ...] | None, bool]:
+        s = self.session
+        if not s.ensure():
+            return None, False
+        if self._generation != s.generation:
+            self._generation = s.generation
+            self._unsupported.clear()
+        ok = True
+        out = []
+        lost = s.lost
+        for d in s.devices:
+            if d.uuid in self._unsupported:
+                continue
+            if d.uuid in lost:
+                ok = False
+                continue
+            try:
+                procs = s.nv.nvmlDeviceGetComputeRunningProcesses(d.handle)
+            except Exception as e:  # noqa: BLE001
+                kind = nb.classify(e)
+                if kind == "unsupported":
+                    self._unsupported.add(d.uuid)
+                    s.once(
+                        ("unsupported", d.uuid, "processes"),
+                        logging.INFO,
+                        "vramwatch: GPU %d %s: compute processes are %s; not asked again",
+                        d.index,
+                        d.uuid,
+                        nb.error_name(e),
+                    )
+                    continue
+                if kind == "session":
+                    s.mark_down(e)
+                    return None, False
+                if kind != "quiet":
+                    ok = False
+                    s.once(
+                        ("transient", d.uuid, "processes", nb.error_name(e)),
+                        logging.WARNING,
+                        "vramwatch: GPU %d %s: listing compute processes failed (%s)",
+                        d.index,
+                        d.uuid,
+                        nb.error_name(e),
+                    )
+                continue
+            rows = tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in list(procs)[:MAX_PROCESSES])
+            out.append(GpuProcesses(d.index, d.uuid, rows))
+        return tuple(out), ok
+
+    def families(self, snapshot: tuple[GpuProcesses, ...], ctx: ScrapeContext) -> Iterable[Metric]:
+        return process_families(snapshot, ctx, self.settings.gpus == "job")
+
+
+def foreign(procs: tuple[tuple[int, int], ...], rank_pids: set[int], ranks_here: list[float]) -> list[tuple[int, int]]:
+    """The processes that are not the job's. ``ranks_here``: reserved bytes of each rank on this GPU."""
+    others = [p for p in procs if p[0] not in rank_pids]
+    if ranks_here and len(others) == len(procs):
+        # no rank found by pid although ranks hold memory here: pid namespaces differ
+        for reserved in sorted(ranks_here, reverse=True):
+            if not others:
+                break
+            above = [p for p in others if p[1] >= reserved]
+            best = min(above or others, key=lambda p: abs(p[1] - reserved))
+            others.remove(best)
+    return others
+
+
+def process_families(snap: tuple[GpuProcesses, ...], ctx: ScrapeContext, job_only: bool = False) -> Iterable[Metric]:
+    count = contract.family("gpu_foreign_processes")
+    mem = contract.family("gpu_foreign_process_memory_bytes")
+    rank_pids: set[int] = set()
+    ranks_on: dict[str, list[float]] = {}
+    for s in ctx.samples:
+        rank_pids.add(int(s.pid))
+        if isinstance(s.data.get("pid"), int):
+            rank_pids.add(s.data["pid"])
+        for dev in s.data.get("devices") or ():
+            if dev.get("uuid"):
+                reserved = (dev.get("values") or {}).get("torch_cuda_memory_reserved_bytes", 0.0)
+                ranks_on.setdefault(str(dev["uuid"]), []).append(float(reserved or 0.0))
+    for g in snap:
+        if job_only and g.uuid not in ranks_on:
+            continue
+        others = foreign(g.processes, rank_pids, ranks_on.get(g.uuid, []))
+        labels = [str(g.index), g.uuid]
+        count.add_metric(labels, float(len(others)))
+        mem.add_metric(labels, float(sum(used for _, used in others)))
+    return (count, mem)
+
+
+register("processes", lambda s: s.nvml and s.processes, "Foreign compute processes on the GPUs (NVML, slow cadence).")(
+    ProcessesCollector
+)

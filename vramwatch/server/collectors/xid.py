@@ -1,0 +1,366 @@
+"""Xid events: a watcher thread on NVML's event set feeding a ledger the collector only reads.
+
+The watcher registers ``nvmlEventTypeXidCriticalError`` on every GPU that
+supports it, then waits on the event set in 2 s slices (``EventSetWait``
+returns early on an event and raises TIMEOUT otherwise), checking its stop flag
+between waits. Errors back off 1 s to 60 s; after NVML re-initialises the set is
+built again ("events that occurred before registration are not recorded").
+
+The ledger counts events per (GPU, Xid) since the exporter started, so
+``increase()`` and ``rate()`` work and repeats are visible; never a last-value
+gauge. The Xids that matter for training (``MonitoringConfig.xid_critical`` and
+``xid_warning``) are pre-initialised at 0, so the first event is an increase.
+Each event is also logged with the ranks on that GPU and their last step.
+A GPU that falls off the bus shows up as GPU_IS_LOST rather than as an event
+(NVML cannot deliver Xid 79; NVIDIA/DCGM#162): the NVML collector then records
+one Xid 79 here per loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from vramwatch.config import Settings
+from vramwatch.monitoring import contract
+from vramwatch.monitoring.config import DEFAULT as MONITORING
+from vramwatch.server import nvml_backend as nb
+from vramwatch.server.collectors import Collector, ScrapeContext, register
+
+log = logging.getLogger("vramwatch")
+
+XID_EVENT = 0x0000000000000008  # nvmlEventTypeXidCriticalError
+WAIT_MS = 2000
+MAX_XIDS_PER_GPU = 64  # beyond this many distinct Xids on one GPU, the rest count as xid="other"
+PREINIT = tuple(dict.fromkeys(MONITORING.xid_critical + MONITORING.xid_warning))
+# mnemonics for the log line only (NVIDIA open-gpu-kernel-modules nverror.h; never a label)
+MNEMONICS = {
+    13: "graphics engine exception",
+    31: "MMU fault (illegal address)",
+    43: "channel reset after a user fault",
+    45: "preemptive cleanup",
+    48: "double-bit ECC error",
+    61: "PMU breakpoint",
+    62: "PMU halt",
+    63: "page retirement / row remap recorded",
+    64: "page retirement / row remap failed",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "excessive single-bit ECC",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+
+
+class XidLedger:
+    """Xid counts and newest-event times per GPU; thread-safe, survives failed collections."""
+
+    def __init__(self, max_per_gpu: int = MAX_XIDS_PER_GPU) -> None:
+        self._lock = threading.Lock()
+        self._max = max_per_gpu
+        self._gpus: dict[str, int] = {}  # uuid -> NVML index
+        self._counts: dict[str, dict[str, list[float]]] = {}  # uuid -> xid label -> [count, last time or 0]
+
+    def preinit(self, index: int, uuid: str, xids: Iterable[int] = PREINIT) -> None:
+        with self._lock:
+            self._gpus[uuid] = index
+            per = self._counts.setdefault(uuid, {})
+            for x in xids:
+                if len(per) < self._max:
+                    per.setdefault(str(int(x)), [0.0, 0.0])
+
+    def record(self, index: int, uuid: str, xid: int, when: float | None = None) -> float:
+        """Count one event; returns the new count."""
+        when = time.time() if when is None else when
+        with self._lock:
+            self._gpus.setdefault(uuid, index)
+            per = self._counts.setdefault(uuid, {})
+            label = str(int(xid))
+            if label not in per and len(per) >= self._max:
+                label = "other"
+            row = per.setdefault(label, [0.0, 0.0])
+            row[0] += 1
+            row[1] = when
+            return row[0]
+
+    def last(self, uuid: str, xid: int) -> float:
+        with self._lock:
+            row = self._counts.get(uuid, {}).get(str(int(xid)))
+            return row[1] if row else 0.0
+
+    def rows(self) -> tuple[tuple[int, str, str, float, float], ...]:
+        """(gpu index, uuid, xid label, count, newest time or 0), a copy."""
+        with self._lock:
+            return tuple(
+                (self._gpus.get(u, -1), u, x, r[0], r[1]) for u, per in self._counts.items() for x, r in per.items()
+            )
+
+
+_LEDGER_LOCK = threading.Lock()
+
+
+def ledger_for(session: nb.NvmlSession) -> XidLedger:
+    with _LEDGER_LOCK:
+        if session.ledger is None:
+            session.ledger = XidLedger()
+        return session.ledger
+
+
+def ranks_on(spool_dir: str, max_ranks: int, uuid: str) -> list[tuple[str, int]]:
+    """(rank, last step count) of the ranks with a device on ``uuid``, from the spool."""
+    from vramwatch.spool import read_samples
+
+    out = []
+    for s in read_samples(spool_dir, max_ranks, reap=False):
+        if any(d.get("uuid") == uuid for d in s.data.get("devices") or ()):
+            out.append((str(s.data.get("rank", s.rank)), int((s.data.get("heartbeat") or {}).get("steps", 0))))
+    return out
+
+
+def describe_event(index: int, uuid: str, xid: int, ranks: list[tuple[str, int]], source: str = "") -> str:
+    what = MNEMONICS.get(xid, "")
+    who = ", ".join(f"rank {r} (last step {s})" for r, s in ranks) or "no rank of this job"
+    return (
+        f"vramwatch: Xid {xid}{f' ({what})' if what else ''} on GPU {index} {uuid}"
+        f"{f' [{source}]' if source else ''}: {who}"
+    )
+
+
+def log_event(settings: Settings, index: int, uuid: str, xid: int, source: str = "") -> None:
+    try:
+        ranks = ranks_on(settings.resolved_spool_dir(), settings.max_ranks, uuid)
+    except Exception:  # noqa: BLE001 - the log line never costs the event
+        ranks = []
+    level = logging.ERROR if xid in MONITORING.xid_critical else logging.WARNING
+    log.log(level, "%s", describe_event(index, uuid, xid, ranks, source))
+
+
+class XidWatcher:
+    """The thread that waits on the event set. ``up``/``errors`` feed the collector's health."""
+
+    def __init__(
+        self,
+        session: nb.NvmlSession,
+        ledger: XidLedger,
+        settings: Settings,
+        wait_ms: int = WAIT_MS,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.session = session
+        self.ledger = ledger
+        self.settings = settings
+        self.wait_ms = wait_ms
+        self.stop_event = stop or threading.Event()
+        self.up = True
+        self.errors = 0
+        self.events = 0
+        self.registered: dict[str, int] = {}  # uuid -> index
+        self._es: Any = None
+        self._key: Any = None
+        self._backoff = nb.BACKOFF_FIRST
+        self._thread: threading.Thread | None = None
+
+    # --- thread ---
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="vramwatch-xid", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.wait_ms / 1000.0 + 2.0)
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            pause = self.step()
+            if pause > 0:
+                self.stop_event.wait(pause)
+        self._free()
+
+    def step(self) -> float:
+        """One wait (or one recovery attempt); returns how long to pause before the next."""
+        s = self.session
+        if not s.ensure():
+            self.up = False
+            return max(0.5, min(s.next_try_in(), 5.0))
+        if self._es is None or self._key != s.watch_key():
+            try:
+                self._register()
+            except Exception as e:  # noqa: BLE001
+                return self._failed("register", e)
+        if not self.registered:
+            self.up = True  # no GPU offers Xid events: unsupported is not trouble
+            return 5.0
+        try:
+            data = s.nv.nvmlEventSetWait(self._es, self.wait_ms)
+        except Exception as e:  # noqa: BLE001
+            if nb.error_code(e) == nb.TIMEOUT:
+                self.up = True
+                self._backoff = nb.BACKOFF_FIRST
+                return 0.0
+            return self._failed("wait", e)
+        self.up = True
+        self._backoff = nb.BACKOFF_FIRST
+        if int(getattr(data, "eventType", 0)) & XID_EVENT:
+            self._event(data)
+        return 0.0
+
+    # --- pieces ---
+    def _register(self) -> None:
+        s, nv = self.session, self.session.nv
+        self._free()
+        self.registered = {}
+        self._key = s.watch_key()
+        self._es = nv.nvmlEventSetCreate()
+        lost = s.lost
+        for d in s.devices:
+            if d.uuid in lost:
+                continue
+            try:
+                mask = XID_EVENT & int(nv.nvmlDeviceGetSupportedEventTypes(d.handle))
+                if not mask:
+                    raise _NoXid()
+                nv.nvmlDeviceRegisterEvents(d.handle, mask, self._es)
+            except _NoXid:
+                s.once(
+                    ("xid-unsupported", d.uuid),
+                    logging.INFO,
+                    "vramwatch: GPU %d %s offers no Xid events; not watched",
+                    d.index,
+                    d.uuid,
+                )
+                continue
+            except Exception as e:
+                kind = nb.classify(e)
+                if kind in ("unsupported", "lost"):
+                    s.once(
+                        ("xid-register", d.uuid, nb.error_name(e)),
+                        logging.INFO,
+                        "vramwatch: Xid events on GPU %d %s: %s; not watched",
+                        d.index,
+                        d.uuid,
+                        nb.error_name(e),
+                    )
+                    continue
+                raise  # session trouble, UNKNOWN, ...: free the set and back off
+            self.registered[d.uuid] = d.index
+            self.ledger.preinit(d.index, d.uuid)
+        if self.registered:
+            log.info("vramwatch: watching Xid events on %d GPU(s)", len(self.registered))
+
+    def _event(self, data: Any) -> None:
+        xid = int(getattr(data, "eventData", 999))
+        uuid, index = self._which(data.device)
+        self.events += 1
+        if not uuid:
+            log.error("vramwatch: Xid %d on a GPU NVML could not name", xid)
+            return
+        self.ledger.record(index, uuid, xid)
+        log_event(self.settings, index, uuid, xid)
+
+    def _which(self, handle: Any) -> tuple[str, int]:
+        nv = self.session.nv
+        try:
+            uuid = nb.text(nv.nvmlDeviceGetUUID(handle))
+            if uuid in self.registered:
+                return uuid, self.registered[uuid]
+            d = self.session.device(uuid)
+            return uuid, d.index if d else -1
+        except Exception:  # noqa: BLE001 - a lost GPU may not answer: fall back on what we registered
+            if len(self.registered) == 1:
+                return next(iter(self.registered.items()))
+            return "", -1
+
+    def _failed(self, where: str, e: BaseException) -> float:
+        self.up = False
+        self.errors += 1
+        kind = nb.classify(e)
+        if kind == "session":
+            self.session.mark_down(e)
+        self.session.once(
+            ("xid", where, nb.error_name(e)),
+            logging.WARNING,
+            "vramwatch: Xid watcher %s failed (%s: %s); retrying with back-off",
+            where,
+            nb.error_name(e),
+            e,
+        )
+        self._free()
+        pause = self._backoff
+        self._backoff = min(self._backoff * 2, nb.BACKOFF_MAX)
+        return pause
+
+    def _free(self) -> None:
+        es, self._es = self._es, None
+        if es is not None:
+            try:
+                self.session.nv.nvmlEventSetFree(es)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class _NoXid(Exception):
+    pass
+
+
+class XidCollector(Collector):
+    name = "xid"
+    interval = 1.0
+
+    def __init__(self, settings: Settings, session: nb.NvmlSession | None = None, wait_ms: int = WAIT_MS) -> None:
+        super().__init__(settings)
+        self.session = session or nb.session_for(settings)
+        self.ledger = ledger_for(self.session)
+        self.watcher = XidWatcher(self.session, self.ledger, settings, wait_ms, self._stop)
+
+    def start(self) -> None:
+        self.watcher.start()
+        super().start()
+
+    def stop(self) -> None:
+        super().stop()
+        self.watcher.stop()
+
+    def read(self) -> Any:
+        return self.ledger.rows()
+
+    def poll_once(self) -> None:
+        t0 = time.perf_counter()
+        self.snapshot = self.ledger.rows()
+        self.health.up = 1 if self.watcher.up else 0
+        self.health.errors = self.watcher.errors
+        self.health.duration = time.perf_counter() - t0
+
+    def families(self, snapshot: Any, ctx: ScrapeContext) -> Iterable[Metric]:
+        return xid_families(snapshot, ctx, self.settings.gpus == "job")
+
+
+def xid_families(
+    rows: Iterable[tuple[int, str, str, float, float]], ctx: ScrapeContext, job_only: bool = False
+) -> Iterable[Metric]:
+    total = contract.family("gpu_xid_errors_total")
+    last = contract.family("gpu_last_xid_timestamp_seconds")
+    job = job_uuids(ctx) if job_only else None
+    for index, uuid, xid, count, when in rows:
+        if job is not None and uuid not in job:
+            continue
+        labels = [str(index), uuid, xid]
+        total.add_metric(labels, count)
+        if when > 0:
+            last.add_metric(labels, when)
+    return (total, last)
+
+
+def job_uuids(ctx: ScrapeContext) -> set[str]:
+    """GPUs the job's ranks use, from their samples."""
+    return {str(d.get("uuid")) for s in ctx.samples for d in s.data.get("devices") or () if d.get("uuid")}
+
+
+register("xid", lambda s: s.xid, "Xid events from NVML's event set (a watcher thread per server).")(XidCollector)

@@ -1,0 +1,88 @@
+"""The server's one prometheus_client collector: reads the spool once per scrape, asks each collector."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
+from vramwatch import spool
+from vramwatch._version import __version__
+from vramwatch.config import Settings
+from vramwatch.monitoring import contract
+from vramwatch.server.collectors import Collector, Health, ScrapeContext, ranks
+
+
+class ExporterCollector:
+    def __init__(self, settings: Settings, spool_dir: str, collectors: list[Collector]) -> None:
+        self.settings = settings
+        self.spool_dir = spool_dir
+        self.collectors = collectors
+        self.hostname = settings.resolved_hostname()
+        self.spool_health = Health()
+        self.last_ranks = 0
+        self._served_at: float | None = None
+
+    def served_ranks_since(self, t: float) -> bool:
+        """Whether a scrape after monotonic time ``t`` carried any rank."""
+        return self._served_at is not None and self._served_at >= t
+
+    def describe(self) -> list[Metric]:
+        return []  # keeps registration from running a collection
+
+    def context(self) -> ScrapeContext:
+        t0 = time.perf_counter()
+        try:
+            reaped: list[spool.RankSample] = []
+            samples = spool.read_samples(self.spool_dir, self.settings.max_ranks, reaped)
+            # a rank that died since the last scrape is served by this scrape, then never again:
+            # its last counters (an OOM that killed it) reach Prometheus, and its series are
+            # gone by the second scrape after its death
+            live = {s.rank for s in samples}
+            samples += [s for s in reaped if s.rank not in live]
+            self.spool_health.up = 1
+        except Exception as e:  # noqa: BLE001
+            samples = []
+            self.spool_health.failed("spool", "vramwatch: reading the spool failed: %r", e)
+        self.spool_health.duration = time.perf_counter() - t0
+        self.last_ranks = len(samples)
+        if samples:
+            self._served_at = time.monotonic()
+        return ScrapeContext(tuple(samples), time.time(), self.hostname)
+
+    def collect(self) -> Iterable[Metric]:
+        ctx = self.context()
+        yield from ranks.families(ctx)
+        for c in self.collectors:
+            try:
+                yield from c.collect(ctx)
+            except Exception as e:  # noqa: BLE001 - a bad snapshot drops families, never the scrape
+                c.health.failed("families", "vramwatch: %s families failed: %r", c.name, e)
+        yield from self._self_health(ctx)
+
+    def _self_health(self, ctx: ScrapeContext) -> Iterable[Metric]:
+        up = contract.family("vramwatch_collector_up")
+        err = contract.family("vramwatch_collector_errors_total")
+        dur = contract.family("vramwatch_collector_duration_seconds")
+        rows = [("spool", "", self.spool_health)] + [(c.name, "", c.health) for c in self.collectors]
+        for name, rank, h in rows:
+            up.add_metric([name, rank], float(h.up))
+            err.add_metric([name, rank], float(h.errors))
+            dur.add_metric([name, rank], float(h.duration))
+        for name, rank, h in ranks.rank_collector_health(ctx):
+            up.add_metric([name, rank], float(h.get("up", 0)))
+            err.add_metric([name, rank], float(h.get("errors", 0)))
+            dur.add_metric([name, rank], float(h.get("duration", 0.0)))
+        n = contract.family("vramwatch_ranks")
+        n.add_metric([], float(len(ctx.samples)))
+        build = contract.family("vramwatch_build_info")
+        build.add_metric([__version__, self.hostname], 1.0)
+        yield from (up, err, dur, n, build)
+
+
+def build_registry(exporter: ExporterCollector) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)  # never the global registry
+    reg.register(exporter)
+    return reg
