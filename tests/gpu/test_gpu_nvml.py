@@ -20,6 +20,7 @@ from harness import Exporter, base_env, free_port, http_get, parse_metrics, stop
 
 from vramwatch.config import Settings
 from vramwatch.server import nvml_backend as nb
+from vramwatch.server.collectors import Runner
 from vramwatch.server.collectors.xid import PREINIT, XidCollector, XidLedger, XidWatcher
 
 pytestmark = pytest.mark.gpu
@@ -163,17 +164,18 @@ def test_xid_watcher_registers_and_waits_without_errors(tmp_path):
         t0 = time.monotonic()
         assert watcher.step() == 0.0
         assert time.monotonic() - t0 < 1.6  # the wait is bounded (it may return early on an event)
-    assert watcher.up and watcher.errors == 0
-    rows = [r for r in ledger.rows() if r[1] in watcher.registered]
+    assert watcher.health.up == 1 and watcher.health.errors == 0
+    rows = [r for r in ledger.counts() if r.uuid in watcher.registered]
     assert {r[2] for r in rows} >= {str(x) for x in PREINIT}  # pre-initialised on every watched GPU
-    watcher._free()
+    watcher.close()
     # the collector's thread stops within one wait
-    c = XidCollector(settings, session, wait_ms=2000)
+    xid = XidCollector(settings, session, wait_ms=2000)
+    c = Runner(xid, settings)
     c.start()
-    wait_until(lambda: c.watcher.registered, 10, "the watcher thread to register")
+    wait_until(lambda: xid.watcher.registered, 10, "the watcher thread to register")
     t0 = time.monotonic()
     c.stop()
-    assert time.monotonic() - t0 < 4.0 and not c.watcher._thread.is_alive()
+    assert time.monotonic() - t0 < 4.0 and not c.running
 
 
 PROBE = r"""

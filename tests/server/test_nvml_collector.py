@@ -13,10 +13,10 @@ import pytest
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import ScrapeContext
+from vramwatch.server.collectors import Runner, ScrapeContext
 from vramwatch.server.collectors.nvml import FIELDS, THROTTLE_REASONS, NvmlCollector
 from vramwatch.server.collectors.processes import ProcessesCollector, foreign
-from vramwatch.server.collectors.xid import ledger_for
+from vramwatch.server.collectors.xid import XidLedger, XidWatcher
 from vramwatch.sim.nvml import SimNvml
 from vramwatch.sim.state import SimNode
 from vramwatch.spool import RankSample
@@ -52,7 +52,10 @@ class Clock:
 
 
 class Rig:
-    """A node, its fake NVML (counted), a session and the collectors on a fake clock."""
+    """A node, its fake NVML (counted), a session and the collectors on a fake clock.
+
+    The Xid watcher is built (it counts lost GPUs as Xid 79) but never waits here.
+    """
 
     def __init__(self, tmp_path, count: int = 2, **settings: Any) -> None:
         self.node = SimNode.default(count)
@@ -63,8 +66,9 @@ class Rig:
         kw.update(settings)
         self.settings = Settings(**kw)
         self.session = nb.NvmlSession(self.settings, module=self.nv, clock=self.clock)
-        self.nvml = NvmlCollector(self.settings, self.session, clock=self.clock)
-        self.procs = ProcessesCollector(self.settings, self.session)
+        self.nvml = Runner(NvmlCollector(self.settings, self.session), self.settings, clock=self.clock)
+        self.procs = Runner(ProcessesCollector(self.settings, self.session), self.settings, clock=self.clock)
+        self.ledger = XidWatcher(self.session, XidLedger(), self.settings).ledger
 
     def poll(self, advance: float = 1.0) -> None:
         self.clock.t += advance
@@ -255,8 +259,7 @@ def test_gpu_is_lost_turns_gpu_up_and_collector_up_to_zero(tmp_path, field):
     assert rig.value("gpu_power_watts", gpu=1) is None  # no stale readings for a lost GPU
     assert rig.value("gpu_info", gpu=1) == 1.0  # ... but its identity stays, for the alert's labels
     assert rig.nvml.health.up == 0 and rig.nvml.health.errors == 1
-    ledger = ledger_for(rig.session)
-    assert [r[3] for r in ledger.rows() if r[1] == rig.node.gpu(1).uuid and r[2] == "79"] == [1.0]
+    assert [r.count for r in rig.ledger.counts() if r.uuid == rig.node.gpu(1).uuid and r.xid == "79"] == [1.0]
 
 
 @pytest.mark.parametrize("field", sorted(SITES))
@@ -359,7 +362,7 @@ def test_missing_binding_is_an_unavailable_nvml_not_a_crash(tmp_path):
         raise ImportError("No module named 'pynvml'")
 
     session = nb.NvmlSession(settings, loader=loader)
-    c = NvmlCollector(settings, session)
+    c = Runner(NvmlCollector(settings, session), settings)
     c.poll_once()
     assert c.health.up == 0 and c.snapshot is None and "nvidia-ml-py" in session.last_error
 
@@ -378,7 +381,7 @@ def test_lost_gpu_is_probed_on_the_slow_cadence_and_comes_back(rig):
     assert rig.nv.calls["nvmlDeviceGetHandleByUUID"] == 1
     assert rig.value("gpu_up", gpu=1) == 1.0 and rig.value("gpu_power_watts", gpu=1) == 120.0
     assert rig.nvml.health.up == 1
-    lost_xids = [r for r in ledger_for(rig.session).rows() if r[2] == "79" and r[3] > 0]
+    lost_xids = [r for r in rig.ledger.counts() if r.xid == "79" and r.count > 0]
     assert len(lost_xids) == 1  # one loss, one Xid 79
 
 

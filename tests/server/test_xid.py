@@ -13,7 +13,7 @@ from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.monitoring.config import DEFAULT
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import ScrapeContext
+from vramwatch.server.collectors import Runner, ScrapeContext
 from vramwatch.server.collectors.xid import PREINIT, XidCollector, XidLedger, XidWatcher, xid_families
 from vramwatch.sim.nvml import SimNvml
 from vramwatch.sim.state import SimNode
@@ -32,7 +32,7 @@ def make(tmp_path, count: int = 2, wait_ms: int = 100):
 
 
 def counts(ledger: XidLedger, uuid: str) -> dict[str, float]:
-    return {x: c for _, u, x, c, _ in ledger.rows() if u == uuid}
+    return {r.xid: r.count for r in ledger.counts() if r.uuid == uuid}
 
 
 # --- ledger ---
@@ -44,7 +44,7 @@ def test_ledger_preinitialises_the_xids_that_matter_and_counts_repeats():
     assert ledger.record(0, "GPU-a", 79, when=100.0) == 1
     assert ledger.record(0, "GPU-a", 79, when=200.0) == 2  # a repeat is visible, never a last-value gauge
     assert ledger.record(0, "GPU-a", 150, when=300.0) == 1  # an Xid not in the lists still counts
-    rows = {(u, x): (c, t) for _, u, x, c, t in ledger.rows()}
+    rows = {(u, x): (c, t) for _, u, x, c, t in ledger.counts()}
     assert rows[("GPU-a", "79")] == (2.0, 200.0) and rows[("GPU-a", "150")] == (1.0, 300.0)
     assert rows[("GPU-a", "48")] == (0.0, 0.0)
 
@@ -62,7 +62,7 @@ def test_families_counter_and_timestamp_only_once_seen():
     ledger.record(0, "GPU-a", 79, when=1234.5)
     ledger.preinit(1, "GPU-b", (79,))
     ctx = ScrapeContext((), time.time(), "h")
-    total, last = xid_families(ledger.rows(), ctx)
+    total, last = xid_families(ledger.counts(), ctx)
     assert {tuple(s.labels.values()): s.value for s in total.samples if s.name.endswith("_total")} == {
         ("0", "GPU-a", "13"): 0.0,
         ("0", "GPU-a", "79"): 1.0,
@@ -71,7 +71,7 @@ def test_families_counter_and_timestamp_only_once_seen():
     assert total.name + "_total" == "gpu_xid_errors_total"
     assert [(s.labels["xid"], s.value) for s in last.samples] == [("79", 1234.5)]
     sample = RankSample(0, 1, {"devices": [{"uuid": "GPU-b"}]}, 0.0)
-    total, _ = xid_families(ledger.rows(), ScrapeContext((sample,), time.time(), "h"), job_only=True)
+    total, _ = xid_families(ledger.counts(), ScrapeContext((sample,), time.time(), "h"), job_only=True)
     assert {s.labels["uuid"] for s in total.samples} == {"GPU-b"}
 
 
@@ -80,7 +80,7 @@ def test_watcher_registers_every_gpu_and_counts_injected_xids(tmp_path):
     node, session, ledger, w = make(tmp_path)
     node.inject_xid(0, 13)  # before registration: not recorded, as NVML documents
     assert w.step() == 0.0  # registers, then a wait that times out
-    assert set(w.registered) == {g.uuid for g in node.gpus} and w.up
+    assert set(w.registered) == {g.uuid for g in node.gpus} and w.health.up == 1
     node.inject_xid(1, 79)
     node.inject_xid(1, 79)
     node.inject_xid(0, 31)
@@ -88,7 +88,7 @@ def test_watcher_registers_every_gpu_and_counts_injected_xids(tmp_path):
         w.step()
     assert counts(ledger, node.gpu(1).uuid)["79"] == 2
     assert counts(ledger, node.gpu(0).uuid)["31"] == 1 and counts(ledger, node.gpu(0).uuid)["13"] == 0
-    assert w.events == 3 and w.errors == 0
+    assert w.events == 3 and w.health.errors == 0
 
 
 def test_xid_log_line_names_the_gpu_and_the_ranks_on_it(tmp_path, caplog):
@@ -125,13 +125,13 @@ def test_wait_errors_back_off_and_re_register(tmp_path, code):
     node.inject_error("nvmlEventSetWait", code)
     pauses = [w.step() for _ in range(3)]
     assert pauses == [1.0, 2.0, 4.0]  # exponential back-off
-    assert not w.up and w.errors == 3
+    assert w.health.up == 0 and w.health.errors == 3
     node.clear_error()
     node.inject_xid(0, 94)
     w.step()  # re-registers (the old set was freed) ...
     node.inject_xid(0, 94)
     w.step()
-    assert w.up and counts(ledger, node.gpu(0).uuid)["94"] == 1  # ... and only sees events after it
+    assert w.health.up == 1 and counts(ledger, node.gpu(0).uuid)["94"] == 1  # ... and only sees events after it
 
 
 @pytest.mark.parametrize(
@@ -143,11 +143,11 @@ def test_session_errors_mark_nvml_down_and_reinit(tmp_path, code):
     gen = session.generation
     node.inject_error("nvmlEventSetWait", code)
     w.step()
-    assert not session.ready and not w.up
+    assert not session.ready and w.health.up == 0
     node.clear_error()
     session._next_try = 0.0  # skip the back-off wait
     w.step()
-    assert session.ready and session.generation == gen + 1 and w.up
+    assert session.ready and session.generation == gen + 1 and w.health.up == 1
     node.inject_xid(1, 119)
     w.step()
     assert counts(ledger, node.gpu(1).uuid)["119"] == 1
@@ -158,7 +158,7 @@ def test_a_gpu_without_xid_events_is_skipped_and_up_stays(tmp_path, code):
     node, session, ledger, w = make(tmp_path)
     node.inject_error("nvmlDeviceRegisterEvents", code, gpu=0)
     w.step()
-    assert list(w.registered) == [node.gpu(1).uuid] and w.up and w.errors == 0
+    assert list(w.registered) == [node.gpu(1).uuid] and w.health.up == 1 and w.health.errors == 0
     assert counts(ledger, node.gpu(0).uuid) == {}  # no pre-initialised series where no event can come
 
 
@@ -166,16 +166,16 @@ def test_no_gpu_with_xid_events_is_not_trouble(tmp_path):
     node, session, ledger, w = make(tmp_path)
     node.inject_error("nvmlDeviceGetSupportedEventTypes", E.NVML_ERROR_NOT_SUPPORTED)
     assert w.step() == 5.0
-    assert w.registered == {} and w.up
+    assert w.registered == {} and w.health.up == 1
 
 
 def test_register_unknown_error_frees_the_set_and_backs_off(tmp_path):
     node, session, ledger, w = make(tmp_path)
     node.inject_error("nvmlDeviceRegisterEvents", E.NVML_ERROR_UNKNOWN, gpu=1)
-    assert w.step() == 1.0 and not w.up and w.errors == 1
+    assert w.step() == 1.0 and w.health.up == 0 and w.health.errors == 1
     node.clear_error()
     w.step()
-    assert w.up and len(w.registered) == 2
+    assert w.health.up == 1 and len(w.registered) == 2
 
 
 def test_lost_gpu_leaves_the_set_and_rejoins_when_back(tmp_path):
@@ -192,17 +192,18 @@ def test_lost_gpu_leaves_the_set_and_rejoins_when_back(tmp_path):
 def test_library_missing_keeps_the_watcher_down_without_raising(tmp_path):
     node, session, ledger, w = make(tmp_path)
     node.nvml_missing = True
-    assert w.step() >= 0.5 and not w.up
-    assert ledger.rows() == ()
+    assert w.step() >= 0.5 and w.health.up == 0
+    assert ledger.counts() == ()
 
 
 def test_thread_stops_within_one_wait(tmp_path):
     node, session, ledger, _ = make(tmp_path)
-    c = XidCollector(session.settings, session, wait_ms=300)
+    xid = XidCollector(session.settings, session, wait_ms=300)
+    c = Runner(xid, session.settings)
     c.start()
     try:
         deadline = time.monotonic() + 5
-        while not c.watcher.registered and time.monotonic() < deadline:
+        while not xid.watcher.registered and time.monotonic() < deadline:
             time.sleep(0.02)
         node.inject_xid(0, 79)
         while time.monotonic() < deadline:
@@ -217,4 +218,4 @@ def test_thread_stops_within_one_wait(tmp_path):
         t0 = time.monotonic()
         c.stop()
         assert time.monotonic() - t0 < 1.5
-    assert not c.watcher._thread.is_alive()
+    assert not c.running

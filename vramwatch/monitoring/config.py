@@ -16,6 +16,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from vramwatch.monitoring import contract
+
 GIB = 1 << 30
 
 
@@ -42,9 +44,10 @@ class MonitoringConfig:
     leak_horizon_hours: float = 4.0
     # exporter self-health
     sample_stale_seconds: float = 60.0
-    # Xids that page (NVIDIA's catalogue: reset / reboot / RMA), and the app faults that only warn
-    xid_critical: tuple[int, ...] = (48, 62, 64, 74, 79, 95, 119, 120, 46, 109, 140)
-    xid_warning: tuple[int, ...] = (13, 31, 43, 45, 61, 63, 92, 94)
+    # Xids that page (NVIDIA's catalogue: reset / reboot / RMA), and the app faults that only warn;
+    # the server pre-initialises the defaults' counters, so they are defined in the contract
+    xid_critical: tuple[int, ...] = contract.XID_CRITICAL
+    xid_warning: tuple[int, ...] = contract.XID_WARNING
     runbook_url: str = "https://github.com/vramwatch/vramwatch/blob/main/docs/runbooks.md#{anchor}"
     dashboard_tags: tuple[str, ...] = ("vramwatch", "gpu", "pytorch")
     # extra labels put on every alert (e.g. team="ml-infra")

@@ -24,6 +24,12 @@ RANK_DEVICE = ("uuid", "device", "rank", "local_rank")
 GPU = ("gpu", "uuid")
 COLLECTOR = ("collector", "rank")
 
+# Xids that page (NVIDIA's catalogue: reset / reboot / RMA), and the app faults that only warn. The
+# server pre-initialises their counters at 0 (so a first event is an increase) and logs the critical
+# ones as errors; MonitoringConfig takes these as its defaults, so the alerts name the same codes.
+XID_CRITICAL: tuple[int, ...] = (48, 62, 64, 74, 79, 95, 119, 120, 46, 109, 140)
+XID_WARNING: tuple[int, ...] = (13, 31, 43, 45, 61, 63, 92, 94)
+
 
 @dataclass(frozen=True)
 class MetricSpec:

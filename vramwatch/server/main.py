@@ -16,7 +16,7 @@ import time
 
 from vramwatch import spool
 from vramwatch.config import ConfigError, Settings
-from vramwatch.server.collectors import enabled_collectors
+from vramwatch.server.collectors import Runner, enabled_collectors
 from vramwatch.server.http import ExporterHTTPServer
 from vramwatch.server.registry import ExporterCollector, build_registry
 
@@ -30,7 +30,7 @@ class Server:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.spool_dir = settings.resolved_spool_dir()
-        self.collectors = []
+        self.collectors: list[Runner] = []
         self.exporter: ExporterCollector | None = None
         self.http: ExporterHTTPServer | None = None
         self._lock_fd: int | None = None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramwatch.config import Settings
+from vramwatch.server.collectors.health import OnceLog
 
 log = logging.getLogger("vramwatch")
 
@@ -132,26 +133,6 @@ def load_module(settings: Settings) -> Any:
     return pynvml
 
 
-class OnceLog:
-    """Log each distinct key once; later repeats are only counted by the caller."""
-
-    def __init__(self) -> None:
-        self._seen: set[Any] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, key: Any, level: int, msg: str, *args: Any) -> bool:
-        with self._lock:
-            if key in self._seen:
-                return False
-            self._seen.add(key)
-        log.log(level, msg, *args)
-        return True
-
-    def forget(self, prefix: str) -> None:
-        with self._lock:
-            self._seen = {k for k in self._seen if not (isinstance(k, tuple) and k and k[0] == prefix)}
-
-
 class NvmlSession:
     """NVML for one server. ``ensure()`` is cheap once initialised; call it before each read."""
 
@@ -176,7 +157,7 @@ class NvmlSession:
         self.init_failures = 0
         self.last_error = ""
         self.lost: frozenset[str] = frozenset()  # uuids currently lost (kept by the NVML collector)
-        self.ledger: Any = None  # the Xid ledger, shared with the NVML collector (see collectors/xid.py)
+        self._on_lost: list[Callable[[Device], None]] = []
         self.once = OnceLog()
         self._next_try = 0.0
         self._backoff = BACKOFF_FIRST
@@ -317,8 +298,25 @@ class NvmlSession:
         return "enabled" if current else "disabled"
 
     def set_lost(self, uuid: str, lost: bool) -> None:
+        """Kept by the NVML collector; a GPU newly lost is told to :meth:`on_lost`'s callbacks."""
         with self._lock:  # replaced, never mutated: other threads iterate it
+            newly = lost and uuid not in self.lost
             self.lost = self.lost | {uuid} if lost else self.lost - {uuid}
+            callbacks = tuple(self._on_lost)
+        d = self.device(uuid) if newly else None
+        if d is not None:
+            for callback in callbacks:
+                callback(d)
+
+    def on_lost(self, callback: Callable[[Device], None]) -> None:
+        """Call ``callback(device)`` on the reading thread each time a GPU is newly lost."""
+        with self._lock:
+            self._on_lost.append(callback)
+
+    def off_lost(self, callback: Callable[[Device], None]) -> None:
+        with self._lock:
+            if callback in self._on_lost:
+                self._on_lost.remove(callback)
 
     def watch_key(self) -> tuple[int, tuple[str, ...]]:
         """Changes when NVML re-initialised or a GPU was lost or came back (event sets re-register)."""

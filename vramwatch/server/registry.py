@@ -12,11 +12,11 @@ from vramwatch import spool
 from vramwatch._version import __version__
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
-from vramwatch.server.collectors import Collector, Health, ScrapeContext, ranks
+from vramwatch.server.collectors import Health, Runner, ScrapeContext, ranks
 
 
 class ExporterCollector:
-    def __init__(self, settings: Settings, spool_dir: str, collectors: list[Collector]) -> None:
+    def __init__(self, settings: Settings, spool_dir: str, collectors: list[Runner]) -> None:
         self.settings = settings
         self.spool_dir = spool_dir
         self.collectors = collectors
@@ -56,10 +56,7 @@ class ExporterCollector:
         ctx = self.context()
         yield from ranks.families(ctx)
         for c in self.collectors:
-            try:
-                yield from c.collect(ctx)
-            except Exception as e:  # noqa: BLE001 - a bad snapshot drops families, never the scrape
-                c.health.failed("families", "vramwatch: %s families failed: %r", c.name, e)
+            yield from c.collect(ctx)  # a bad snapshot drops its families, never the scrape
         yield from self._self_health(ctx)
 
     def _self_health(self, ctx: ScrapeContext) -> Iterable[Metric]:

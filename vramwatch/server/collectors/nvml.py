@@ -9,8 +9,9 @@ Faults (see :mod:`vramwatch.server.nvml_backend`): a field a GPU does not
 support is dropped for that GPU after the first try, logged once, and keeps
 ``up`` 1; a lost GPU reads ``gpu_up`` 0 (its identity stays, its readings go),
 is probed again on the slow cadence, turns the collector's ``up`` to 0 and is
-counted once as Xid 79; NVML missing or gone makes ``up`` 0 with init retried
-under back-off, while the rest of the exporter keeps serving.
+counted once as Xid 79 (by the Xid watcher, told through the session); NVML
+missing or gone makes ``up`` 0 with init retried under back-off, while the
+rest of the exporter keeps serving.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from prometheus_client.core import Metric
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Collector, ScrapeContext, register
-from vramwatch.server.collectors import processes as _processes  # noqa: F401 - registers "processes"
-from vramwatch.server.collectors.xid import job_uuids, ledger_for, log_event
+from vramwatch.server.collectors import Collector, ReadFailed, ScrapeContext, Tick, register
+from vramwatch.server.collectors.xid import job_uuids
 
 log = logging.getLogger("vramwatch")
 
@@ -56,7 +56,6 @@ THROTTLE_REASONS: tuple[tuple[int, str], ...] = (
     (0x400, "reliability"),
 )
 REMAPPED_KINDS = ("correctable", "uncorrectable", "pending", "failure")
-LOST_XID = 79  # GPU_IS_LOST is what "fallen off the bus" looks like through NVML
 
 Key = tuple[str, str]  # (contract name, value of its one extra label or "")
 Getter = Callable[[Any, Any], dict[Key, float]]
@@ -192,49 +191,35 @@ class _SessionDown(Exception):
     pass
 
 
-class NvmlCollector(Collector):
-    name = "nvml"
-
-    def __init__(
-        self, settings: Settings, session: nb.NvmlSession | None = None, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        super().__init__(settings)
-        self.interval = settings.nvml_interval
+@register("nvml", lambda s: s.nvml, "NVML device readings (power, memory, utilisation, clocks, health).")
+class NvmlCollector(Collector[NvmlSnapshot]):
+    def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
+        self.settings = settings
         self.session = session or nb.session_for(settings)
-        self._clock = clock
         self._generation = -1
         self._choice: dict[tuple[str, str], int] = {}  # (uuid, field) -> first getter not known unsupported
         self._slow: dict[str, dict[str, dict[Key, float]]] = {}  # uuid -> field -> last slow values
-        self._next_slow = 0.0
         self._lost: dict[str, float] = {}  # uuid -> when to probe it again
         self._handles: dict[str, Any] = {}  # re-acquired handles of GPUs that came back
         self._known: tuple[nb.Device, ...] = ()
 
-    # --- reading (the collector's thread) ---
-    def poll_once(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            snap, ok = self._read()
-            if snap is not None:
-                self.snapshot = snap
-                # power / free memory for the ranks' console status line (never raises)
-                from vramwatch.rank.status import write_readings
+    # --- reading (the framework's thread) ---
+    def read(self, tick: Tick) -> NvmlSnapshot | None:
+        snap, ok = self._read(tick)
+        if snap is not None:
+            # power / free memory for the ranks' console status line (never raises)
+            from vramwatch.rank.status import write_readings
 
-                write_readings(self.settings.resolved_spool_dir(), snap)
-            self.health.up = 1 if ok else 0
-            if not ok:
-                self.health.errors += 1
-        except Exception as e:  # noqa: BLE001 - a collector never takes the server down
-            self.health.failed("read:" + type(e).__name__, "vramwatch: nvml collector failed: %r", e)
-        self.health.duration = time.perf_counter() - t0
+            write_readings(self.settings.resolved_spool_dir(), snap)
+        if not ok:
+            raise ReadFailed(snap)
+        return snap
 
-    def read(self) -> Any:
-        return self._read()[0]
-
-    def _read(self) -> tuple[NvmlSnapshot | None, bool]:
+    def _read(self, tick: Tick) -> tuple[NvmlSnapshot | None, bool]:
         s = self.session
         if not s.ensure():
             return self._down_snapshot(), False
+        slow = tick.slow
         if self._generation != s.generation:  # (re)initialised: re-check everything we remembered
             self._generation = s.generation
             self._choice.clear()
@@ -243,18 +228,15 @@ class NvmlCollector(Collector):
             self._handles.clear()
             for d in s.devices:
                 s.set_lost(d.uuid, False)
-        now = self._clock()
-        slow = now >= self._next_slow
-        if slow:
-            self._next_slow = now + self.settings.nvml_slow_interval
-            if s.incomplete:
-                s.reenumerate()
+            slow = True  # the slow values were just forgotten: read them now
+        if slow and s.incomplete:
+            s.reenumerate()
         self._known = s.devices
         ok = True
         gpus = []
         try:
             for d in s.devices:
-                reading, gpu_ok = self._read_gpu(d, now, slow)
+                reading, gpu_ok = self._read_gpu(d, tick.now, slow)
                 gpus.append(reading)
                 ok = ok and gpu_ok
         except _SessionDown:
@@ -353,7 +335,6 @@ class NvmlCollector(Collector):
 
     def _mark_lost(self, d: nb.Device, now: float) -> None:
         self._lost[d.uuid] = now + self.settings.nvml_slow_interval
-        self.session.set_lost(d.uuid, True)
         log.error(
             "vramwatch: GPU %d %s is lost (GPU_IS_LOST: fallen off the bus or needs a reset); "
             "gpu_up is 0 and it is probed every %.0f s",
@@ -361,10 +342,7 @@ class NvmlCollector(Collector):
             d.uuid,
             self.settings.nvml_slow_interval,
         )
-        ledger = ledger_for(self.session)
-        if time.time() - ledger.last(d.uuid, LOST_XID) > 60.0:  # unless the event itself came just now
-            ledger.record(d.index, d.uuid, LOST_XID)
-            log_event(self.settings, d.index, d.uuid, LOST_XID, source="GPU_IS_LOST")
+        self.session.set_lost(d.uuid, True)  # the Xid watcher counts the loss
 
     def _probe(self, d: nb.Device) -> bool:
         nv = self.session.nv
@@ -425,6 +403,3 @@ def nvml_families(snap: NvmlSnapshot, ctx: ScrapeContext, job_only: bool = False
             # sampled at other moments than NVML: clamp the small negative a fresh allocation can leave
             non_torch.add_metric(labels, max(0.0, used - reserved.get(g.uuid, 0.0)))
     return (info, up, non_torch, *fams.values())
-
-
-register("nvml", lambda s: s.nvml, "NVML device readings (power, memory, utilisation, clocks, health).")(NvmlCollector)

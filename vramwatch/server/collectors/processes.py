@@ -12,17 +12,15 @@ reserved bytes. Only counts and bytes are exported: no pid label, ever.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client.core import Metric
 
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Collector, ScrapeContext, register
+from vramwatch.server.collectors import Cadence, Collector, ReadFailed, ScrapeContext, Tick, register
 
 MAX_PROCESSES = 256  # per GPU, to bound the work on a card shared by very many processes
 
@@ -34,30 +32,21 @@ class GpuProcesses:
     processes: tuple[tuple[int, int], ...]  # (pid, used bytes)
 
 
-class ProcessesCollector(Collector):
-    name = "processes"
+@register("processes", lambda s: s.nvml and s.processes, "Foreign compute processes on the GPUs (NVML, slow cadence).")
+class ProcessesCollector(Collector[tuple[GpuProcesses, ...]]):
+    cadence = Cadence.SLOW
 
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
-        super().__init__(settings)
-        self.interval = settings.nvml_slow_interval
+        self.settings = settings
         self.session = session or nb.session_for(settings)
         self._unsupported: set[str] = set()
         self._generation = -1
 
-    def poll_once(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            snap, ok = self._read()
-            self.snapshot = snap
-            self.health.up = 1 if ok else 0
-            if not ok:
-                self.health.errors += 1
-        except Exception as e:  # noqa: BLE001
-            self.health.failed("read:" + type(e).__name__, "vramwatch: processes collector failed: %r", e)
-        self.health.duration = time.perf_counter() - t0
-
-    def read(self) -> Any:
-        return self._read()[0]
+    def read(self, tick: Tick) -> tuple[GpuProcesses, ...] | None:
+        snap, ok = self._read()
+        if not ok:
+            raise ReadFailed(snap)
+        return snap
 
     def _read(self) -> tuple[tuple[GpuProcesses, ...] | None, bool]:
         s = self.session
@@ -147,8 +136,3 @@ def process_families(snap: tuple[GpuProcesses, ...], ctx: ScrapeContext, job_onl
         count.add_metric(labels, float(len(others)))
         mem.add_metric(labels, float(sum(used for _, used in others)))
     return (count, mem)
-
-
-register("processes", lambda s: s.nvml and s.processes, "Foreign compute processes on the GPUs (NVML, slow cadence).")(
-    ProcessesCollector
-)

@@ -8,12 +8,16 @@ built again ("events that occurred before registration are not recorded").
 
 The ledger counts events per (GPU, Xid) since the exporter started, so
 ``increase()`` and ``rate()`` work and repeats are visible; never a last-value
-gauge. The Xids that matter for training (``MonitoringConfig.xid_critical`` and
-``xid_warning``) are pre-initialised at 0, so the first event is an increase.
-Each event is also logged with the ranks on that GPU and their last step.
-A GPU that falls off the bus shows up as GPU_IS_LOST rather than as an event
-(NVML cannot deliver Xid 79; NVIDIA/DCGM#162): the NVML collector then records
-one Xid 79 here per loss.
+gauge. The Xids that matter for training (``contract.XID_CRITICAL`` and
+``XID_WARNING``, the alerts' defaults) are pre-initialised at 0, so the first
+event is an increase. Each event is also logged with the ranks on that GPU and
+their last step. A GPU that falls off the bus shows up as GPU_IS_LOST rather
+than as an event (NVML cannot deliver Xid 79; NVIDIA/DCGM#162): when the NVML
+collector marks a GPU lost, the watcher records one Xid 79 per loss.
+
+The watcher is the collector's :class:`~vramwatch.server.collectors.Watch`: the
+framework loops it on its own thread and takes the collector's ``up`` and
+``errors`` from it; the collector only copies the ledger.
 """
 
 from __future__ import annotations
@@ -22,22 +26,24 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from prometheus_client.core import Metric
 
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
-from vramwatch.monitoring.config import DEFAULT as MONITORING
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Collector, ScrapeContext, register
+from vramwatch.server.collectors import Collector, Health, ScrapeContext, Tick, register
 
 log = logging.getLogger("vramwatch")
 
 XID_EVENT = 0x0000000000000008  # nvmlEventTypeXidCriticalError
 WAIT_MS = 2000
 MAX_XIDS_PER_GPU = 64  # beyond this many distinct Xids on one GPU, the rest count as xid="other"
-PREINIT = tuple(dict.fromkeys(MONITORING.xid_critical + MONITORING.xid_warning))
+PREINIT = tuple(dict.fromkeys(contract.XID_CRITICAL + contract.XID_WARNING))
+LOST_XID = 79  # GPU_IS_LOST is what "fallen off the bus" looks like through NVML
+LOST_REPEAT_S = 60.0  # a loss right after a real Xid 79 event is that event, not a second one
 # mnemonics for the log line only (NVIDIA open-gpu-kernel-modules nverror.h; never a label)
 MNEMONICS = {
     13: "graphics engine exception",
@@ -59,6 +65,22 @@ MNEMONICS = {
 }
 
 
+class XidCount(NamedTuple):
+    """One (GPU, Xid) row of the ledger."""
+
+    gpu: int  # NVML index, -1 when unknown
+    uuid: str
+    xid: str  # the code, or "other" past the per-GPU bound
+    count: float
+    last: float  # when the newest event came (Unix time), 0 before the first
+
+
+@dataclass
+class _Tally:
+    count: float = 0.0
+    last: float = 0.0
+
+
 class XidLedger:
     """Xid counts and newest-event times per GPU; thread-safe, survives failed collections."""
 
@@ -66,51 +88,44 @@ class XidLedger:
         self._lock = threading.Lock()
         self._max = max_per_gpu
         self._gpus: dict[str, int] = {}  # uuid -> NVML index
-        self._counts: dict[str, dict[str, list[float]]] = {}  # uuid -> xid label -> [count, last time or 0]
+        self._tallies: dict[str, dict[str, _Tally]] = {}  # uuid -> xid label -> tally
 
     def preinit(self, index: int, uuid: str, xids: Iterable[int] = PREINIT) -> None:
         with self._lock:
             self._gpus[uuid] = index
-            per = self._counts.setdefault(uuid, {})
+            per = self._tallies.setdefault(uuid, {})
             for x in xids:
                 if len(per) < self._max:
-                    per.setdefault(str(int(x)), [0.0, 0.0])
+                    per.setdefault(str(int(x)), _Tally())
 
     def record(self, index: int, uuid: str, xid: int, when: float | None = None) -> float:
         """Count one event; returns the new count."""
         when = time.time() if when is None else when
         with self._lock:
             self._gpus.setdefault(uuid, index)
-            per = self._counts.setdefault(uuid, {})
+            per = self._tallies.setdefault(uuid, {})
             label = str(int(xid))
             if label not in per and len(per) >= self._max:
                 label = "other"
-            row = per.setdefault(label, [0.0, 0.0])
-            row[0] += 1
-            row[1] = when
-            return row[0]
+            tally = per.setdefault(label, _Tally())
+            tally.count += 1
+            tally.last = when
+            return tally.count
 
     def last(self, uuid: str, xid: int) -> float:
+        """When the newest event of ``xid`` came on ``uuid`` (0: never)."""
         with self._lock:
-            row = self._counts.get(uuid, {}).get(str(int(xid)))
-            return row[1] if row else 0.0
+            tally = self._tallies.get(uuid, {}).get(str(int(xid)))
+            return tally.last if tally else 0.0
 
-    def rows(self) -> tuple[tuple[int, str, str, float, float], ...]:
-        """(gpu index, uuid, xid label, count, newest time or 0), a copy."""
+    def counts(self) -> tuple[XidCount, ...]:
+        """Every row, a copy."""
         with self._lock:
             return tuple(
-                (self._gpus.get(u, -1), u, x, r[0], r[1]) for u, per in self._counts.items() for x, r in per.items()
+                XidCount(self._gpus.get(u, -1), u, x, t.count, t.last)
+                for u, per in self._tallies.items()
+                for x, t in per.items()
             )
-
-
-_LEDGER_LOCK = threading.Lock()
-
-
-def ledger_for(session: nb.NvmlSession) -> XidLedger:
-    with _LEDGER_LOCK:
-        if session.ledger is None:
-            session.ledger = XidLedger()
-        return session.ledger
 
 
 def ranks_on(spool_dir: str, max_ranks: int, uuid: str) -> list[tuple[str, int]]:
@@ -138,57 +153,32 @@ def log_event(settings: Settings, index: int, uuid: str, xid: int, source: str =
         ranks = ranks_on(settings.resolved_spool_dir(), settings.max_ranks, uuid)
     except Exception:  # noqa: BLE001 - the log line never costs the event
         ranks = []
-    level = logging.ERROR if xid in MONITORING.xid_critical else logging.WARNING
+    level = logging.ERROR if xid in contract.XID_CRITICAL else logging.WARNING
     log.log(level, "%s", describe_event(index, uuid, xid, ranks, source))
 
 
 class XidWatcher:
-    """The thread that waits on the event set. ``up``/``errors`` feed the collector's health."""
+    """Waits on NVML's event set in bounded steps, filling the ledger it owns; keeps the collector's health."""
 
-    def __init__(
-        self,
-        session: nb.NvmlSession,
-        ledger: XidLedger,
-        settings: Settings,
-        wait_ms: int = WAIT_MS,
-        stop: threading.Event | None = None,
-    ) -> None:
+    def __init__(self, session: nb.NvmlSession, ledger: XidLedger, settings: Settings, wait_ms: int = WAIT_MS) -> None:
         self.session = session
         self.ledger = ledger
         self.settings = settings
         self.wait_ms = wait_ms
-        self.stop_event = stop or threading.Event()
-        self.up = True
-        self.errors = 0
+        self.max_wait = wait_ms / 1000.0
+        self.health = Health()
         self.events = 0
         self.registered: dict[str, int] = {}  # uuid -> index
         self._es: Any = None
         self._key: Any = None
         self._backoff = nb.BACKOFF_FIRST
-        self._thread: threading.Thread | None = None
-
-    # --- thread ---
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="vramwatch-xid", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.wait_ms / 1000.0 + 2.0)
-
-    def run(self) -> None:
-        while not self.stop_event.is_set():
-            pause = self.step()
-            if pause > 0:
-                self.stop_event.wait(pause)
-        self._free()
+        session.on_lost(self._gpu_lost)
 
     def step(self) -> float:
         """One wait (or one recovery attempt); returns how long to pause before the next."""
         s = self.session
         if not s.ensure():
-            self.up = False
+            self.health.down()
             return max(0.5, min(s.next_try_in(), 5.0))
         if self._es is None or self._key != s.watch_key():
             try:
@@ -196,21 +186,25 @@ class XidWatcher:
             except Exception as e:  # noqa: BLE001
                 return self._failed("register", e)
         if not self.registered:
-            self.up = True  # no GPU offers Xid events: unsupported is not trouble
+            self.health.ok()  # no GPU offers Xid events: unsupported is not trouble
             return 5.0
         try:
             data = s.nv.nvmlEventSetWait(self._es, self.wait_ms)
         except Exception as e:  # noqa: BLE001
             if nb.error_code(e) == nb.TIMEOUT:
-                self.up = True
+                self.health.ok()
                 self._backoff = nb.BACKOFF_FIRST
                 return 0.0
             return self._failed("wait", e)
-        self.up = True
+        self.health.ok()
         self._backoff = nb.BACKOFF_FIRST
         if int(getattr(data, "eventType", 0)) & XID_EVENT:
             self._event(data)
         return 0.0
+
+    def close(self) -> None:
+        self.session.off_lost(self._gpu_lost)
+        self._free()
 
     # --- pieces ---
     def _register(self) -> None:
@@ -278,9 +272,14 @@ class XidWatcher:
                 return next(iter(self.registered.items()))
             return "", -1
 
+    def _gpu_lost(self, d: nb.Device) -> None:
+        """The NVML collector found ``d`` lost: one Xid 79 per loss, unless the event itself just came."""
+        if time.time() - self.ledger.last(d.uuid, LOST_XID) > LOST_REPEAT_S:
+            self.ledger.record(d.index, d.uuid, LOST_XID)
+            log_event(self.settings, d.index, d.uuid, LOST_XID, source="GPU_IS_LOST")
+
     def _failed(self, where: str, e: BaseException) -> float:
-        self.up = False
-        self.errors += 1
+        self.health.failed()
         kind = nb.classify(e)
         if kind == "session":
             self.session.mark_down(e)
@@ -310,41 +309,22 @@ class _NoXid(Exception):
     pass
 
 
-class XidCollector(Collector):
-    name = "xid"
-    interval = 1.0
-
+@register("xid", lambda s: s.xid, "Xid events from NVML's event set (a watcher thread per server).")
+class XidCollector(Collector[tuple[XidCount, ...]]):
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None, wait_ms: int = WAIT_MS) -> None:
-        super().__init__(settings)
+        self.settings = settings
         self.session = session or nb.session_for(settings)
-        self.ledger = ledger_for(self.session)
-        self.watcher = XidWatcher(self.session, self.ledger, settings, wait_ms, self._stop)
+        self.watcher = XidWatcher(self.session, XidLedger(), settings, wait_ms)
+        self.watch = self.watcher
 
-    def start(self) -> None:
-        self.watcher.start()
-        super().start()
+    def read(self, tick: Tick) -> tuple[XidCount, ...]:
+        return self.watcher.ledger.counts()
 
-    def stop(self) -> None:
-        super().stop()
-        self.watcher.stop()
-
-    def read(self) -> Any:
-        return self.ledger.rows()
-
-    def poll_once(self) -> None:
-        t0 = time.perf_counter()
-        self.snapshot = self.ledger.rows()
-        self.health.up = 1 if self.watcher.up else 0
-        self.health.errors = self.watcher.errors
-        self.health.duration = time.perf_counter() - t0
-
-    def families(self, snapshot: Any, ctx: ScrapeContext) -> Iterable[Metric]:
+    def families(self, snapshot: tuple[XidCount, ...], ctx: ScrapeContext) -> Iterable[Metric]:
         return xid_families(snapshot, ctx, self.settings.gpus == "job")
 
 
-def xid_families(
-    rows: Iterable[tuple[int, str, str, float, float]], ctx: ScrapeContext, job_only: bool = False
-) -> Iterable[Metric]:
+def xid_families(rows: Iterable[XidCount], ctx: ScrapeContext, job_only: bool = False) -> Iterable[Metric]:
     total = contract.family("gpu_xid_errors_total")
     last = contract.family("gpu_last_xid_timestamp_seconds")
     job = job_uuids(ctx) if job_only else None
@@ -361,6 +341,3 @@ def xid_families(
 def job_uuids(ctx: ScrapeContext) -> set[str]:
     """GPUs the job's ranks use, from their samples."""
     return {str(d.get("uuid")) for s in ctx.samples for d in s.data.get("devices") or () if d.get("uuid")}
-
-
-register("xid", lambda s: s.xid, "Xid events from NVML's event set (a watcher thread per server).")(XidCollector)
