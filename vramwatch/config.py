@@ -16,12 +16,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramwatch.errors import ConfigError
+
+__all__ = ["DEFAULT_PORT", "ENV_PREFIX", "FIELDS", "ConfigError", "Settings", "load"]
+
 ENV_PREFIX = "VRAMWATCH_"
 DEFAULT_PORT = 9488
-
-
-class ConfigError(ValueError):
-    """A setting is unknown or invalid; raised by ``start()`` before the job runs."""
 
 
 def _port(v: int) -> None:
@@ -69,7 +69,7 @@ def _label_value(v: str) -> None:
 
 def _web_config(v: str) -> None:
     if v:  # the whole file, certificates included, so a bad one fails before the job runs
-        from vramwatch.server.webconfig import check_web_config
+        from vramwatch.webconfig_schema import check_web_config
 
         check_web_config(v)  # its ConfigError (a ValueError) names the field inside the file
 

@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tlsutil import make_pki
 
-from vramwatch import config
+from vramwatch import config, webconfig_schema
 from vramwatch.config import ConfigError
-from vramwatch.server import webconfig
-from vramwatch.server.webconfig import BasicAuth, TLSServer, load_web_config, parse_web_config
+from vramwatch.server.webconfig import BasicAuth, TLSServer, load_web_config
+from vramwatch.webconfig_schema import parse_web_config
 
 HASH4 = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()  # cost 4: fast tests
 
@@ -391,4 +391,4 @@ def test_changed_certificates_are_reloaded_and_broken_ones_are_not(tmp_path, pki
     key.write_bytes(other.key.read_bytes())
     second = tls.current()
     assert second is not first
-    assert webconfig.build_ssl_context(tls.cfg) is not None
+    assert webconfig_schema.build_ssl_context(tls.cfg) is not None
