@@ -151,8 +151,11 @@ class Runner(Generic[S]):
         self._stop.set()
         if self._poller is not None:
             self._poller.join(timeout=5.0)
-        if self._watcher is not None and self.collector.watch is not None:
-            self._watcher.join(timeout=self.collector.watch.max_wait + 2.0)
+        watch = self.collector.watch
+        if watch is not None and self._watcher is not None:
+            self._watcher.join(timeout=watch.max_wait + 2.0)  # its loop closes the watch
+        elif watch is not None:
+            watch.close()  # never started (the server failed to open)
 
     @property
     def running(self) -> bool:
