@@ -244,8 +244,8 @@ class NvmlCollector(Collector[NvmlSnapshot]):
         return NvmlSnapshot(tuple(gpus), s.driver_version, time.time()), ok and not s.incomplete
 
     def _down_snapshot(self) -> NvmlSnapshot | None:
-        """NVML is not answering: the GPUs we knew read gpu_up 0; none known, no device series."""
-        if not self._known:
+        """NVML is not answering: the GPUs we knew read gpu_up 0; never initialised, no device series."""
+        if self._generation < 0:
             return None
         return NvmlSnapshot(
             tuple(_reading(d, False, {}) for d in self._known), self.session.driver_version, time.time()
