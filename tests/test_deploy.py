@@ -31,8 +31,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from harness import ROOT, free_port, http_get, tool, wait_until
 
+from harness import ROOT, free_port, http_get, loopback_prometheus_config, tool, wait_until
 from vramwatch import config
 from vramwatch.monitoring import contract
 
@@ -57,7 +57,6 @@ def _load_module(path: Path, name: str):
     return mod
 
 
-demo_stack = _load_module(ROOT / "scripts" / "demo_stack.py", "demo_stack")
 series_count = _load_module(ROOT / "benchmarks" / "series_count.py", "series_count")
 
 
@@ -145,7 +144,7 @@ def test_prometheus_yml_discovers_annotated_pods_and_reaches_alertmanager():
 
 def test_loopback_config_passes_promtool(tmp_path):
     exporter, am = "127.0.0.1:19488", "127.0.0.1:19093"
-    cfg = demo_stack.loopback_prometheus_config(yaml.safe_load(PROMETHEUS_YML.read_text()), exporter, am)
+    cfg = loopback_prometheus_config(yaml.safe_load(PROMETHEUS_YML.read_text()), PROMETHEUS_YML.parent, exporter, am)
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(cfg))
     r = _run(tool("promtool"), "check", "config", str(path))

@@ -6,9 +6,9 @@ import os
 import re
 
 import pytest
-from harness import ROOT, wait_until
 
 import vramwatch
+from harness import ROOT, wait_until
 
 SECTIONS = ("## One line in the training script", "## Hugging Face Trainer and Lightning")
 

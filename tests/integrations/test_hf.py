@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import pytest
+
 from harness import wait_until
 
 transformers = pytest.importorskip("transformers")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from harness import wait_until
 
 L = pytest.importorskip("lightning.pytorch")

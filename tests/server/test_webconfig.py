@@ -6,16 +6,17 @@ import base64
 import re
 import ssl
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import bcrypt
 import pytest
-from harness import ROOT, tool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tlsutil import make_pki
 
+from harness import ROOT, tool
 from vramwatch import config
 from vramwatch.config import ConfigError
 from vramwatch.server import webconfig
@@ -227,7 +228,7 @@ def test_serve_exits_2_on_a_bad_web_config(tmp_path, pki):
     path = write(tmp_path, f"tls_server_config: {{cert_file: {pki.cert}, key_file: /missing.key}}\n")
     r = subprocess.run(
         [
-            str(ROOT / ".venv/bin/python"),
+            sys.executable,
             "-m",
             "vramwatch",
             "serve",
