@@ -65,3 +65,8 @@ def wait_http(url: str, timeout: float, interval: float = 0.05) -> bool:
             pass
         time.sleep(interval)
     return False
+
+
+def wait_port_closed(port: int, timeout: float) -> None:
+    """Until nothing listens on 127.0.0.1:``port`` (WaitTimeout after ``timeout`` s)."""
+    wait_until(lambda: not port_open(port), timeout, f"port {port} to close")
