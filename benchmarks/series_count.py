@@ -22,14 +22,10 @@ import os
 import platform
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -39,7 +35,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vramwatch.sim.state import SimNode, edit, state_path  # noqa: E402
+from harness import Exporter, Prometheus, find_tool, http_get, start_sim_rank, stop_proc, wait_until  # noqa: E402
+from vramwatch.sim.state import edit  # noqa: E402
 
 FLEET_NODES, FLEET_GPUS_PER_NODE, FLEET_SCRAPE_INTERVAL = 1000, 8, 15.0
 # Per-series memory of a Prometheus 2.x head, with ingestion at this interval: Brian Brazil, "How much RAM
@@ -51,31 +48,6 @@ BYTES_PER_SERIES_SOURCE = (
     "Robust Perception, 'How much RAM does Prometheus 2.x need for cardinality and "
     "ingestion?' (2019): about 2 GiB per million series"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read()
-
-
-def wait_until(pred, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except Exception as e:  # noqa: BLE001 - keep polling
-            last = e
-        time.sleep(0.25)
-    raise SystemExit(f"series_count: timed out waiting for {what}; last: {last!r}")
 
 
 def parse(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -123,13 +95,6 @@ def summarize(text: str) -> dict[str, Any]:
     }
 
 
-def find_tool(name: str) -> str | None:
-    for d in (os.environ.get("TEST_TOOLS_DIR", ""), str(ROOT / ".cache" / "debian" / "usr" / "bin")):
-        if d and os.access(os.path.join(d, name), os.X_OK):
-            return os.path.join(d, name)
-    return shutil.which(name)
-
-
 def fleet_relabel_configs() -> list[dict[str, Any]]:
     """The metric_relabel_configs of docs/scale.md (its one ```yaml block with a scrape config)."""
     text = (ROOT / "docs" / "scale.md").read_text()
@@ -140,9 +105,15 @@ def fleet_relabel_configs() -> list[dict[str, Any]]:
     raise SystemExit("series_count: docs/scale.md has no scrape config with metric_relabel_configs")
 
 
-def prometheus_view(tmp: Path, target: str, prometheus: str) -> dict[str, Any]:
+def get(url: str, timeout: float = 5.0) -> bytes:
+    status, body = http_get(url, timeout)
+    if status != 200:
+        raise OSError(f"GET {url}: {status}")
+    return body
+
+
+def prometheus_view(tmp: Path, target: str) -> dict[str, Any]:
     """A real Prometheus (Debian's 2.42) scrapes the target twice over: as is, and with the fleet relabelling."""
-    port = free_port()
     fleet = fleet_relabel_configs()
     cfg = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
@@ -151,32 +122,18 @@ def prometheus_view(tmp: Path, target: str, prometheus: str) -> dict[str, Any]:
             {"job_name": "vramwatch-fleet", "static_configs": [{"targets": [target]}], "metric_relabel_configs": fleet},
         ],
     }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    log = open(tmp / "prometheus.log", "ab")
-    proc = subprocess.Popen(
-        [
-            prometheus,
-            f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=log,
-        stdin=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    prom = Prometheus(tmp, config=cfg, lifecycle=False)
 
     def query(expr: str) -> float | None:
-        body = json.loads(http_get(url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
-        res = body["data"]["result"]
+        res = prom.query(expr)
         return float(res[0]["value"][1]) if res else None
 
     try:
-        wait_until(lambda: http_get(url + "/-/ready", 1), 60, "Prometheus to be ready")
+        prom.start(timeout=60)
         wait_until(lambda: (query("count(up == 1)") or 0) >= 2, 60, "both scrapes to succeed")
         time.sleep(3)  # a few scrapes: the counts are per scrape
         out = {
-            "version": http_get(url + "/api/v1/status/buildinfo").decode(),
+            "version": json.loads(get(prom.url + "/api/v1/status/buildinfo"))["data"]["version"],
             "scrape_samples_scraped": query('scrape_samples_scraped{job="vramwatch"}'),
             "head_series_of_job": query('count({job="vramwatch"})'),
             "fleet_relabelled_samples_per_scrape": query(
@@ -184,15 +141,9 @@ def prometheus_view(tmp: Path, target: str, prometheus: str) -> dict[str, Any]:
             ),
             "fleet_relabelled_head_series": query('count({job="vramwatch-fleet"})'),
         }
-        out["version"] = json.loads(out["version"])["data"]["version"]
         return out
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        prom.stop()
 
 
 DOC = ROOT / "docs" / "scale.md"
@@ -309,49 +260,25 @@ class SimulatedNode:
     def __init__(self, ranks: int, gpus: int, **settings: str) -> None:
         self.ranks, self.gpus, self.settings = ranks, gpus, settings
         self.tmp = Path(tempfile.mkdtemp(prefix="vramwatch-series-"))
-        self.spool, self.port = self.tmp / "spool", free_port()
-        self.target = f"127.0.0.1:{self.port}"
+        self.exporter = Exporter(self.tmp, gpus=gpus, **settings)
+        self.spool = Path(self.exporter.spool)
+        self.target = f"127.0.0.1:{self.exporter.port}"
         self.url = f"http://{self.target}/metrics"
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> SimulatedNode:
-        self.spool.mkdir()
-        SimNode.default(self.gpus).save(state_path(str(self.spool)))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
-        env.update(
-            VRAMWATCH_SIMULATE="true",
-            VRAMWATCH_SPOOL_DIR=str(self.spool),
-            VRAMWATCH_PORT=str(self.port),
-            PYTHONPATH=str(ROOT),
-            **{"VRAMWATCH_" + k.upper(): v for k, v in self.settings.items()},
-        )
-        self.log = open(self.tmp / "exporter.log", "ab")
         try:
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "vramwatch", "serve"],
-                    env=env,
-                    stdout=self.log,
-                    stderr=self.log,
-                    stdin=subprocess.DEVNULL,
-                )
-            )
+            self.exporter.start(timeout=60)
             for r in range(self.ranks):
-                renv = dict(
-                    env,
-                    VRAMWATCH_SERVE="external",
-                    RANK=str(r),
-                    LOCAL_RANK=str(r),
-                    WORLD_SIZE=str(self.ranks),
-                    CUDA_VISIBLE_DEVICES=str(r % self.gpus),
-                )
                 self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "vramwatch.sim.worker", "--duration", "600", "--fill-gib", "8"],
-                        env=renv,
-                        stdout=self.log,
-                        stderr=self.log,
-                        stdin=subprocess.DEVNULL,
+                    start_sim_rank(
+                        self.exporter,
+                        r,
+                        *("--duration", "600", "--fill-gib", "8"),
+                        world_size=self.ranks,
+                        cuda_visible=str(r % self.gpus),
+                        interval=None,  # vramwatch's default cadence, as a real job samples
+                        **self.settings,
                     )
                 )
         except BaseException:
@@ -363,25 +290,18 @@ class SimulatedNode:
         """Until every rank (allocator and heartbeat) and every GPU is in the exposition."""
 
         def complete() -> bool:
-            samples = parse(http_get(self.url).decode())
+            samples = parse(get(self.url).decode())
             ranks = {lb["rank"] for n, lb in samples if n == "torch_cuda_memory_allocated_bytes"}
             gpus = {lb.get("uuid") for n, lb in samples if n == "gpu_memory_used_bytes"}
             steps = {lb["rank"] for n, lb in samples if n == "vramwatch_training_step_duration_seconds_count"}
             return len(ranks) == self.ranks and len(gpus) == self.gpus and len(steps) == self.ranks
 
-        wait_until(complete, timeout, f"{self.ranks} ranks and {self.gpus} GPUs in the exposition")
+        wait_until(complete, timeout, f"{self.ranks} ranks and {self.gpus} GPUs in the exposition", interval=0.25)
 
     def __exit__(self, *exc: Any) -> None:
         for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        self.log.close()
+            stop_proc(proc)
+        self.exporter.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -402,18 +322,17 @@ def main(argv: list[str] | None = None) -> int:
     with SimulatedNode(args.ranks, args.gpus) as node:
         node.wait_complete()
         time.sleep(12)  # past the slow NVML cadence (10 s) and the first largest-block snapshot
-        steady = summarize(http_get(node.url).decode())
+        steady = summarize(get(node.url).decode())
 
         prom = None
-        prometheus = None if args.no_prometheus else find_tool("prometheus")
-        if prometheus:
-            prom = prometheus_view(node.tmp, node.target, prometheus)
+        if not args.no_prometheus and find_tool("prometheus"):
+            prom = prometheus_view(node.tmp, node.target)
 
         # an event that adds series: an Xid on GPU 0 (gpu_last_xid_timestamp_seconds{xid} appears)
         with edit(str(node.spool)) as state:
             state.inject_xid(0, 13)
         time.sleep(4)
-        after = summarize(http_get(node.url).decode())
+        after = summarize(get(node.url).decode())
     event_families = {
         f: n - steady["families"].get(f, 0) for f, n in after["families"].items() if n != steady["families"].get(f)
     }

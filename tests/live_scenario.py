@@ -91,7 +91,7 @@ def start(tmp: Path, duration: float = 14.0, wait_for: tuple[str, ...] | None = 
     ``settings`` go to the exporter (``nvml=False``: a node without NVML); ``wait_for`` replaces
     the queries that must have data before the scenario counts as played out.
     """
-    from harness import Exporter, Prometheus, base_env, wait_until
+    from harness import Exporter, Prometheus, vramwatch_env, wait_until
 
     exp = Exporter(tmp / "exp", gpus=2, **{"nvml_slow_interval": 1.0, **settings}).start()
     rules = tmp / "rules.yml"
@@ -108,7 +108,9 @@ def start(tmp: Path, duration: float = 14.0, wait_for: tuple[str, ...] | None = 
         (0, ["--leak-mib", "64", "--fragment-at", "2", "--oom-at", "3.5", "--stall-at", str(stall_at)]),
         (1, ["--fill-gib", "96"]),
     ):
-        env = base_env(exp.spool, exp.port, simulate=True, serve="external", interval=0.25, largest_block_interval=1.0)
+        env = vramwatch_env(
+            exp.spool, exp.port, simulate=True, serve="external", interval=0.25, largest_block_interval=1.0
+        )
         env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": str(rank)})
         live.ranks.append(
             subprocess.Popen(

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from harness import free_port, http_get
 
 

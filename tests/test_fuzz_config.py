@@ -14,10 +14,10 @@ import tempfile
 
 import pytest
 import yaml
-from harness import ROOT, free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness import ROOT, free_port
 from vramwatch import config
 from vramwatch.config import FIELDS, ConfigError, Settings
 

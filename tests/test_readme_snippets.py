@@ -6,9 +6,9 @@ import os
 import re
 
 import pytest
-from harness import ROOT, wait_until
 
 import vramwatch
+from harness import ROOT, wait_until
 
 SECTIONS = ("## One line in the training script", "## Hugging Face Trainer and Lightning")
 
@@ -89,7 +89,7 @@ def test_options_snippet(env):
 def test_trainer_snippet(env, tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from test_integrations_hf import TinyLM, tiny_model
+    from tiny_gpt2 import TinyLM, tiny_model
 
     exp, handles = env
     args = transformers.TrainingArguments(
@@ -112,7 +112,7 @@ def test_trainer_snippet(env, tmp_path):
 
 def test_lightning_snippet(env):
     pytest.importorskip("lightning")
-    from test_integrations_lightning import Tiny
+    from tiny_lightning import Tiny
 
     exp, handles = env
     model = Tiny()

@@ -22,8 +22,8 @@ pytest.importorskip("grafana_foundation_sdk")
 pytest.importorskip("matplotlib")
 
 import live_scenario
-from harness import tool
 
+from harness import tool
 from vramwatch.monitoring.config import DEFAULT
 from vramwatch.monitoring.dashboards import build_all
 from vramwatch.monitoring.dashboards.walk import TimeContext, spec

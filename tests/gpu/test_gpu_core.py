@@ -16,8 +16,9 @@ import textwrap
 import time
 
 import pytest
-from harness import free_port, http_get, parse_metrics
 from jobs import PRELUDE, job_env, run_job
+
+from harness import free_port, http_get, parse_metrics
 
 pytestmark = pytest.mark.gpu
 MIB = 1 << 20

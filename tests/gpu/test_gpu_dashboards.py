@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import ROOT, free_port
 from jobs import job_env, run_job
 from promql_names import metric_names
 
+from harness import ROOT, free_port
 from vramwatch.monitoring import contract
 
 pytestmark = pytest.mark.gpu

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from harness import ROOT, free_port, http_get, parse_metrics, wait_until
 
 pytestmark = pytest.mark.gpu

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Exporter, base_env, free_port, http_get, parse_metrics, stop_proc, wait_until
 
+from harness import Exporter, free_port, http_get, parse_metrics, stop_proc, vramwatch_env, wait_until
 from vramwatch.config import Settings
 from vramwatch.server import nvml_backend as nb
 from vramwatch.server.collectors import Runner
@@ -220,7 +220,7 @@ def test_server_creates_no_cuda_context(tmp_path):
 
     spool, port = str(tmp_path / "spool"), free_port()
     os.makedirs(spool)
-    env = base_env(spool, port, nvml_slow_interval=1)
+    env = vramwatch_env(spool, port, nvml_slow_interval=1)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     report = tmp_path / "server-report.json"
     log = open(tmp_path / "logs.txt", "ab")

@@ -14,8 +14,9 @@ import os
 import pickle
 
 import pytest
-from harness import free_port
 from jobs import job_env, run_job
+
+from harness import free_port
 
 pytestmark = pytest.mark.gpu
 GIB, MIB = 1 << 30, 1 << 20

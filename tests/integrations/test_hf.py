@@ -8,34 +8,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import pytest
+
 from harness import wait_until
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
+from tiny_gpt2 import TinyLM, tiny_model  # noqa: E402
+
 import vramwatch  # noqa: E402
 from vramwatch.integrations import framework_settings  # noqa: E402
-
-
-class TinyLM(torch.utils.data.Dataset):
-    def __init__(self, n=64, length=16, vocab=64):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def tiny_model():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
-    )
-    return transformers.GPT2LMHeadModel(cfg)
 
 
 def tiny_args(tmp_path, **kw):

@@ -8,9 +8,9 @@ import time
 import timeit
 
 import pytest
-from harness import wait_until
 
 import vramwatch
+from harness import wait_until
 from vramwatch.rank.heartbeat import BUCKETS
 
 

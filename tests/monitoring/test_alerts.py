@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 import yaml
-from harness import ROOT, tool
 
+from harness import ROOT, tool
 from vramwatch.monitoring import contract
 from vramwatch.monitoring.alerts import cli
 from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml

@@ -8,10 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness import start_sim_rank, stop_proc, tool, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
+from harness import tool, wait_until
 from vramwatch.monitoring import contract
 from vramwatch.server.collectors import ScrapeContext, ranks
 from vramwatch.spool import RankSample
@@ -115,20 +115,17 @@ def test_promtool_accepts_the_exposition(tmp_path):
 
 
 @pytest.mark.e2e
-def test_every_exposed_family_is_in_the_contract(exporter):
+def test_every_exposed_family_is_in_the_contract(exporter, sim_rank):
     exp = exporter().start()
-    rank = start_sim_rank(exp, 0, "--duration", "30")
-    try:
-        text = wait_until(
-            lambda: (lambda t: "torch_cuda_memory_allocated_bytes{" in t and t)(exp.scrape()), 15, "allocator series"
-        )
-        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
-        unknown = contract.exposed_names(names) - set(contract.BY_NAME)
-        assert not unknown, f"exposed but not in the contract: {sorted(unknown)}"
-        r = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True)
-        assert r.returncode == 0, r.stdout + r.stderr
-    finally:
-        stop_proc(rank)
+    sim_rank(exp, 0, "--duration", "30")
+    text = wait_until(
+        lambda: (lambda t: "torch_cuda_memory_allocated_bytes{" in t and t)(exp.scrape()), 15, "allocator series"
+    )
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
+    unknown = contract.exposed_names(names) - set(contract.BY_NAME)
+    assert not unknown, f"exposed but not in the contract: {sorted(unknown)}"
+    r = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_docs_are_generated_from_the_contract():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import ROOT, tool
 
+from harness import ROOT, tool
 from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml
 from vramwatch.monitoring.alerts.rules import alerts
 from vramwatch.monitoring.config import DEFAULT

@@ -5,10 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-from harness import wait_until
-
 import vramwatch
+from harness import wait_until
 from vramwatch.rank.hygiene import RECLAIMS, Hygiene
 from vramwatch.spool import read_samples
 
@@ -30,22 +28,9 @@ def _fill_cache(sim, limit_fraction, keep_gib, cached_gib):
     sim.free(cached_gib * GIB)
 
 
-@pytest.fixture
-def start(tmp_path):
-    def go(**kw):
-        kw.setdefault("simulate", True)
-        kw.setdefault("serve", "external")
-        kw.setdefault("spool_dir", str(tmp_path / "spool"))
-        kw.setdefault("interval", 0.05)
-        return vramwatch.start(**kw)
-
-    yield go
-    vramwatch.stop()
-
-
-def test_reclaims_between_steps_above_the_threshold_and_counts_them(start, exporter):
+def test_reclaims_between_steps_above_the_threshold_and_counts_them(start_rank, exporter):
     exp = exporter().start()
-    h = start(reclaim_threshold=0.8, spool_dir=exp.spool, port=exp.port)
+    h = start_rank(reclaim_threshold=0.8, spool_dir=exp.spool, port=exp.port)
     sim = h.sim
     limit = 16 * GIB
     _fill_cache(sim, limit / sim._dev(0).total, keep_gib=4, cached_gib=10)  # reserved 14 of 16 GiB: 87%
@@ -68,8 +53,8 @@ def test_reclaims_between_steps_above_the_threshold_and_counts_them(start, expor
     assert h.hygiene.reclaims == 1  # below the threshold now: no second reclaim
 
 
-def test_no_reclaim_when_the_cache_holds_little_to_give_back(start):
-    h = start(reclaim_threshold=0.5)
+def test_no_reclaim_when_the_cache_holds_little_to_give_back(start_rank):
+    h = start_rank(reclaim_threshold=0.5)
     sim = h.sim
     _fill_cache(sim, 16 * GIB / sim._dev(0).total, keep_gib=12, cached_gib=0)  # tensors, not cache, fill it
     wait_until(lambda: _values(h).get(RECLAIMS) == 0.0, 5, "the counter, at 0 from the start")
@@ -79,8 +64,8 @@ def test_no_reclaim_when_the_cache_holds_little_to_give_back(start):
     assert h.hygiene.reclaims == 0 and h.hygiene.pending == ()
 
 
-def test_off_by_default(start):
-    h = start()
+def test_off_by_default(start_rank):
+    h = start_rank()
     sim = h.sim
     _fill_cache(sim, 16 * GIB / sim._dev(0).total, keep_gib=4, cached_gib=10)
     reserved = sim.reserved()
@@ -90,8 +75,8 @@ def test_off_by_default(start):
     assert RECLAIMS not in _values(h)  # absent, as the contract says, when hygiene is off
 
 
-def test_step_never_reads_allocator_stats(start):
-    h = start(reclaim_threshold=0.8)
+def test_step_never_reads_allocator_stats(start_rank):
+    h = start_rank(reclaim_threshold=0.8)
     sim = h.sim
     _fill_cache(sim, 16 * GIB / sim._dev(0).total, keep_gib=4, cached_gib=10)
     callers = []

@@ -9,9 +9,9 @@ import time
 import types
 
 import pytest
-from harness import wait_until
 
 import vramwatch
+from harness import wait_until
 from vramwatch.rank import oom
 from vramwatch.rank.oom import LAST_FREE, LAST_REQUESTED, LAST_TIME, OomWatcher, snapshot_files
 from vramwatch.sim import SimAllocator, SimNode, SimOutOfMemoryError

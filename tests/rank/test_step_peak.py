@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from harness import ROOT, base_env, stop_proc
 
+from harness import ROOT, stop_proc, vramwatch_env
 from vramwatch.rank.allocator import AllocatorSampler
 from vramwatch.sim import SimAllocator, SimNode
 
@@ -57,7 +57,7 @@ def test_a_leak_is_a_rising_series_that_deriv_and_predict_linear_see(exporter, p
     exp = exporter(gpus=2).start()
     ranks = []
     for rank, per_step in ((0, leak), (1, 0)):
-        env = base_env(exp.spool, exp.port, simulate=True, serve="external", interval=0.2)
+        env = vramwatch_env(exp.spool, exp.port, simulate=True, serve="external", interval=0.2)
         env.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", CUDA_VISIBLE_DEVICES=str(rank), PYTHONPATH=str(ROOT)
         )

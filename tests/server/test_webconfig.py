@@ -12,11 +12,11 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from harness import ROOT, tool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tlsutil import make_pki
 
+from harness import ROOT, tool
 from vramwatch import config, webconfig_schema
 from vramwatch.config import ConfigError
 from vramwatch.server.webconfig import BasicAuth, TLSServer, load_web_config

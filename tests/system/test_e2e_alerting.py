@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import ROOT, Exporter, Prometheus, free_port, http_get, start_sim_rank, stop_proc, tool, wait_until
 
+from harness import ROOT, Alertmanager, Exporter, Prometheus, start_sim_rank, stop_proc, wait_until
 from vramwatch.monitoring.alerts.render import rule_file, to_yaml
 from vramwatch.monitoring.config import DEFAULT
 from vramwatch.sim.state import edit
@@ -103,52 +103,11 @@ def alertmanager_config(webhook_port: int) -> dict[str, Any]:
     return cfg
 
 
-class Alertmanager:
-    def __init__(self, tmp: Path, config: dict[str, Any]) -> None:
-        self.dir = tmp / "alertmanager"
-        self.dir.mkdir()
-        self.port = free_port()
-        (self.dir / "alertmanager.yml").write_text(yaml.safe_dump(config))
-        self.log = open(self.dir / "alertmanager.log", "ab")
-        self.proc = subprocess.Popen(
-            [
-                tool("prometheus-alertmanager"),
-                f"--config.file={self.dir / 'alertmanager.yml'}",
-                f"--storage.path={self.dir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--cluster.listen-address=",
-                "--log.level=debug",
-            ],
-            stdout=self.log,
-            stderr=self.log,
-            stdin=subprocess.DEVNULL,
-        )
-        wait_until(
-            lambda: self.proc.poll() is None and http_get(self.url + "/-/ready", 1)[0] == 200,
-            30,
-            "Alertmanager to be ready",
-        )
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def alerts(self, alertname: str) -> list[dict[str, Any]]:
-        q = urllib.parse.urlencode({"filter": f'alertname="{alertname}"'})
-        code, body = http_get(f"{self.url}/api/v2/alerts?{q}")
-        assert code == 200, body
-        return json.loads(body)
-
-    def stop(self) -> None:
-        stop_proc(self.proc)
-        self.log.close()
-
-
 class Stack:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.hooks = Webhooks()
-        self.am = Alertmanager(tmp, alertmanager_config(self.hooks.port))
+        self.am = Alertmanager(tmp, alertmanager_config(self.hooks.port), extra_args=["--log.level=debug"]).start()
         self.exp = Exporter(tmp / "node", gpus=3, nvml_interval=0.25)
         with edit(self.exp.spool) as node:
             for g in node.gpus:  # a training node: busy GPUs drawing power

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from harness import start_sim_rank, stop_proc, wait_until
 
+from harness import wait_until
 from vramwatch.monitoring import contract
 from vramwatch.sim.state import edit
 
@@ -17,95 +17,88 @@ def _one(result: list) -> float:
     return float(result[0]["value"][1])
 
 
-def test_device_series_join_the_ranks_and_follow_the_simulated_gpu(exporter, prometheus):
+def test_device_series_join_the_ranks_and_follow_the_simulated_gpu(exporter, prometheus, sim_rank):
     exp = exporter(gpus=2, nvml_slow_interval=1).start()
-    ranks = [
-        start_sim_rank(exp, r, "--duration", "90", "--fill-gib", str(4 + 4 * r), world_size=2, cuda_visible=str(r))
+    [
+        sim_rank(exp, r, "--duration", "90", "--fill-gib", str(4 + 4 * r), world_size=2, cuda_visible=str(r))
         for r in range(2)
     ]
-    try:
-        prom = prometheus([f"127.0.0.1:{exp.port}"])
-        node = exp.node()
-        # the join of the allocator and the device series, by uuid
-        joined = prom.wait_for(
-            "torch_cuda_memory_reserved_bytes * on(uuid) group_left(name) gpu_info", check=lambda r: len(r) == 2
-        )
-        by_rank = {r["metric"]["rank"]: r for r in joined}
-        for rank in ("0", "1"):
-            m = by_rank[rank]["metric"]
-            assert m["name"] == node.gpu(int(rank)).name and m["uuid"] == node.gpu(int(rank)).uuid
-            assert float(by_rank[rank]["value"][1]) >= (4 + 4 * int(rank)) * GIB
-        # every device family the simulated GPU can fill is there (the Xid timestamp comes with an event)
-        expected = [
-            m.name
-            for m in contract.METRICS
-            if m.collector in ("nvml", "processes", "xid") and m.name != "gpu_last_xid_timestamp_seconds"
-        ]
-        for name in expected:
-            prom.wait_for(f"count({name}) > 0", timeout=10)
-        assert {r["metric"]["mig_mode"] for r in prom.query("gpu_info")} == {"disabled"}
-        # what is on the card besides the ranks' caches: one CUDA context each
-        prom.wait_for(
-            'gpu_non_torch_memory_bytes{gpu="0"}',
-            check=lambda r: r and abs(float(r[0]["value"][1]) - node.context_bytes) < 64 << 20,
-        )
-        assert _one(prom.query('gpu_foreign_processes{gpu="0"}')) == 0
-        # the Xid counters start at 0, scraped before the event, so increase() sees the first one
-        prom.wait_for('gpu_xid_errors_total{xid="79"} == 0', check=lambda r: len(r) == 2)
+    prom = prometheus([f"127.0.0.1:{exp.port}"])
+    node = exp.node()
+    # the join of the allocator and the device series, by uuid
+    joined = prom.wait_for(
+        "torch_cuda_memory_reserved_bytes * on(uuid) group_left(name) gpu_info", check=lambda r: len(r) == 2
+    )
+    by_rank = {r["metric"]["rank"]: r for r in joined}
+    for rank in ("0", "1"):
+        m = by_rank[rank]["metric"]
+        assert m["name"] == node.gpu(int(rank)).name and m["uuid"] == node.gpu(int(rank)).uuid
+        assert float(by_rank[rank]["value"][1]) >= (4 + 4 * int(rank)) * GIB
+    # every device family the simulated GPU can fill is there (the Xid timestamp comes with an event)
+    expected = [
+        m.name
+        for m in contract.METRICS
+        if m.collector in ("nvml", "processes", "xid") and m.name != "gpu_last_xid_timestamp_seconds"
+    ]
+    for name in expected:
+        prom.wait_for(f"count({name}) > 0", timeout=10)
+    assert {r["metric"]["mig_mode"] for r in prom.query("gpu_info")} == {"disabled"}
+    # what is on the card besides the ranks' caches: one CUDA context each
+    prom.wait_for(
+        'gpu_non_torch_memory_bytes{gpu="0"}',
+        check=lambda r: r and abs(float(r[0]["value"][1]) - node.context_bytes) < 64 << 20,
+    )
+    assert _one(prom.query('gpu_foreign_processes{gpu="0"}')) == 0
+    # the Xid counters start at 0, scraped before the event, so increase() sees the first one
+    prom.wait_for('gpu_xid_errors_total{xid="79"} == 0', check=lambda r: len(r) == 2)
 
-        with edit(exp.spool) as n:
-            g = n.gpu(1)
-            g.power_w, g.utilization, g.throttle_mask = 95.0, 1.0, 0x4
-            n.add_foreign(0, 4242, 6 * GIB)
-            n.inject_xid(1, 79)
-        prom.wait_for('gpu_power_watts{gpu="1"} == 95')
-        prom.wait_for('gpu_utilization_ratio{gpu="1"} == 1')
-        prom.wait_for('gpu_clock_throttle{gpu="1",reason="sw_power_cap"} == 1')
-        assert _one(prom.query('gpu_clock_throttle{gpu="1",reason="hw_slowdown"}')) == 0
-        prom.wait_for('gpu_foreign_processes{gpu="0"} == 1')
-        assert _one(prom.query('gpu_foreign_process_memory_bytes{gpu="0"}')) == 6 * GIB
-        prom.wait_for('increase(gpu_xid_errors_total{gpu="1",xid="79"}[1m]) > 0')
-        assert prom.query('gpu_last_xid_timestamp_seconds{gpu="1",xid="79"}')
-        assert _one(prom.query('gpu_xid_errors_total{gpu="0",xid="79"}')) == 0
+    with edit(exp.spool) as n:
+        g = n.gpu(1)
+        g.power_w, g.utilization, g.throttle_mask = 95.0, 1.0, 0x4
+        n.add_foreign(0, 4242, 6 * GIB)
+        n.inject_xid(1, 79)
+    prom.wait_for('gpu_power_watts{gpu="1"} == 95')
+    prom.wait_for('gpu_utilization_ratio{gpu="1"} == 1')
+    prom.wait_for('gpu_clock_throttle{gpu="1",reason="sw_power_cap"} == 1')
+    assert _one(prom.query('gpu_clock_throttle{gpu="1",reason="hw_slowdown"}')) == 0
+    prom.wait_for('gpu_foreign_processes{gpu="0"} == 1')
+    assert _one(prom.query('gpu_foreign_process_memory_bytes{gpu="0"}')) == 6 * GIB
+    prom.wait_for('increase(gpu_xid_errors_total{gpu="1",xid="79"}[1m]) > 0')
+    assert prom.query('gpu_last_xid_timestamp_seconds{gpu="1",xid="79"}')
+    assert _one(prom.query('gpu_xid_errors_total{gpu="0",xid="79"}')) == 0
 
-        # the card falls off the bus: gpu_up 0 for it, collector up 0, allocator series go on
-        with edit(exp.spool) as n:
-            n.gpu(0).lost = True
-        prom.wait_for('gpu_up{gpu="0"} == 0')
-        prom.wait_for('vramwatch_collector_up{collector="nvml"} == 0')
-        assert _one(prom.query('gpu_up{gpu="1"}')) == 1
-        assert not prom.query('gpu_power_watts{gpu="0"}')  # no stale readings for a lost GPU
-        prom.wait_for('increase(gpu_xid_errors_total{gpu="0",xid="79"}[1m]) > 0')  # GPU_IS_LOST counts as 79
-        assert len(prom.query("torch_cuda_memory_reserved_bytes")) == 2
-        prom.wait_for('increase(vramwatch_collector_errors_total{collector="nvml"}[1m]) > 0')
-    finally:
-        for p in ranks:
-            stop_proc(p)
+    # the card falls off the bus: gpu_up 0 for it, collector up 0, allocator series go on
+    with edit(exp.spool) as n:
+        n.gpu(0).lost = True
+    prom.wait_for('gpu_up{gpu="0"} == 0')
+    prom.wait_for('vramwatch_collector_up{collector="nvml"} == 0')
+    assert _one(prom.query('gpu_up{gpu="1"}')) == 1
+    assert not prom.query('gpu_power_watts{gpu="0"}')  # no stale readings for a lost GPU
+    prom.wait_for('increase(gpu_xid_errors_total{gpu="0",xid="79"}[1m]) > 0')  # GPU_IS_LOST counts as 79
+    assert len(prom.query("torch_cuda_memory_reserved_bytes")) == 2
+    prom.wait_for('increase(vramwatch_collector_errors_total{collector="nvml"}[1m]) > 0')
 
 
-def test_missing_nvml_keeps_the_exporter_serving_and_recovers(exporter):
+def test_missing_nvml_keeps_the_exporter_serving_and_recovers(exporter, sim_rank):
     exp = exporter()
     node = exp.node()
     node.nvml_missing = True
     exp.save_node(node)
     exp.start()
-    rank = start_sim_rank(exp, 0, "--duration", "60")
-    try:
+    sim_rank(exp, 0, "--duration", "60")
 
-        def down():
-            m = exp.metrics()
-            up = {lab["collector"]: v for lab, v in m.get("vramwatch_collector_up", [])}
-            return m if m.get("torch_cuda_memory_reserved_bytes") and up.get("nvml") == 0 else None
-
-        m = wait_until(down, 15, "allocator series with the NVML collector down")
-        up = {lab["collector"]: v for lab, v in m["vramwatch_collector_up"]}
-        assert up["xid"] == 0 and up["processes"] == 0 and up["spool"] == 1
-        assert not m.get("gpu_info") and not m.get("gpu_up")  # never worked: no device series
-        with edit(exp.spool) as n:
-            n.nvml_missing = False  # the driver arrives: init is retried with back-off
-        wait_until(lambda: exp.metrics().get("gpu_up", [({}, 0)])[0][1] == 1.0, 30, "NVML to come up")
+    def down():
         m = exp.metrics()
-        assert {lab["collector"]: v for lab, v in m["vramwatch_collector_up"]}["nvml"] == 1
-        assert m["gpu_non_torch_memory_bytes"]
-    finally:
-        stop_proc(rank)
+        up = {lab["collector"]: v for lab, v in m.get("vramwatch_collector_up", [])}
+        return m if m.get("torch_cuda_memory_reserved_bytes") and up.get("nvml") == 0 else None
+
+    m = wait_until(down, 15, "allocator series with the NVML collector down")
+    up = {lab["collector"]: v for lab, v in m["vramwatch_collector_up"]}
+    assert up["xid"] == 0 and up["processes"] == 0 and up["spool"] == 1
+    assert not m.get("gpu_info") and not m.get("gpu_up")  # never worked: no device series
+    with edit(exp.spool) as n:
+        n.nvml_missing = False  # the driver arrives: init is retried with back-off
+    wait_until(lambda: exp.metrics().get("gpu_up", [({}, 0)])[0][1] == 1.0, 30, "NVML to come up")
+    m = exp.metrics()
+    assert {lab["collector"]: v for lab, v in m["vramwatch_collector_up"]}["nvml"] == 1
+    assert m["gpu_non_torch_memory_bytes"]

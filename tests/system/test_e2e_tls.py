@@ -12,8 +12,9 @@ import urllib.request
 
 import bcrypt
 import pytest
-from harness import http_get, start_sim_rank, stop_proc, wait_until
 from tlsutil import make_pki
+
+from harness import http_get, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +61,7 @@ def _start_tls(exp, pki) -> None:
     wait_until(ready, 20, "the TLS exporter to listen")
 
 
-def test_prometheus_scrapes_over_tls_with_basic_auth(tmp_path, exporter, prometheus):
+def test_prometheus_scrapes_over_tls_with_basic_auth(tmp_path, exporter, prometheus, sim_rank):
     pki = make_pki(tmp_path / "pki")
     web = tmp_path / "web.yml"
     hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
@@ -71,42 +72,39 @@ def test_prometheus_scrapes_over_tls_with_basic_auth(tmp_path, exporter, prometh
     )
     exp = exporter(web_config_file=str(web))
     _start_tls(exp, pki)
-    rank = start_sim_rank(exp, 0, "--duration", "60")
-    try:
-        url = f"https://127.0.0.1:{exp.port}/metrics"
-        ctx = _client_ctx(pki)
-        # without or with wrong credentials: 401 asking for basic auth, no metrics
-        for creds in (None, ("prometheus", "wrong"), ("root", PASSWORD), ("prometheus", PASSWORD + " ")):
-            code, body, headers = _get(url, ctx, creds)
-            assert code == 401, (creds, code)
-            assert headers.get("WWW-Authenticate", "").startswith("Basic")
-            assert headers.get("X-Content-Type-Options") == "nosniff"
-            assert b"torch_cuda" not in body
-        code, body, headers = _get(url, ctx, ("prometheus", PASSWORD))
-        assert code == 200 and b"vramwatch_build_info" in body
+    sim_rank(exp, 0, "--duration", "60")
+    url = f"https://127.0.0.1:{exp.port}/metrics"
+    ctx = _client_ctx(pki)
+    # without or with wrong credentials: 401 asking for basic auth, no metrics
+    for creds in (None, ("prometheus", "wrong"), ("root", PASSWORD), ("prometheus", PASSWORD + " ")):
+        code, body, headers = _get(url, ctx, creds)
+        assert code == 401, (creds, code)
+        assert headers.get("WWW-Authenticate", "").startswith("Basic")
         assert headers.get("X-Content-Type-Options") == "nosniff"
-        # plain HTTP to the TLS port: refused with a hint, never the metrics
-        code, body = http_get(f"http://127.0.0.1:{exp.port}/metrics", timeout=5)
-        assert code == 400 and b"HTTPS" in body
-        # a client that does not trust our CA refuses the server
-        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
-            urllib.request.urlopen(url, timeout=5, context=ssl.create_default_context())
+        assert b"torch_cuda" not in body
+    code, body, headers = _get(url, ctx, ("prometheus", PASSWORD))
+    assert code == 200 and b"vramwatch_build_info" in body
+    assert headers.get("X-Content-Type-Options") == "nosniff"
+    # plain HTTP to the TLS port: refused with a hint, never the metrics
+    code, body = http_get(f"http://127.0.0.1:{exp.port}/metrics", timeout=5)
+    assert code == 400 and b"HTTPS" in body
+    # a client that does not trust our CA refuses the server
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(url, timeout=5, context=ssl.create_default_context())
 
-        password_file = tmp_path / "password"
-        password_file.write_text(PASSWORD)
-        prom = prometheus(
-            [f"127.0.0.1:{exp.port}"],
-            extra_scrape={
-                "scheme": "https",
-                "tls_config": {"ca_file": str(pki.ca)},
-                "basic_auth": {"username": "prometheus", "password_file": str(password_file)},
-            },
-        )
-        prom.wait_for('up{job="vramwatch"} == 1', timeout=30)
-        prom.wait_for('torch_cuda_memory_allocated_bytes{rank="0"}', timeout=30)
-        prom.wait_for('vramwatch_training_steps_total{rank="0"} > 0', timeout=30)
-    finally:
-        stop_proc(rank)
+    password_file = tmp_path / "password"
+    password_file.write_text(PASSWORD)
+    prom = prometheus(
+        [f"127.0.0.1:{exp.port}"],
+        extra_scrape={
+            "scheme": "https",
+            "tls_config": {"ca_file": str(pki.ca)},
+            "basic_auth": {"username": "prometheus", "password_file": str(password_file)},
+        },
+    )
+    prom.wait_for('up{job="vramwatch"} == 1', timeout=30)
+    prom.wait_for('torch_cuda_memory_allocated_bytes{rank="0"}', timeout=30)
+    prom.wait_for('vramwatch_training_steps_total{rank="0"} > 0', timeout=30)
 
 
 def test_prometheus_with_a_wrong_password_sees_the_target_down(tmp_path, exporter, prometheus):

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from harness import Exporter, base_env, free_port, http_get, parse_metrics, start_sim_rank, stop_proc, wait_until
 
 import vramwatch
+from harness import Exporter, free_port, http_get, parse_metrics, start_sim_rank, stop_proc, vramwatch_env, wait_until
 from vramwatch.sim.state import SimNode, state_path
 
 torch = pytest.importorskip("torch")
@@ -289,7 +289,7 @@ def test_a_killed_server_is_restarted_by_a_rank_while_ranks_train(tmp_path):
     SimNode.default(2).save(state_path(spool))
     ranks = []
     for r in range(2):
-        env = base_env(spool, port, simulate=True, serve="auto", interval=0.2, linger=2, **FAST)
+        env = vramwatch_env(spool, port, simulate=True, serve="auto", interval=0.2, linger=2, **FAST)
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", CUDA_VISIBLE_DEVICES=str(r))
         ranks.append(
             subprocess.Popen(

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from harness import free_port, wait_until
 
 pytest.importorskip("torch")

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from harness import ROOT, start_sim_rank, stop_proc, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
