@@ -12,6 +12,8 @@ import os
 import time
 from typing import Any, Protocol
 
+from vramwatch.spool import AllocatorInfo, DeviceSample
+
 # Contract name -> path into the nested memory_stats dict. The one place the
 # allocator's key names appear; metric names never derive from them.
 GAUGE_KEYS: dict[str, tuple[str, ...]] = {
@@ -108,10 +110,10 @@ class AllocatorSampler:
         self._segments: dict[int, dict[str, int]] = {}
         self._next_snapshot = 0.0
         self._backend: str | None = None
-        self._info: dict[str, str] | None = None
+        self._info: AllocatorInfo | None = None
         self.extra: dict[int, dict[str, float]] = {}  # filled by integrations (OOM, reclaims)
 
-    def read(self, now: float | None = None) -> list[dict[str, Any]]:
+    def read(self, now: float | None = None) -> list[DeviceSample]:
         now = time.monotonic() if now is None else now
         devices = self.source.devices()
         if not devices:
@@ -170,7 +172,7 @@ class AllocatorSampler:
             values.update(self.extra.get(dev, {}))
             if dev not in self._uuids:
                 self._uuids[dev] = self.source.uuid(dev)
-            out.append({"device": dev, "uuid": self._uuids[dev], "values": values})
+            out.append(DeviceSample(dev, self._uuids[dev], values))
         return out
 
     def _window_peak(self, dev: int, current: float, peak: float) -> float:
@@ -182,10 +184,11 @@ class AllocatorSampler:
             return max(peak, current)  # the job reset its peak in the window: the peak since then is in it
         return current  # the peak did not move: the window's high is between current and it
 
-    def info(self) -> dict[str, str]:
+    def info(self) -> AllocatorInfo:
         # the allocator reads its config once, at CUDA init: so do we (once the backend is known)
-        if self._info is None or self._info["backend"] != (self._backend or "unknown"):
-            self._info = {"backend": self._backend or "unknown", **alloc_conf()}
+        backend = self._backend or "unknown"
+        if self._info is None or self._info.backend != backend:
+            self._info = AllocatorInfo(backend=backend, **alloc_conf())
         return self._info
 
 

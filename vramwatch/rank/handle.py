@@ -192,10 +192,10 @@ class Handle:
         except Exception as e:  # noqa: BLE001
             self._oncelog("spawn:" + type(e).__name__, "vramwatch: cannot start the server: %r", e)
 
-    def _sample(self) -> dict[str, Any]:
+    def _sample(self) -> spool.RankSample:
         col = self._collectors["allocator"]
         t0 = time.perf_counter()
-        devices: list[dict[str, Any]] = []
+        devices: list[spool.DeviceSample] = []
         try:
             devices = self.sampler.read()
             col["up"] = 1
@@ -210,21 +210,21 @@ class Handle:
             except Exception as e:  # noqa: BLE001
                 self._oncelog("hook:" + type(e).__name__, "vramwatch: %r failed: %r", hook, e)
         ident = self.identity
-        sample: dict[str, Any] = {
-            "v": 1,
-            "time": time.time(),
-            "pid": os.getpid(),
-            "rank": ident.rank,
-            "local_rank": ident.local_rank,
-            "world_size": ident.world_size,
-            "hostname": self.hostname,
-            "devices": devices,
-            "allocator_info": self.sampler.info() if devices else None,
-            "heartbeat": self.heartbeat.snapshot(),
-            "collectors": self._collectors,
-        }
-        sample.update(self.extra)
-        return sample
+        return spool.RankSample(
+            rank=ident.rank,
+            local_rank=ident.local_rank,
+            world_size=ident.world_size,
+            hostname=self.hostname,
+            pid=os.getpid(),
+            time=time.time(),
+            devices=tuple(devices),
+            allocator_info=self.sampler.info() if devices else None,
+            heartbeat=self.heartbeat.snapshot(),
+            collectors={
+                k: spool.CollectorHealth(v["up"], v["errors"], v["duration"]) for k, v in self._collectors.items()
+            },
+            oom_snapshot=self.extra.get("oom_snapshot"),
+        )
 
     def _ensure_server(self) -> None:
         if self.settings.serve != "auto":

@@ -18,7 +18,9 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from vramwatch.spool import DeviceSample
 
 if TYPE_CHECKING:
     from vramwatch.rank.handle import Handle
@@ -67,12 +69,12 @@ class Hygiene:
             return cls(handle.sampler.extra, handle.settings.reclaim_threshold, empty, min_gap=handle.settings.interval)
         return cls(handle.sampler.extra, handle.settings.reclaim_threshold, min_gap=handle.settings.interval)
 
-    def on_sample(self, devices: Iterable[dict[str, Any]]) -> None:
+    def on_sample(self, devices: Iterable[DeviceSample]) -> None:
         """Sampler thread: decide which devices need a reclaim at the next step."""
         due = []
         for dev in devices:
-            v = dev.get("values") or {}
-            idx = int(dev.get("device", 0))
+            v = dev.values
+            idx = dev.device
             self.extra.setdefault(idx, {}).setdefault(RECLAIMS, 0.0)  # the counter exists from the start
             limit = v.get("torch_cuda_memory_limit_bytes", 0.0)
             reserved = v.get("torch_cuda_memory_reserved_bytes", 0.0)

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vramwatch.spool import OomSnapshot
+
 if TYPE_CHECKING:
     from vramwatch.rank.handle import Handle
 
@@ -145,7 +147,7 @@ class OomWatcher:
         s = handle.settings
 
         def on_snapshot(path: str, when: float) -> None:
-            handle.extra["oom_snapshot"] = {"path": path, "time": when}
+            handle.extra["oom_snapshot"] = OomSnapshot(path, when)
 
         w = cls(
             handle.sampler.extra,
