@@ -118,7 +118,7 @@ def test_a_failing_empty_cache_turns_hygiene_off_without_raising():
         calls.append(devices)
         raise RuntimeError("CUDA error: an illegal memory access")
 
-    hy = Hygiene({}, 0.5, broken)
+    hy = Hygiene(0.5, broken)
     values = {
         "torch_cuda_memory_limit_bytes": 10.0 * GIB,
         "torch_cuda_memory_reserved_bytes": 8.0 * GIB,
@@ -129,4 +129,4 @@ def test_a_failing_empty_cache_turns_hygiene_off_without_raising():
     hy.on_step()
     hy.on_sample([dev])
     hy.on_step()
-    assert calls == [(0,)] and hy.reclaims == 0 and hy.extra[0][RECLAIMS] == 0.0
+    assert calls == [(0,)] and hy.reclaims == 0 and hy.counts[0] == 0.0

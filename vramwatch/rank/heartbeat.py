@@ -69,14 +69,14 @@ class Heartbeat:
 
     def snapshot(self) -> HeartbeatSnapshot:
         steps = self.steps
-        return HeartbeatSnapshot(
-            steps=steps,
-            last_step_time=self.last_step_time,
-            buckets=BUCKETS,
-            counts=tuple(self.counts),
-            sum=self.sum,
-            loss=self._reads[0].read(self.loss, steps),
-            grad_norm=self._reads[1].read(self.grad_norm, steps),
+        return HeartbeatSnapshot(  # positional, in field order: the sampler thread builds one per sample
+            steps,
+            self.last_step_time,
+            BUCKETS,
+            tuple(self.counts),
+            self.sum,
+            self._reads[0].read(self.loss, steps),
+            self._reads[1].read(self.grad_norm, steps),
         )
 
 

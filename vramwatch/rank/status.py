@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from vramwatch.spool import DeviceSample, GpuReadings, read_node_readings
 
 if TYPE_CHECKING:
-    from vramwatch.rank.handle import Handle
+    from vramwatch.rank.plugins import RankContext
 
 GIB = float(1 << 30)
 
@@ -126,21 +126,20 @@ class StatusLine:
             _ensure_output()
 
     @classmethod
-    def for_handle(cls, handle: Handle) -> StatusLine:
-        s = handle.settings
+    def for_rank(cls, ctx: RankContext) -> StatusLine:
+        s = ctx.settings
         return cls(
-            handle.heartbeat,
-            s.status_every,
-            rank=handle.identity.rank,
-            show_rank=s.status_all_ranks,
-            spool_dir=handle.spool_dir,
+            ctx.heartbeat, s.status_every, rank=ctx.identity.rank, show_rank=s.status_all_ranks, spool_dir=ctx.spool_dir
         )
 
     def on_sample(self, devices: Iterable[DeviceSample]) -> None:
-        """Sampler thread: keep the newest device values and NVML readings for the next line."""
+        """Sampler thread: keep the newest device values and NVML readings for the next line (adds nothing)."""
         self._devices = list(devices)
         if self.spool_dir:
             self._readings = read_node_readings(self.spool_dir)
+
+    def close(self) -> None:
+        pass
 
     def on_step(self) -> None:
         """Training thread: one comparison per step; a line every ``every`` steps."""

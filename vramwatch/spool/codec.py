@@ -21,6 +21,23 @@ from vramwatch.spool.schema import (
     RankSample,
 )
 
+# One encoder for every sample: json.dumps would build a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+# The histogram's bounds are the same in every sample of a process: encoded once, spliced in where
+# this marker lands (a NUL cannot occur in any other string of a sample: hostnames, paths, uuids).
+_BUCKETS_MARK = "\x00buckets\x00"
+_BUCKETS_MARK_JSON = _ENCODER.encode(_BUCKETS_MARK).encode()
+_buckets_json: tuple[tuple[float, ...], bytes] = ((), b"[]")
+
+
+def _encoded_buckets(buckets: tuple[float, ...]) -> bytes:
+    global _buckets_json
+    cached_for, raw = _buckets_json
+    if buckets is not cached_for and buckets != cached_for:
+        raw = _ENCODER.encode(buckets).encode()
+        _buckets_json = (buckets, raw)
+    return raw
+
 
 class SampleRejected(ValueError):
     """A payload this reader cannot use; ``version`` is the one it carried, if any."""
@@ -56,7 +73,7 @@ def encode_sample(sample: RankSample) -> bytes:
         "heartbeat": {
             "steps": hb.steps,
             "last": hb.last_step_time,
-            "buckets": hb.buckets,
+            "buckets": _BUCKETS_MARK,
             "counts": hb.counts,
             "sum": hb.sum,
             "loss": hb.loss,
@@ -68,7 +85,7 @@ def encode_sample(sample: RankSample) -> bytes:
     }
     if sample.oom_snapshot is not None:
         doc["oom_snapshot"] = {"path": sample.oom_snapshot.path, "time": sample.oom_snapshot.time}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODER.encode(doc).encode().replace(_BUCKETS_MARK_JSON, _encoded_buckets(hb.buckets), 1)
 
 
 def decode_sample(payload: bytes) -> RankSample:
