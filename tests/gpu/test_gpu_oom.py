@@ -113,7 +113,7 @@ for i in range(20):  # a leak of 8 MiB per step under 256 MiB of activations
     vramwatch.step()
     time.sleep(0.05)
     (s,) = sp.read_samples(spool, 64)
-    seen.append(s.data["devices"][0]["values"][STEP_PEAK])
+    seen.append(s.devices[0].values[STEP_PEAK])
 res["seen"] = seen
 res["after"] = torch.cuda.max_memory_allocated()
 res["stats_peak"] = torch.cuda.memory_stats(0)["allocated_bytes.all.peak"]

@@ -14,7 +14,7 @@ from prometheus_client.core import Metric
 from harness import tool, wait_until
 from vramwatch.monitoring import contract
 from vramwatch.server.collectors import ScrapeContext, ranks
-from vramwatch.spool import RankSample
+from vramwatch.spool import AllocatorInfo, CollectorHealth, DeviceSample, HeartbeatSnapshot, RankSample
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 UNITS = ("bytes", "seconds", "watts", "joules", "celsius", "hertz", "ratio")
@@ -44,45 +44,35 @@ def test_no_label_can_grow_without_bound():
 
 
 def _ctx() -> ScrapeContext:
-    sample = {
-        "v": 1,
-        "time": 1000.0,
-        "pid": 42,
-        "rank": 1,
-        "local_rank": 1,
-        "world_size": 2,
-        "hostname": "node-a",
-        "devices": [
-            {
-                "device": 0,
-                "uuid": "GPU-1111",
-                "values": {
+    sample = RankSample(
+        rank=1,
+        local_rank=1,
+        world_size=2,
+        hostname="node-a",
+        pid=42,
+        time=1000.0,
+        devices=(
+            DeviceSample(
+                device=0,
+                uuid="GPU-1111",
+                values={
                     "torch_cuda_memory_allocated_bytes": 3.08e9,
                     "torch_cuda_memory_reserved_bytes": 3.28e9,
                     "torch_cuda_memory_fragmentation_ratio": 0.2 / 3.28,
                     "torch_cuda_memory_alloc_retries_total": 2.0,
                     "not_in_the_contract": 1.0,
                 },
-            }
-        ],
-        "allocator_info": {
-            "backend": "native",
-            "expandable_segments": "true",
-            "garbage_collection_threshold": "0.8",
-            "max_split_size_mb": "",
-        },
-        "heartbeat": {
-            "steps": 3,
-            "last": 999.0,
-            "buckets": [0.1, 1.0],
-            "counts": [1, 1, 0],
-            "sum": 0.55,
-            "loss": 0.6929,
-            "grad_norm": None,
-        },
-        "collectors": {"allocator": {"up": 1, "errors": 0, "duration": 0.0001}},
-    }
-    return ScrapeContext((RankSample(1, 42, sample, 1000.0),), now=1002.5, hostname="node-a")
+            ),
+        ),
+        allocator_info=AllocatorInfo(
+            backend="native", expandable_segments="true", garbage_collection_threshold="0.8", max_split_size_mb=""
+        ),
+        heartbeat=HeartbeatSnapshot(
+            steps=3, last_step_time=999.0, buckets=(0.1, 1.0), counts=(1, 1, 0), sum=0.55, loss=0.6929
+        ),
+        collectors={"allocator": CollectorHealth(up=1, errors=0, duration=0.0001)},
+    )
+    return ScrapeContext((sample,), now=1002.5, hostname="node-a")
 
 
 class _Static:

@@ -11,8 +11,8 @@ GIB = 1 << 30
 
 
 def _values(sampler, dev=0):
-    (d,) = [x for x in sampler.read() if x["device"] == dev]
-    return d["values"]
+    (d,) = [x for x in sampler.read() if x.device == dev]
+    return d.values
 
 
 def test_sim_stats_have_the_real_shape():
@@ -42,7 +42,7 @@ def test_sampler_reads_nothing_before_init_and_labels_by_uuid():
     assert sampler.read() == []  # no device initialised: nothing read, nothing published
     sim.init(0)
     (d,) = sampler.read()
-    assert d["device"] == 0 and d["uuid"] == node.gpus[1].uuid  # cuda:0 is physical GPU 1
+    assert d.device == 0 and d.uuid == node.gpus[1].uuid  # cuda:0 is physical GPU 1
 
 
 def test_values_fragmentation_and_limits():
@@ -183,8 +183,8 @@ def test_torch_source_reads_only_devices_with_a_context():
     src._torch = fake
     assert src.devices() == [1]
     (d,) = AllocatorSampler(src, 0).read()
-    assert d["device"] == 1 and d["uuid"] == "GPU-abc-123"
-    assert d["values"]["torch_cuda_memory_limit_bytes"] == 50
+    assert d.device == 1 and d.uuid == "GPU-abc-123"
+    assert d.values["torch_cuda_memory_limit_bytes"] == 50
     assert "stats0" not in fake.calls and "props0" not in fake.calls
 
 

@@ -16,7 +16,7 @@ from vramwatch import spool
 
 def _sample(h):
     (s,) = spool.read_samples(h.spool_dir, 64)
-    return s.data
+    return s
 
 
 def test_start_is_idempotent_and_publishes(start_rank):
@@ -24,8 +24,8 @@ def test_start_is_idempotent_and_publishes(start_rank):
     assert vramwatch.start() is h
     assert vramwatch.current() is h
     d = _sample(h)
-    assert (d["rank"], d["local_rank"], d["world_size"]) == (3, 1, 8)
-    assert d["devices"] == []  # nothing initialised yet: nothing read
+    assert (d.rank, d.local_rank, d.world_size) == (3, 1, 8)
+    assert d.devices == ()  # nothing initialised yet: nothing read
 
 
 def test_bad_config_raises_before_the_job_runs(tmp_path, monkeypatch):
@@ -42,9 +42,9 @@ def test_step_counts_and_sample_carries_heartbeat(start_rank):
     for i in range(10):
         vramwatch.step(loss=1.0 / (i + 1))
     h.tick()
-    hb = _sample(h)["heartbeat"]
-    assert hb["steps"] == 10 and hb["loss"] == pytest.approx(0.1)
-    assert sum(hb["counts"]) == 9  # durations between consecutive steps
+    hb = _sample(h).heartbeat
+    assert hb.steps == 10 and hb.loss == pytest.approx(0.1)
+    assert sum(hb.counts) == 9  # durations between consecutive steps
 
 
 def test_track_reports_a_step_per_item(start_rank):
@@ -59,11 +59,11 @@ def test_nothing_raises_after_start_even_when_everything_breaks(start_rank, tmp_
     h.sim.faults.add("*")
     h.tick()
     d = _sample(h)
-    assert d["collectors"]["allocator"]["up"] == 0 and d["collectors"]["allocator"]["errors"] >= 1
+    assert d.collectors["allocator"].up == 0 and d.collectors["allocator"].errors >= 1
     h.heartbeat.loss = object()  # something that is not a number
     vramwatch.step(loss=float("nan"))
     h.tick()
-    assert _sample(h)["heartbeat"]["loss"] is None
+    assert _sample(h).heartbeat.loss is None
     # the spool vanishing under us is logged, not raised
     for name in os.listdir(h.spool_dir):
         os.unlink(os.path.join(h.spool_dir, name))
@@ -144,11 +144,11 @@ def test_a_tensor_loss_does_not_keep_its_graph_alive():
     del loss, activation
     gc.collect()
     assert probe() is None, "the heartbeat must not keep the job's loss (and its graph) alive"
-    assert hb.snapshot()["loss"] == 6.0  # the value is still published
+    assert hb.snapshot().loss == 6.0  # the value is still published
     hb.step(loss=torch.tensor(0.25))  # a detached tensor the job keeps no reference to
-    assert hb.snapshot()["loss"] == 0.25
+    assert hb.snapshot().loss == 0.25
     hb.step(loss=0.5)
-    assert hb.snapshot()["loss"] == 0.5
+    assert hb.snapshot().loss == 0.5
 
 
 def test_a_rank_started_server_leaves_even_when_its_rank_died_at_once(tmp_path):

@@ -195,11 +195,11 @@ def test_the_heartbeat_reads_a_device_loss_through_the_reader():
         r.copy_behind = lambda t, _slots: (FakeHost(t.value), queued.append(FakeEvent()) or queued[-1])
     hb.step(loss=FakeCudaScalar(0.75), grad_norm=FakeCudaScalar(12.0))
     snap = hb.snapshot()
-    assert snap["loss"] is None and snap["grad_norm"] is None and len(queued) == 2
+    assert snap.loss is None and snap.grad_norm is None and len(queued) == 2
     for ev in queued:
         ev.done = True
     snap = hb.snapshot()
-    assert (snap["loss"], snap["grad_norm"]) == (0.75, 12.0)
+    assert (snap.loss, snap.grad_norm) == (0.75, 12.0)
 
 
 def test_queue_copy_reuses_one_pinned_buffer_and_event_per_device_and_dtype(monkeypatch):

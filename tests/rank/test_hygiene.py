@@ -8,15 +8,15 @@ import time
 import vramwatch
 from harness import wait_until
 from vramwatch.rank.hygiene import RECLAIMS, Hygiene
-from vramwatch.spool import read_samples
+from vramwatch.spool import DeviceSample, read_samples
 
 GIB = 1 << 30
 
 
 def _values(h):
     (s,) = read_samples(h.spool_dir, 64)
-    (d,) = s.data["devices"]
-    return d["values"]
+    (d,) = s.devices
+    return d.values
 
 
 def _fill_cache(sim, limit_fraction, keep_gib, cached_gib):
@@ -103,17 +103,15 @@ def test_a_failing_empty_cache_turns_hygiene_off_without_raising():
         calls.append(devices)
         raise RuntimeError("CUDA error: an illegal memory access")
 
-    hy = Hygiene({}, 0.5, broken)
-    dev = {
-        "device": 0,
-        "values": {
-            "torch_cuda_memory_limit_bytes": 10.0 * GIB,
-            "torch_cuda_memory_reserved_bytes": 8.0 * GIB,
-            "torch_cuda_memory_allocated_bytes": 1.0 * GIB,
-        },
+    hy = Hygiene(0.5, broken)
+    values = {
+        "torch_cuda_memory_limit_bytes": 10.0 * GIB,
+        "torch_cuda_memory_reserved_bytes": 8.0 * GIB,
+        "torch_cuda_memory_allocated_bytes": 1.0 * GIB,
     }
+    dev = DeviceSample(0, "GPU-0", values)
     hy.on_sample([dev])
     hy.on_step()
     hy.on_sample([dev])
     hy.on_step()
-    assert calls == [(0,)] and hy.reclaims == 0 and hy.extra[0][RECLAIMS] == 0.0
+    assert calls == [(0,)] and hy.reclaims == 0 and hy.counts[0] == 0.0

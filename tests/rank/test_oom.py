@@ -88,7 +88,7 @@ def test_an_oom_is_counted_published_at_once_and_snapshotted(exporter, tmp_path)
 def _watcher(tmp_path, **kw):
     kw.setdefault("min_interval", 0.0)
     kw.setdefault("dump", lambda: {"segments": [], "device_traces": [[]], "pad": b"x" * 100_000})
-    return OomWatcher({}, snapshot_dir=str(tmp_path), **kw)
+    return OomWatcher(snapshot_dir=str(tmp_path), **kw)
 
 
 def test_snapshots_are_capped_by_count_oldest_deleted_first(tmp_path):
@@ -117,7 +117,7 @@ def test_a_snapshot_larger_than_the_cap_is_not_written(tmp_path, caplog):
     w = _watcher(tmp_path, max_bytes=50_000)
     w(0, GIB, 8 * GIB, 123)
     assert os.listdir(tmp_path) == []  # nothing, not even a partial temporary file
-    assert w.extra[0][LAST_REQUESTED] == GIB and w.extra[0][LAST_FREE] == 123  # still counted
+    assert w.values[0][LAST_REQUESTED] == GIB and w.values[0][LAST_FREE] == 123  # still counted
     assert "larger than" in caplog.text
 
 
@@ -144,8 +144,8 @@ def test_unwritable_directory_leaves_training_untouched(tmp_path):
         err = _oom_message(sim, 10 * GIB)
         assert "Tried to allocate" in str(err)
         assert h.oom.count == 1 and h.oom.snapshots == 0
-        assert h.sampler.extra[0][LAST_REQUESTED] == 10 * GIB
-        assert "oom_snapshot" not in h.extra
+        assert h.oom.values[0][LAST_REQUESTED] == 10 * GIB
+        assert h.oom.last_snapshot is None
         sim.allocate(GIB)  # and on it goes
         vramwatch.step()
 
@@ -168,7 +168,7 @@ def test_the_observer_never_raises(tmp_path):
 
     w = _watcher(tmp_path, dump=broken_dump)
     w(0, GIB, 8 * GIB, 0)  # no exception
-    w.extra = None  # even a broken state inside
+    w.values = None  # even a broken state inside
     w(0, GIB, 8 * GIB, 0)
     bad = _watcher(tmp_path, dump=lambda: {"unpicklable": lambda: None})
     bad(0, GIB, 8 * GIB, 0)
@@ -219,7 +219,7 @@ class _FakeTorch:
 def test_torch_observer_attaches_only_after_the_job_initialised_cuda(monkeypatch, tmp_path):
     fake = _FakeTorch(initialized=False)
     monkeypatch.setitem(sys.modules, "torch", fake)
-    w = OomWatcher({}, snapshot_dir=str(tmp_path), history_entries=1000)
+    w = OomWatcher(snapshot_dir=str(tmp_path), history_entries=1000)
     w.on_sample()
     assert fake.calls == [] and not w.attached  # attaching would initialise CUDA for the job
     fake2 = _FakeTorch(initialized=True)
@@ -235,21 +235,21 @@ def test_torch_observer_attaches_only_after_the_job_initialised_cuda(monkeypatch
 def test_no_history_unless_asked_and_none_under_cuda_malloc_async(monkeypatch, tmp_path):
     fake = _FakeTorch(initialized=True)
     monkeypatch.setitem(sys.modules, "torch", fake)
-    w = OomWatcher({}, snapshot_dir=str(tmp_path))  # history_entries=0: the default
+    w = OomWatcher(snapshot_dir=str(tmp_path))  # history_entries=0: the default
     w.on_sample()
     assert [c[0] for c in fake.calls] == ["attach"]
     w.close()
     assert [c[0] for c in fake.calls] == ["attach"]  # we never touch a history we did not start
     asyn = _FakeTorch(initialized=True, backend="cudaMallocAsync")
     monkeypatch.setitem(sys.modules, "torch", asyn)
-    w2 = OomWatcher({})
+    w2 = OomWatcher()
     w2.on_sample()
     assert asyn.calls == [] and not w2.attached
 
 
 def test_values_land_in_the_device_sample(tmp_path):
-    w = OomWatcher({})
+    w = OomWatcher()
     w(1, 3 * GIB, 80 * GIB, 2 * GIB)
-    assert w.extra[1][LAST_REQUESTED] == 3 * GIB and w.extra[1][LAST_FREE] == 2 * GIB
-    assert abs(w.extra[1][LAST_TIME] - time.time()) < 5
+    assert w.values[1][LAST_REQUESTED] == 3 * GIB and w.values[1][LAST_FREE] == 2 * GIB
+    assert abs(w.values[1][LAST_TIME] - time.time()) < 5
     assert w.snapshots == 0  # no directory: no snapshot

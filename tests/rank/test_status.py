@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 
@@ -17,9 +15,10 @@ import vramwatch
 from vramwatch.rank import status
 from vramwatch.rank.allocator import AllocatorSampler
 from vramwatch.rank.heartbeat import Heartbeat
-from vramwatch.rank.status import StatusLine, read_device_readings, write_readings
+from vramwatch.rank.status import StatusLine
 from vramwatch.sim import SimAllocator, SimNode
 from vramwatch.sim.state import state_path
+from vramwatch.spool import DeviceSample, GpuReadings, read_node_readings, write_node_readings
 
 GIB = 1 << 30
 
@@ -27,8 +26,9 @@ GIB = 1 << 30
 @pytest.fixture
 def sim_devices(tmp_path):
     node = SimNode.default(1)
-    node.gpus[0].power_w = 187.0
     node.save(state_path(str(tmp_path)))
+    # what the server's (simulated) NVML publishes: power, no free memory
+    write_node_readings(str(tmp_path), [GpuReadings(node.gpus[0].uuid, power_watts=187.0)])
     sim = SimAllocator(node, visible="0")
     sim.init(0)
     sim.set_memory_fraction(0.5)
@@ -41,9 +41,7 @@ def sim_devices(tmp_path):
 def _status(tmp_path, every=10, **kw):
     out: list[list[str]] = []
     hb = Heartbeat()
-    line = StatusLine(
-        hb, every, spool_dir=str(tmp_path), simulate=True, emit=lambda lines, head: out.append(lines), **kw
-    )
+    line = StatusLine(hb, every, spool_dir=str(tmp_path), emit=lambda lines, head: out.append(lines), **kw)
     return hb, line, out
 
 
@@ -61,7 +59,7 @@ def test_a_line_every_n_steps_with_the_field_notes_figures(tmp_path, sim_devices
     limit = node.gpus[0].total_bytes * 0.5
     assert f"headroom {(limit - 6 * GIB) / GIB:.2f} GiB" in text  # no NVML readings: budget minus reserved
     assert "frag 33%" in text and "retries 0" in text
-    assert "power 187 W" in text  # the simulated GPU's power
+    assert "power 187 W" in text  # the server's reading of the simulated GPU
     assert "reclaims" not in text and "ooms" not in text  # hygiene off, no OOM
 
 
@@ -78,33 +76,23 @@ def test_step_time_is_the_mean_since_the_previous_line(tmp_path):
     assert "no CUDA device in use yet" in out[0][0]
 
 
-def test_nvml_readings_from_the_server_win_over_the_simulation(tmp_path, sim_devices):
+def test_free_memory_and_power_from_the_server_readings(tmp_path, sim_devices):
     node, sim, devices = sim_devices
-    gpu = types.SimpleNamespace(
-        uuid=node.gpus[0].uuid,
-        up=True,
-        values={
-            ("gpu_power_watts", ""): 212.4,
-            ("gpu_memory_free_bytes", ""): 2.73 * GIB,
-            ("gpu_temperature_celsius", ""): 50,
-        },
-    )
-    lost = types.SimpleNamespace(uuid="GPU-lost", up=False, values={("gpu_power_watts", ""): 1.0})
-    write_readings(str(tmp_path), types.SimpleNamespace(gpus=(gpu, lost)))
-    readings = read_device_readings(str(tmp_path))
-    assert readings == {node.gpus[0].uuid: {"power_watts": 212.4, "memory_free_bytes": 2.73 * GIB}}
+    uuid = node.gpus[0].uuid
+    write_node_readings(str(tmp_path), [GpuReadings(uuid, 212.4, 2.73 * GIB)])
     hb, line, out = _status(tmp_path, every=1)
     line.on_sample(devices)
     hb.step()
     line.on_step()
     text = out[0][0]
     assert "free 2.73 GiB" in text and "headroom" not in text and "power 212 W" in text
-    # stale readings (a dead server) are ignored: back to the simulated GPU's power
-    data = json.loads((tmp_path / "nvml.json").read_text())
-    data["time"] -= status.STALE_AFTER + 5
-    (tmp_path / "nvml.json").write_text(json.dumps(data))
-    assert read_device_readings(str(tmp_path), simulate=True) == {node.gpus[0].uuid: {"power_watts": 187.0}}
-    assert read_device_readings(str(tmp_path), simulate=False) == {}  # real GPU, no readings: power omitted
+    # stale readings (a dead server) are ignored: no power, headroom instead of free
+    write_node_readings(str(tmp_path), [GpuReadings(uuid, 212.4, 2.73 * GIB)], now=time.time() - 60)
+    assert read_node_readings(str(tmp_path)) == {}
+    line.on_sample(devices)
+    hb.step()
+    line.on_step()
+    assert "power" not in out[1][0] and "headroom" in out[1][0]
 
 
 def test_power_is_left_out_without_readings(tmp_path, sim_devices):
@@ -115,9 +103,8 @@ def test_power_is_left_out_without_readings(tmp_path, sim_devices):
 
 def test_reclaims_and_ooms_are_shown_when_present(sim_devices):
     _, _, devices = sim_devices
-    d = json.loads(json.dumps(devices[0]))
-    d["values"]["torch_cuda_memory_cache_reclaims_total"] = 3.0
-    d["values"]["torch_cuda_memory_ooms_total"] = 1.0
+    values = {**devices[0].values, "torch_cuda_memory_cache_reclaims_total": 3.0, "torch_cuda_memory_ooms_total": 1.0}
+    d = DeviceSample(devices[0].device, devices[0].uuid, values)
     text = status.format_device(d, {})
     assert "reclaims 3" in text and "ooms 1" in text
 
@@ -126,7 +113,7 @@ def test_postfix_on_an_active_tqdm_bar(tmp_path, sim_devices):
     tqdm = pytest.importorskip("tqdm")
     _, _, devices = sim_devices
     hb = Heartbeat()
-    line = StatusLine(hb, 1, spool_dir=str(tmp_path), simulate=True)
+    line = StatusLine(hb, 1, spool_dir=str(tmp_path))
     line.on_sample(devices)
     logged = []
     handler = logging.Handler()
@@ -163,8 +150,11 @@ def test_rank_zero_only_by_default(tmp_path):
 def test_a_job_prints_status_lines_to_stderr_without_logging_configured(tmp_path):
     code = f"""
 import time, vramwatch
+from vramwatch import spool
 h = vramwatch.start(simulate=True, serve="external", spool_dir={str(tmp_path / "spool")!r}, interval=0.05,
                     status_every=2)
+# what the node's server writes after reading the simulated GPU's NVML
+spool.write_node_readings(h.spool_dir, [spool.GpuReadings(h.sim.uuid(0), power_watts=120.0)])
 h.sim.init(0)
 h.sim.allocate(3 << 30)
 time.sleep(0.3)   # a sample with the device in it
@@ -193,12 +183,3 @@ def test_a_failing_status_line_turns_itself_off(tmp_path):
     hb.step()
     line.on_step()
     assert line._failed
-
-
-def test_readings_file_is_replaced_atomically(tmp_path):
-    snap = types.SimpleNamespace(gpus=(types.SimpleNamespace(uuid="GPU-a", up=True, values={}),))
-    write_readings(str(tmp_path), snap)
-    assert [p.name for p in tmp_path.iterdir()] == ["nvml.json"]  # no temporary left behind
-    data = json.loads((tmp_path / "nvml.json").read_text())
-    assert data["gpus"] == [{"uuid": "GPU-a"}] and abs(data["time"] - time.time()) < 5
-    write_readings(str(tmp_path / "missing" / "dir"), snap)  # never raises

@@ -40,8 +40,8 @@ vramwatch.stop()
 
 
 def _values(sampler, dev=0):
-    (d,) = [x for x in sampler.read() if x["device"] == dev]
-    return d["values"]
+    (d,) = [x for x in sampler.read() if x.device == dev]
+    return d.values
 
 
 def _reset_peaks(sim, dev=0):

@@ -10,6 +10,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
@@ -19,7 +20,7 @@ from vramwatch.server.collectors.processes import ProcessesCollector, foreign
 from vramwatch.server.collectors.xid import XidLedger, XidWatcher
 from vramwatch.sim.nvml import SimNvml
 from vramwatch.sim.state import SimNode
-from vramwatch.spool import RankSample
+from vramwatch.spool import DeviceSample, HeartbeatSnapshot, RankSample
 
 GIB = 1 << 30
 
@@ -93,16 +94,19 @@ class Rig:
         return None
 
     def rank(self, rank: int, pid: int, gpu: int, reserved: int) -> None:
-        data = {
-            "rank": rank,
-            "pid": pid,
-            "time": time.time(),
-            "heartbeat": {"steps": 7},
-            "devices": [
-                {"device": 0, "uuid": self.node.gpu(gpu).uuid, "values": {"torch_cuda_memory_reserved_bytes": reserved}}
-            ],
-        }
-        self.samples.append(RankSample(rank, pid, data, time.time()))
+        device = DeviceSample(0, self.node.gpu(gpu).uuid, {"torch_cuda_memory_reserved_bytes": float(reserved)})
+        self.samples.append(
+            RankSample(
+                rank=rank,
+                local_rank=rank,
+                world_size=1,
+                hostname="h",
+                pid=pid,
+                time=time.time(),
+                devices=(device,),
+                heartbeat=HeartbeatSnapshot(steps=7),
+            )
+        )
 
 
 @pytest.fixture
@@ -465,3 +469,14 @@ def test_process_listing_errors(tmp_path, code, up):
     assert rig.value("gpu_foreign_processes", gpu=1) is None
     if code != E.NVML_ERROR_UNINITIALIZED:
         assert rig.value("gpu_foreign_processes", gpu=0) == 0
+
+
+def test_each_read_publishes_power_and_free_memory_for_the_status_lines(tmp_path):
+    r = Rig(tmp_path)
+    r.node.gpu(0).power_w = 212.0
+    r.node.gpu(1).lost = True
+    r.poll(0)
+    readings = spool.read_node_readings(str(tmp_path))
+    assert list(readings) == [r.node.gpu(0).uuid]  # a lost GPU publishes nothing
+    (g,) = readings.values()
+    assert g.power_watts == 212.0 and g.memory_free_bytes == r.value("gpu_memory_free_bytes")

@@ -18,7 +18,7 @@ def test_each_phase_shows_what_the_demo_promises():
     while t < CYCLE:  # one full cycle
         story.step(t)
         (dev,) = sampler.read()
-        v = dev["values"]
+        v = dev.values
         assert v["torch_cuda_memory_reserved_bytes"] <= v["torch_cuda_memory_limit_bytes"]
         seen[phase(t)] = v
         t += 1.0 / SPS

@@ -10,19 +10,14 @@ import pytest
 
 from vramwatch.sim.nvml import SimHandle, SimNvml
 from vramwatch.sim.state import MIB, SimNode, edit, state_path
-from vramwatch.spool import RankSample
+from vramwatch.spool import DeviceSample, RankSample
 
 GIB = 1 << 30
 
 
 def rank_sample(rank: int, pid: int, uuid: str, reserved: int) -> RankSample:
-    data = {
-        "rank": rank,
-        "pid": pid,
-        "time": time.time(),
-        "devices": [{"device": 0, "uuid": uuid, "values": {"torch_cuda_memory_reserved_bytes": reserved}}],
-    }
-    return RankSample(rank, pid, data, time.time())
+    device = DeviceSample(0, uuid, {"torch_cuda_memory_reserved_bytes": float(reserved)})
+    return RankSample(rank, rank, 1, "h", pid, time.time(), devices=(device,))
 
 
 @pytest.fixture

@@ -6,20 +6,25 @@ import signal
 import time
 
 from vramwatch import spool
+from vramwatch.spool import files
+
+
+def sample(rank: int = 0, t: float = 1.0, **kw) -> spool.RankSample:
+    return spool.RankSample(rank, rank, 8, "node-a", os.getpid(), t, **kw)
 
 
 def _hold_and_wait(spool_dir, rank, ready, done):
     pub = spool.RankPublisher(spool_dir, rank)
-    pub.publish({"time": time.time(), "rank": rank})
+    pub.publish(sample(rank, time.time()))
     ready.set()
     done.wait(30)
 
 
 def test_publish_is_atomic_and_readable(tmp_path):
     pub = spool.RankPublisher(str(tmp_path), 3)
-    pub.publish({"time": 1.0, "rank": 3, "x": [1, 2]})
+    pub.publish(sample(3, 1.0))
     (s,) = spool.read_samples(str(tmp_path), 64)
-    assert (s.rank, s.pid, s.data["x"]) == (3, os.getpid(), [1, 2])
+    assert (s.rank, s.pid, s.time) == (3, os.getpid(), 1.0)
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     pub.close()
     assert spool.read_samples(str(tmp_path), 64) == []
@@ -42,7 +47,7 @@ def test_dead_rank_is_reaped_live_rank_kept(tmp_path):
 def test_newest_sample_wins_per_rank_and_cap(tmp_path):
     pubs = [spool.RankPublisher(str(tmp_path / "a"), r) for r in range(5)]
     for i, p in enumerate(pubs):
-        p.publish({"time": float(i)})
+        p.publish(sample(i, float(i)))
     assert [s.rank for s in spool.read_samples(str(tmp_path / "a"), 3)] == [0, 1, 2]
     for p in pubs:
         p.close()
@@ -67,7 +72,7 @@ def test_forked_child_does_not_keep_a_dead_parent_alive(tmp_path):
     if pid == 0:  # the "rank"
         try:
             pub = spool.RankPublisher(str(tmp_path), 0)
-            pub.publish({"time": time.time()})
+            pub.publish(sample(0, time.time()))
             child = ctx.Process(target=time.sleep, args=(30,), daemon=False)
             child.start()
             os.write(w, str(child.pid).encode())
@@ -88,16 +93,16 @@ def test_forked_child_does_not_keep_a_dead_parent_alive(tmp_path):
 
 def test_a_torn_record_is_never_parsed(tmp_path):
     pub = spool.RankPublisher(str(tmp_path), 0)
-    pub.publish({"time": 1.0, "pad": "x" * 100})
-    pub.publish({"time": 2.0})  # shorter than the first: the stale tail must be ignored
+    pub.publish(sample(0, 1.0, collectors={"x" * 100: spool.CollectorHealth(1, 0, 0.0)}))
+    pub.publish(sample(0, 2.0))  # shorter than the first: the stale tail must be ignored
     (s,) = spool.read_samples(str(tmp_path), 64)
-    assert s.data == {"time": 2.0}
+    assert s == sample(0, 2.0)
     with open(pub.path, "r+b") as fh:  # flip a payload byte: what a reader sees mid-write
-        fh.seek(spool._HEADER.size + 3)
+        fh.seek(len(files.frame(b"")) + 3)
         fh.write(b"#")
     assert spool.read_samples(str(tmp_path), 64) == []
-    pub.publish({"time": 3.0})
-    assert spool.read_samples(str(tmp_path), 64)[0].data == {"time": 3.0}
+    pub.publish(sample(0, 3.0))
+    assert spool.read_samples(str(tmp_path), 64)[0].time == 3.0
     pub.close()
 
 
@@ -113,5 +118,5 @@ def test_only_the_scrape_path_reaps_and_it_keeps_the_last_sample(tmp_path):
     assert os.listdir(tmp_path), "a reader that does not reap leaves the files"
     reaped = []
     assert spool.read_samples(str(tmp_path), 64, reaped) == []
-    assert [s.rank for s in reaped] == [2] and reaped[0].data["rank"] == 2
+    assert [s.rank for s in reaped] == [2] and reaped[0].hostname == "node-a"
     assert os.listdir(tmp_path) == []

@@ -224,7 +224,7 @@ def test_the_default_spool_dir_is_private(tmp_path):
     try:
         spool.ensure_dir(str(d))
         publisher = spool.RankPublisher(str(d), 0)
-        publisher.publish({"time": time.time()})
+        publisher.publish(spool.RankSample(0, 0, 1, "h", os.getpid(), time.time()))
         assert d.stat().st_mode & 0o777 == 0o700
         assert all((d / f).stat().st_mode & 0o077 == 0 for f in os.listdir(d))
         publisher.close()

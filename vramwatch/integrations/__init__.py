@@ -1,11 +1,11 @@
-"""What runs beside the sampler in a training process, and the framework callbacks.
+"""The training frameworks' callbacks, and what they share.
 
 - :mod:`vramwatch.integrations.hf`: ``VramwatchCallback`` for the Hugging Face ``Trainer``.
 - :mod:`vramwatch.integrations.lightning`: ``VramwatchCallback`` for Lightning (``lightning`` or
   ``pytorch_lightning``).
-- :mod:`vramwatch.rank.oom`: OOM forensics (the allocator's out-of-memory observer, snapshots).
-- :mod:`vramwatch.rank.hygiene`: opt-in cache reclaim between steps.
-- :mod:`vramwatch.rank.status`: the console status line.
+
+What runs beside the sampler in every training process (OOM forensics, hygiene, the status line)
+is in :mod:`vramwatch.rank.plugins`.
 
 Importing this package imports neither torch nor a training framework; the two callback modules import
 their framework when they are imported themselves.
@@ -14,59 +14,14 @@ their framework when they are imported themselves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vramwatch.rank.handle import Handle
 
-__all__ = ["framework_settings", "setup", "start_for_framework"]
+__all__ = ["framework_settings", "start_for_framework"]
 
 log = logging.getLogger("vramwatch")
-
-
-def setup(handle: Handle) -> None:
-    """Attach the in-process helpers the settings ask for (called by ``Handle.start()``).
-
-    OOM forensics are always on (they cost nothing until an OOM); the status line and
-    hygiene only when enabled. Step hooks run on the training thread inside
-    ``vramwatch.step()``; sample hooks on the sampler thread after each read.
-    """
-    s = handle.settings
-    step_hooks: list[Callable[[], None]] = []
-
-    from vramwatch.rank.oom import OomWatcher
-
-    handle.oom = OomWatcher.for_handle(handle)
-    handle.sample_hooks.append(handle.oom.on_sample)
-
-    if s.reclaim_threshold > 0:
-        from vramwatch.rank.hygiene import Hygiene
-
-        handle.hygiene = Hygiene.for_handle(handle)
-        handle.sample_hooks.append(handle.hygiene.on_sample)
-        step_hooks.append(handle.hygiene.on_step)
-
-    if s.status_every > 0 and (s.status_all_ranks or handle.identity.rank == 0):
-        from vramwatch.rank.status import StatusLine
-
-        handle.status = StatusLine.for_handle(handle)
-        handle.sample_hooks.append(handle.status.on_sample)
-        step_hooks.append(handle.status.on_step)
-    handle.step_hooks = tuple(step_hooks)
-
-
-def teardown(handle: Handle) -> None:
-    """Undo what :func:`setup` attached that can be undone (never raises)."""
-    for name in ("oom", "hygiene", "status"):
-        part = getattr(handle, name, None)
-        close = getattr(part, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001
-                log.debug("vramwatch: closing %s failed: %r", name, e)
-    handle.step_hooks = ()
 
 
 def framework_settings(

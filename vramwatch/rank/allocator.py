@@ -9,8 +9,12 @@ always with an explicit index; never ``mem_get_info``, ``set_device``,
 from __future__ import annotations
 
 import os
+import sys
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
+
+from vramwatch.spool import AllocatorInfo, DeviceSample
 
 # Contract name -> path into the nested memory_stats dict. The one place the
 # allocator's key names appear; metric names never derive from them.
@@ -36,8 +40,20 @@ COUNTER_KEYS: dict[str, tuple[str, ...]] = {
 SNAPSHOT_MAX_SHARE = 1e-4
 
 
+# What the allocator calls on an OOM: (device, requested bytes, device total, device free).
+OomObserver = Callable[[int, int, int, int], None]
+
+
+class ObserverUnavailable(Exception):
+    """This allocator will never call an OOM observer; the message says why."""
+
+
 class AllocatorSource(Protocol):
-    """What the sampler needs from torch (or from the simulated GPU)."""
+    """What the rank needs from torch's caching allocator, or from the simulated GPU.
+
+    The sampler reads the first six; OOM forensics and hygiene use the rest. The simulator differs
+    from torch only here.
+    """
 
     def devices(self) -> list[int]: ...
     def stats(self, device: int) -> dict[str, Any]: ...
@@ -46,13 +62,31 @@ class AllocatorSource(Protocol):
     def backend(self) -> str: ...
     def snapshot(self) -> list[dict[str, Any]]: ...
 
+    def attach_oom_observer(self, observer: OomObserver) -> bool:
+        """True once attached; False while it cannot be yet. Raises :class:`ObserverUnavailable`."""
+        ...
+
+    def detach_oom_observer(self, observer: OomObserver) -> None: ...
+    def memory_snapshot(self) -> Any:
+        """What ``torch.cuda.memory._snapshot()`` returns (pytorch.org/memory_viz opens its pickle)."""
+        ...
+
+    def record_memory_history(self, max_entries: int) -> None:
+        """Record alloc/free events with Python stacks (0: stop)."""
+        ...
+
+    def release_cache(self, devices: tuple[int, ...]) -> None:
+        """``empty_cache()`` for these devices."""
+        ...
+
 
 def _get(stats: dict[str, Any], path: tuple[str, ...]) -> Any:
     node: Any = stats
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
+    try:  # cheaper than checking each level: a key is rarely missing
+        for key in path:
+            node = node[key]
+    except (KeyError, TypeError, IndexError):
+        return None
     return node
 
 
@@ -108,10 +142,9 @@ class AllocatorSampler:
         self._segments: dict[int, dict[str, int]] = {}
         self._next_snapshot = 0.0
         self._backend: str | None = None
-        self._info: dict[str, str] | None = None
-        self.extra: dict[int, dict[str, float]] = {}  # filled by integrations (OOM, reclaims)
+        self._info: AllocatorInfo | None = None
 
-    def read(self, now: float | None = None) -> list[dict[str, Any]]:
+    def read(self, now: float | None = None) -> list[DeviceSample]:
         now = time.monotonic() if now is None else now
         devices = self.source.devices()
         if not devices:
@@ -167,10 +200,9 @@ class AllocatorSampler:
                     values["torch_cuda_memory_segments"] = float(seg["segments"])  # expandable segments
             # read every time: set_per_process_memory_fraction may change it mid-run (a cheap C getter)
             values["torch_cuda_memory_limit_bytes"] = float(self.source.limit_bytes(dev))
-            values.update(self.extra.get(dev, {}))
             if dev not in self._uuids:
                 self._uuids[dev] = self.source.uuid(dev)
-            out.append({"device": dev, "uuid": self._uuids[dev], "values": values})
+            out.append(DeviceSample(dev, self._uuids[dev], values))
         return out
 
     def _window_peak(self, dev: int, current: float, peak: float) -> float:
@@ -182,10 +214,11 @@ class AllocatorSampler:
             return max(peak, current)  # the job reset its peak in the window: the peak since then is in it
         return current  # the peak did not move: the window's high is between current and it
 
-    def info(self) -> dict[str, str]:
+    def info(self) -> AllocatorInfo:
         # the allocator reads its config once, at CUDA init: so do we (once the backend is known)
-        if self._info is None or self._info["backend"] != (self._backend or "unknown"):
-            self._info = {"backend": self._backend or "unknown", **alloc_conf()}
+        backend = self._backend or "unknown"
+        if self._info is None or self._info.backend != backend:
+            self._info = AllocatorInfo(backend=backend, **alloc_conf())
         return self._info
 
 
@@ -193,16 +226,12 @@ class TorchSource:
     """The real allocator. Imports torch lazily and only if the job already did."""
 
     def __init__(self) -> None:
-        import sys
-
         self._torch = sys.modules.get("torch")
         self._count: int | None = None
         self._totals: dict[int, int] = {}
 
     def _ready(self) -> bool:
         if self._torch is None:
-            import sys
-
             self._torch = sys.modules.get("torch")  # never import torch for the job
         return self._torch is not None and self._torch.cuda.is_initialized()
 
@@ -243,3 +272,36 @@ class TorchSource:
             return self._torch.cuda.memory_snapshot(include_traces=False)
         except TypeError:  # torch < 2.11 has no include_traces
             return self._torch.cuda.memory_snapshot()
+
+    # --- OOM forensics and hygiene ---
+    def attach_oom_observer(self, observer: OomObserver) -> bool:
+        # attaching initialises CUDA: only once the job did; read sys.modules afresh (the job may import torch later)
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return False
+        try:
+            if torch.cuda.get_allocator_backend() != "native":
+                raise ObserverUnavailable("allocator backend is not native")  # cudaMallocAsync has no observers
+            attach = torch._C._cuda_attach_out_of_memory_observer  # private, torch 2.5-2.13
+        except AttributeError as e:
+            raise ObserverUnavailable(f"no OOM observer in this torch ({e!r})") from None
+        attach(observer)
+        return True
+
+    def detach_oom_observer(self, observer: OomObserver) -> None:
+        pass  # torch observers cannot be detached: the observer turns inert instead
+
+    def memory_snapshot(self) -> Any:
+        return sys.modules["torch"].cuda.memory._snapshot()
+
+    def record_memory_history(self, max_entries: int) -> None:
+        memory = sys.modules["torch"].cuda.memory
+        if max_entries > 0:
+            memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=max_entries)
+        else:
+            memory._record_memory_history(enabled=None)
+
+    def release_cache(self, devices: tuple[int, ...]) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # every device of the process; the job's devices are the ones pending

@@ -12,6 +12,7 @@ from bisect import bisect_left
 from typing import Any
 
 from vramwatch.rank.device_scalar import DeviceScalar
+from vramwatch.spool import HeartbeatSnapshot
 
 # From 1 ms launch-bound steps to the 340 s stall-like step of the field notes and beyond.
 BUCKETS: tuple[float, ...] = (
@@ -66,16 +67,17 @@ class Heartbeat:
         if grad_norm is not None:
             self.grad_norm = _keep(grad_norm)
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "last": self.last_step_time,
-            "buckets": list(BUCKETS),
-            "counts": list(self.counts),
-            "sum": self.sum,
-            "loss": self._reads[0].read(self.loss, self.steps),
-            "grad_norm": self._reads[1].read(self.grad_norm, self.steps),
-        }
+    def snapshot(self) -> HeartbeatSnapshot:
+        steps = self.steps
+        return HeartbeatSnapshot(  # positional, in field order: the sampler thread builds one per sample
+            steps,
+            self.last_step_time,
+            BUCKETS,
+            tuple(self.counts),
+            self.sum,
+            self._reads[0].read(self.loss, steps),
+            self._reads[1].read(self.grad_norm, steps),
+        )
 
 
 def _keep(v: Any) -> Any:

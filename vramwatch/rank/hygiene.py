@@ -15,13 +15,11 @@ steps, where the implied synchronisation costs the least. At most one reclaim pe
 from __future__ import annotations
 
 import logging
-import sys
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
-if TYPE_CHECKING:
-    from vramwatch.rank.handle import Handle
+from vramwatch.rank.plugins import RankContext, SampleExtras
+from vramwatch.spool import DeviceSample
 
 log = logging.getLogger("vramwatch")
 
@@ -31,49 +29,34 @@ RECLAIMS = "torch_cuda_memory_cache_reclaims_total"
 MIN_RELEASABLE_RATIO = 0.01
 
 
-def _torch_empty_cache(devices: tuple[int, ...]) -> None:
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()  # every device of the process; the job's devices are the ones pending
-
-
 class Hygiene:
     def __init__(
         self,
-        extra: dict[int, dict[str, float]],
         threshold: float,
-        empty_cache: Callable[[tuple[int, ...]], None] = _torch_empty_cache,
+        release: Callable[[tuple[int, ...]], None],
         min_gap: float = 0.0,
     ) -> None:
-        self.extra = extra
         self.threshold = threshold
-        self.empty_cache = empty_cache
+        self.release = release
         # a sample read before the last reclaim must not ask for another: at most one per sample interval
         self.min_gap = min_gap
         self._last_reclaim = float("-inf")
         self.pending: tuple[int, ...] = ()  # written by the sampler thread, cleared by the training thread
+        self.counts: dict[int, float] = {}  # device -> reclaims; the training thread counts, the sampler reads
         self.reclaims = 0
         self._failed = False
 
     @classmethod
-    def for_handle(cls, handle: Handle) -> Hygiene:
-        if handle.sim is not None:
-            sim = handle.sim
+    def for_rank(cls, ctx: RankContext) -> Hygiene:
+        return cls(ctx.settings.reclaim_threshold, ctx.source.release_cache, min_gap=ctx.settings.interval)
 
-            def empty(devices: tuple[int, ...]) -> None:
-                for dev in devices:
-                    sim.empty_cache(dev)
-
-            return cls(handle.sampler.extra, handle.settings.reclaim_threshold, empty, min_gap=handle.settings.interval)
-        return cls(handle.sampler.extra, handle.settings.reclaim_threshold, min_gap=handle.settings.interval)
-
-    def on_sample(self, devices: Iterable[dict[str, Any]]) -> None:
-        """Sampler thread: decide which devices need a reclaim at the next step."""
+    def on_sample(self, devices: Sequence[DeviceSample]) -> SampleExtras:
+        """Sampler thread: decide which devices need a reclaim at the next step; the reclaim counters."""
         due = []
         for dev in devices:
-            v = dev.get("values") or {}
-            idx = int(dev.get("device", 0))
-            self.extra.setdefault(idx, {}).setdefault(RECLAIMS, 0.0)  # the counter exists from the start
+            v = dev.values
+            idx = dev.device
+            self.counts.setdefault(idx, 0.0)  # the counter exists from the start
             limit = v.get("torch_cuda_memory_limit_bytes", 0.0)
             reserved = v.get("torch_cuda_memory_reserved_bytes", 0.0)
             if limit <= 0 or reserved <= self.threshold * limit:
@@ -88,6 +71,7 @@ class Hygiene:
         if due and time.monotonic() - self._last_reclaim < self.min_gap:
             due = []  # these values may predate the last reclaim
         self.pending = tuple(due)
+        return SampleExtras({dev: {RECLAIMS: n} for dev, n in list(self.counts.items())})
 
     def on_step(self) -> None:
         """Training thread, between steps: one attribute read unless a reclaim is due."""
@@ -96,12 +80,14 @@ class Hygiene:
         devices, self.pending = self.pending, ()
         self._last_reclaim = time.monotonic()
         try:
-            self.empty_cache(devices)
+            self.release(devices)
         except Exception as e:  # noqa: BLE001
             self._failed = True
             log.warning("vramwatch: empty_cache failed (%r); allocator hygiene is off", e)
             return
         for dev in devices:
-            values = self.extra.setdefault(dev, {})
-            values[RECLAIMS] = values.get(RECLAIMS, 0.0) + 1.0
+            self.counts[dev] = self.counts.get(dev, 0.0) + 1.0
         self.reclaims += 1
+
+    def close(self) -> None:
+        pass

@@ -1,11 +1,13 @@
 """OOM forensics: what the allocator saw when it ran out, and optionally a memory snapshot.
 
-The caching allocator calls its out-of-memory observers (``torch._C._cuda_attach_out_of_memory_observer``,
-private, torch 2.5-2.13; the simulated allocator's ``oom_observers``) on the allocating thread,
-after counting the OOM and before raising it. The observer here:
+The caching allocator calls its out-of-memory observers (attached through the allocator source:
+``torch._C._cuda_attach_out_of_memory_observer``, private, torch 2.5-2.13, or the simulated
+allocator's list) on the allocating thread, after counting the OOM and before raising it. The
+observer here:
 
-- remembers the request size, the free memory the driver reported and the time in the device's
-  values (``torch_cuda_memory_last_oom_*``; the count itself is the allocator's ``num_ooms``);
+- remembers the request size, the free memory the driver reported and the time, which the next
+  sample carries in the device's values (``torch_cuda_memory_last_oom_*``; the count itself is the
+  allocator's ``num_ooms``);
 - when ``oom_snapshot_dir`` is set, writes a pickle of ``torch.cuda.memory._snapshot()`` (what
   ``_dump_snapshot`` writes, which pytorch.org/memory_viz opens), at most once per
   ``min_interval`` seconds, keeping at most ``oom_snapshot_max_files`` files and
@@ -29,13 +31,14 @@ import logging
 import os
 import pickle
 import shutil
-import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
-if TYPE_CHECKING:
-    from vramwatch.rank.handle import Handle
+from vramwatch._once import OnceLog
+from vramwatch.rank.allocator import AllocatorSource, ObserverUnavailable, TorchSource
+from vramwatch.rank.plugins import RankContext, SampleExtras
+from vramwatch.spool import DeviceSample, OomSnapshot
 
 log = logging.getLogger("vramwatch")
 
@@ -98,11 +101,11 @@ def _remove(path: str) -> None:
 
 
 class OomWatcher:
-    """The OOM observer of one process. ``sampler.extra`` receives the per-device values."""
+    """The OOM observer of one process; its ``on_sample`` returns the per-device values and snapshot."""
 
     def __init__(
         self,
-        extra: dict[int, dict[str, float]],
+        source: AllocatorSource | None = None,
         *,
         snapshot_dir: str = "",
         max_files: int = 5,
@@ -110,25 +113,25 @@ class OomWatcher:
         history_entries: int = 0,
         rank: int = 0,
         dump: Callable[[], Any] | None = None,
-        on_snapshot: Callable[[str, float], None] | None = None,
         wake: Callable[[], None] | None = None,
         min_interval: float = 30.0,
         disk_usage: Callable[[str], Any] = shutil.disk_usage,
     ) -> None:
-        self.extra = extra
+        self.source: AllocatorSource = TorchSource() if source is None else source
         self.snapshot_dir = snapshot_dir
         self.max_files = max_files
         self.max_bytes = max_bytes
         self.history_entries = history_entries
         self.rank = rank
         self.dump = dump
-        self.on_snapshot = on_snapshot
         self.wake = wake
         self.min_interval = min_interval
         self.disk_usage = disk_usage
+        self.values: dict[int, dict[str, float]] = {}  # device -> last OOM's values; the allocating thread writes
         self.count = 0  # OOMs this observer saw
         self.snapshots = 0
         self.last_path: str | None = None
+        self.last_snapshot: OomSnapshot | None = None
         self.active = True
         self.attached = False
         self._attach_given_up = False
@@ -136,87 +139,65 @@ class OomWatcher:
         self._last_write = float("-inf")
         self._last_log = float("-inf")
         self._unlogged = 0
-        self._logged: set[str] = set()
+        self._log_once = OnceLog(log)
         self._seq = 0
-        self._sim: Any = None
 
     @classmethod
-    def for_handle(cls, handle: Handle) -> OomWatcher:
-        s = handle.settings
-
-        def on_snapshot(path: str, when: float) -> None:
-            handle.extra["oom_snapshot"] = {"path": path, "time": when}
-
+    def for_rank(cls, ctx: RankContext) -> OomWatcher:
+        s = ctx.settings
         w = cls(
-            handle.sampler.extra,
+            ctx.source,
             snapshot_dir=s.oom_snapshot_dir,
             max_files=s.oom_snapshot_max_files,
             max_bytes=s.oom_snapshot_max_bytes,
             history_entries=s.oom_history_entries,
-            rank=handle.identity.rank,
-            on_snapshot=on_snapshot,
-            wake=getattr(handle, "wake", None),
+            rank=ctx.identity.rank,
+            wake=ctx.wake,
         )
-        if handle.sim is not None:
-            w.attach_sim(handle.sim)
-        else:
-            w.on_sample(())  # CUDA may already be initialised (a Trainer's model on the GPU)
+        w.try_attach()  # CUDA may already be initialised (a Trainer's model on the GPU)
         return w
 
     # --- attaching ---
-    def attach_sim(self, sim: Any) -> None:
-        self._sim = sim
-        if self.dump is None:
-            self.dump = lambda: _sim_snapshot(sim)
-        sim.oom_observers.append(self)
-        self.attached = True
+    def on_sample(self, devices: Sequence[DeviceSample] = ()) -> SampleExtras | None:
+        """Sampler thread: attach once the job has initialised CUDA; the values of the OOMs seen."""
+        self.try_attach()
+        if not self.values and self.last_snapshot is None:
+            return None
+        # copied: the allocating thread may add a device meanwhile
+        return SampleExtras({dev: dict(v) for dev, v in list(self.values.items())}, self.last_snapshot)
 
-    def on_sample(self, devices: Any = ()) -> None:
-        """Sampler thread: attach to torch's allocator once the job has initialised CUDA."""
+    def try_attach(self) -> None:
         if self.attached or self._attach_given_up:
             return
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return
         try:
-            if not torch.cuda.is_initialized():
-                return
-            if torch.cuda.get_allocator_backend() != "native":
-                self._attach_given_up = True  # cudaMallocAsync has no observers nor snapshots
-                log.info("vramwatch: allocator backend is not native; OOM observer and snapshots are off")
-                return
-            attach = torch._C._cuda_attach_out_of_memory_observer
-        except Exception as e:  # noqa: BLE001
+            if not self.source.attach_oom_observer(self):
+                return  # attaching would initialise CUDA for the job: later
+        except ObserverUnavailable as e:
             self._attach_given_up = True
-            log.info("vramwatch: no OOM observer in this torch (%r)", e)
+            log.info("vramwatch: %s; OOM observer and snapshots are off", e)
             return
-        try:
-            attach(self)
-            self.attached = True
-            if self.dump is None:
-                self.dump = torch.cuda.memory._snapshot
-            if self.snapshot_dir and self.history_entries > 0:
-                torch.cuda.memory._record_memory_history(
-                    enabled="all", context="all", stacks="python", max_entries=self.history_entries
-                )
-                self._history_on = True
         except Exception as e:  # noqa: BLE001
             self._attach_given_up = True
             self._log_once("attach", "vramwatch: could not attach the OOM observer: %r", e)
+            return
+        self.attached = True
+        if self.dump is None:
+            self.dump = self.source.memory_snapshot
+        if self.snapshot_dir and self.history_entries > 0:
+            try:
+                self.source.record_memory_history(self.history_entries)
+                self._history_on = True
+            except Exception as e:  # noqa: BLE001
+                self._log_once("history", "vramwatch: could not record the memory history: %r", e)
 
     def close(self) -> None:
         """Stop observing (torch observers cannot be detached: they turn inert)."""
         self.active = False
-        if self._sim is not None:
-            try:
-                self._sim.oom_observers.remove(self)
-            except ValueError:
-                pass
+        self.source.detach_oom_observer(self)
         if self._history_on:
             self._history_on = False
-            torch = sys.modules.get("torch")
             try:
-                torch.cuda.memory._record_memory_history(enabled=None)
+                self.source.record_memory_history(0)
             except Exception as e:  # noqa: BLE001
                 log.debug("vramwatch: stopping the memory history failed: %r", e)
 
@@ -227,7 +208,7 @@ class OomWatcher:
         try:
             now = time.time()
             self.count += 1
-            values = self.extra.setdefault(int(device), {})
+            values = self.values.setdefault(int(device), {})
             values[LAST_REQUESTED] = float(alloc)
             values[LAST_FREE] = float(max(device_free, 0))
             values[LAST_TIME] = now
@@ -257,11 +238,6 @@ class OomWatcher:
             where,
             more,
         )
-
-    def _log_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning(msg, *args)
 
     # --- snapshots ---
     def write_snapshot(self, now: float | None = None) -> str | None:
@@ -325,55 +301,8 @@ class OomWatcher:
             return None
         self.snapshots += 1
         self.last_path = path
-        if self.on_snapshot is not None:
-            self.on_snapshot(path, now)
+        self.last_snapshot = OomSnapshot(path, now)
         return path
-
-
-def _sim_snapshot(sim: Any) -> dict[str, Any]:
-    """The simulated allocator's state in the shape of torch.cuda.memory._snapshot()."""
-    segments = []
-    addr = 0x7F0000000000
-    for seg in sim.snapshot():
-        blocks = []
-        base = addr
-        for b in seg.get("blocks", ()):
-            size = int(b.get("size", 0))
-            blocks.append(
-                {
-                    "address": addr,
-                    "size": size,
-                    "requested_size": size,
-                    "state": b.get("state", "inactive"),
-                    "frames": [],
-                }
-            )
-            addr += size
-        total = int(seg.get("total_size", addr - base))
-        allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
-        segments.append(
-            {
-                "device": int(seg.get("device", 0)),
-                "address": base,
-                "total_size": total,
-                "allocated_size": allocated,
-                "active_size": allocated,
-                "requested_size": allocated,
-                "stream": 0,
-                "segment_type": "large",
-                "segment_pool_id": (0, 0),
-                "is_expandable": False,
-                "frames": [],
-                "blocks": blocks,
-            }
-        )
-        addr = base + total + (2 << 20)
-    return {
-        "segments": segments,
-        "device_traces": [[] for _ in sim.devices()],
-        "allocator_settings": {},
-        "external_annotations": [],
-    }
 
 
 def _fmt(n: float) -> str:

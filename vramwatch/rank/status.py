@@ -8,114 +8,51 @@ already read (at most one ``interval`` old): the step path never reads allocator
 compares one counter and formats a line only on every N-th step.
 
 - ``free`` is NVML's free memory on the card when the node server publishes its readings into
-  the spool (``nvml.json``, below); otherwise ``headroom`` is shown instead: the process's budget
-  (memory fraction x total) minus what the allocator reserved.
-- ``power`` comes from the same readings (the simulated GPU's state under ``simulate``) and is
-  left out when there are none. The training process never calls NVML for it.
+  the spool (:mod:`vramwatch.spool.readings`); otherwise ``headroom`` is shown instead: the
+  process's budget (memory fraction x total) minus what the allocator reserved.
+- ``power`` comes from the same readings (the simulated GPU's too, under ``simulate``: its server
+  publishes them alike) and is left out when there are none. The training process never calls
+  NVML for it.
 - ``reclaims`` appears when allocator hygiene is on, ``ooms`` once one happened.
 
 Where it goes: with ``mode="auto"`` a postfix on the active tqdm bar if there is one (the
 Trainer's or Lightning's progress bar), else the ``vramwatch.status`` logger at INFO (printed to
 stderr when logging is not configured). Rank 0 only unless ``status_all_ranks``.
-
-``<spool>/nvml.json``, if the server writes it: ``{"time": <unix seconds>, "gpus": [{"uuid":
-"GPU-...", "power_watts": 212.0, "memory_free_bytes": 2.9e9}, ...]}``; readings older than
-``STALE_AFTER`` seconds are ignored.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from vramwatch.rank.handle import Handle
+from vramwatch.spool import DeviceSample, GpuReadings, read_node_readings
 
-NVML_FILE = "nvml.json"
-SIM_FILE = "sim-node.json"
-STALE_AFTER = 30.0
+if TYPE_CHECKING:
+    from vramwatch.rank.plugins import RankContext
+
 GIB = float(1 << 30)
 
 status_log = logging.getLogger("vramwatch.status")
 
 
-def read_device_readings(
-    spool_dir: str, simulate: bool = False, now: float | None = None
-) -> dict[str, dict[str, float]]:
-    """uuid -> {"power_watts", "memory_free_bytes"} from the server's NVML file, else the simulated GPU."""
-    now = time.time() if now is None else now
-    out: dict[str, dict[str, float]] = {}
-    try:
-        with open(os.path.join(spool_dir, NVML_FILE), encoding="utf-8") as fh:
-            data = json.load(fh)
-        if now - float(data.get("time", 0)) <= STALE_AFTER:
-            gpus = data.get("gpus") or []
-            if isinstance(gpus, dict):
-                gpus = [dict(v, uuid=k) for k, v in gpus.items()]
-            for g in gpus:
-                vals = {
-                    k: float(g[k]) for k in ("power_watts", "memory_free_bytes") if isinstance(g.get(k), (int, float))
-                }
-                if g.get("uuid"):
-                    out[str(g["uuid"])] = vals
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    if not out and simulate:
-        try:
-            with open(os.path.join(spool_dir, SIM_FILE), encoding="utf-8") as fh:
-                node = json.load(fh)
-            for g in node.get("gpus", []):
-                if not g.get("lost"):
-                    out[str(g["uuid"])] = {"power_watts": float(g.get("power_w", 0.0))}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            pass
-    return out
-
-
-def write_readings(spool_dir: str, snapshot: Any) -> None:
-    """Server side: publish the NVML snapshot's power and free memory for the ranks' status lines.
-
-    ``snapshot`` is the NVML collector's (``gpus`` with ``uuid``, ``up`` and ``values`` keyed by
-    ``(family, label)``). Atomic replace; never raises.
-    """
-    try:
-        gpus = []
-        for g in snapshot.gpus:
-            if not g.up:
-                continue
-            entry: dict[str, Any] = {"uuid": g.uuid}
-            for key, fam in (("power_watts", "gpu_power_watts"), ("memory_free_bytes", "gpu_memory_free_bytes")):
-                v = g.values.get((fam, ""))
-                if v is not None:
-                    entry[key] = float(v)
-            gpus.append(entry)
-        path = os.path.join(spool_dir, NVML_FILE)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"time": time.time(), "gpus": gpus}, fh)
-        os.replace(tmp, path)
-    except Exception as e:  # noqa: BLE001 - the status line is a convenience
-        logging.getLogger("vramwatch").debug("vramwatch: writing %s failed: %r", NVML_FILE, e)
+_NO_READINGS = GpuReadings("")
 
 
 def _gib(v: float) -> str:
     return f"{v / GIB:.2f} GiB"
 
 
-def format_device(dev: dict[str, Any], readings: dict[str, dict[str, float]]) -> str:
-    v = dev.get("values") or {}
+def format_device(dev: DeviceSample, readings: Mapping[str, GpuReadings]) -> str:
+    v = dev.values
     alloc = v.get("torch_cuda_memory_allocated_bytes", 0.0)
     reserved = v.get("torch_cuda_memory_reserved_bytes", 0.0)
     limit = v.get("torch_cuda_memory_limit_bytes", 0.0)
-    nv = readings.get(str(dev.get("uuid", "")), {})
-    parts = [f"cuda:{dev.get('device', '?')}", f"alloc {_gib(alloc)}", f"reserved {_gib(reserved)}"]
-    if "memory_free_bytes" in nv:
-        parts.append(f"free {_gib(nv['memory_free_bytes'])}")
+    nv = readings.get(dev.uuid) or _NO_READINGS
+    parts = [f"cuda:{dev.device}", f"alloc {_gib(alloc)}", f"reserved {_gib(reserved)}"]
+    if nv.memory_free_bytes is not None:
+        parts.append(f"free {_gib(nv.memory_free_bytes)}")
     elif limit > 0:
         parts.append(f"headroom {_gib(max(limit - reserved, 0.0))}")
     frag = v.get("torch_cuda_memory_fragmentation_ratio")
@@ -130,8 +67,8 @@ def format_device(dev: dict[str, Any], readings: dict[str, dict[str, float]]) ->
     ooms = v.get("torch_cuda_memory_ooms_total")
     if ooms:
         parts.append(f"ooms {int(ooms)}")
-    if "power_watts" in nv:
-        parts.append(f"power {nv['power_watts']:.0f} W")
+    if nv.power_watts is not None:
+        parts.append(f"power {nv.power_watts:.0f} W")
     return " ".join(parts)
 
 
@@ -168,7 +105,6 @@ class StatusLine:
         rank: int = 0,
         show_rank: bool = False,
         spool_dir: str = "",
-        simulate: bool = False,
         mode: str = "auto",
         emit: Callable[[list[str], str], None] | None = None,
     ) -> None:
@@ -177,13 +113,12 @@ class StatusLine:
         self.rank = rank
         self.show_rank = show_rank
         self.spool_dir = spool_dir
-        self.simulate = simulate
         self.mode = mode
         self.emit = emit
         self.lines = 0
         self._next = self.every
-        self._devices: list[dict[str, Any]] = []
-        self._readings: dict[str, dict[str, float]] = {}
+        self._devices: list[DeviceSample] = []
+        self._readings: dict[str, GpuReadings] = {}
         self._sum0 = 0.0
         self._steps0 = 1  # the first step has no duration
         self._failed = False
@@ -191,22 +126,20 @@ class StatusLine:
             _ensure_output()
 
     @classmethod
-    def for_handle(cls, handle: Handle) -> StatusLine:
-        s = handle.settings
+    def for_rank(cls, ctx: RankContext) -> StatusLine:
+        s = ctx.settings
         return cls(
-            handle.heartbeat,
-            s.status_every,
-            rank=handle.identity.rank,
-            show_rank=s.status_all_ranks,
-            spool_dir=handle.spool_dir,
-            simulate=s.simulate,
+            ctx.heartbeat, s.status_every, rank=ctx.identity.rank, show_rank=s.status_all_ranks, spool_dir=ctx.spool_dir
         )
 
-    def on_sample(self, devices: Iterable[dict[str, Any]]) -> None:
-        """Sampler thread: keep the newest device values and NVML readings for the next line."""
+    def on_sample(self, devices: Iterable[DeviceSample]) -> None:
+        """Sampler thread: keep the newest device values and NVML readings for the next line (adds nothing)."""
         self._devices = list(devices)
         if self.spool_dir:
-            self._readings = read_device_readings(self.spool_dir, self.simulate)
+            self._readings = read_node_readings(self.spool_dir)
+
+    def close(self) -> None:
+        pass
 
     def on_step(self) -> None:
         """Training thread: one comparison per step; a line every ``every`` steps."""

@@ -60,7 +60,7 @@ class Server:
         )
         for c in self.collectors:
             c.start()
-        with open(os.path.join(self.spool_dir, "server.json"), "w", encoding="utf-8") as fh:
+        with open(os.path.join(self.spool_dir, spool.SERVER_INFO), "w", encoding="utf-8") as fh:
             json.dump({"pid": os.getpid(), "host": self.settings.host, "port": self.http.server_address[1]}, fh)
         return True
 
@@ -107,7 +107,7 @@ class Server:
             self.http.server_close()
             self.http = None
         try:
-            os.unlink(os.path.join(self.spool_dir, "server.json"))
+            os.unlink(os.path.join(self.spool_dir, spool.SERVER_INFO))
         except OSError:
             pass
         if self._lock_fd is not None:

@@ -36,13 +36,16 @@ class ExporterCollector:
         t0 = time.perf_counter()
         try:
             reaped: list[spool.RankSample] = []
-            samples = spool.read_samples(self.spool_dir, self.settings.max_ranks, reaped)
+            rejected: list[spool.Rejected] = []
+            samples = spool.read_samples(self.spool_dir, self.settings.max_ranks, reaped, rejected=rejected)
             # a rank that died since the last scrape is served by this scrape, then never again:
             # its last counters (an OOM that killed it) reach Prometheus, and its series are
             # gone by the second scrape after its death
             live = {s.rank for s in samples}
             samples += [s for s in reaped if s.rank not in live]
             self.spool_health.up = 1
+            for r in rejected:  # a rank whose series are missing: up 0 while it lasts, logged once per file
+                self.spool_health.failed(f"rejected:{r.file}:{r.reason}:{r.version}", "vramwatch: %s", r.describe())
         except Exception as e:  # noqa: BLE001
             samples = []
             self.spool_health.failed("spool", "vramwatch: reading the spool failed: %r", e)
@@ -69,9 +72,9 @@ class ExporterCollector:
             err.add_metric([name, rank], float(h.errors))
             dur.add_metric([name, rank], float(h.duration))
         for name, rank, h in ranks.rank_collector_health(ctx):
-            up.add_metric([name, rank], float(h.get("up", 0)))
-            err.add_metric([name, rank], float(h.get("errors", 0)))
-            dur.add_metric([name, rank], float(h.get("duration", 0.0)))
+            up.add_metric([name, rank], float(h.up))
+            err.add_metric([name, rank], float(h.errors))
+            dur.add_metric([name, rank], float(h.duration))
         n = contract.family("vramwatch_ranks")
         n.add_metric([], float(len(ctx.samples)))
         build = contract.family("vramwatch_build_info")

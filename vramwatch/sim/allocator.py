@@ -135,6 +135,62 @@ class SimAllocator:
             segs.append({"device": idx, "total_size": d.v("allocated_bytes") + split, "blocks": blocks})
         return segs
 
+    # --- the rest of the protocol: OOM forensics and hygiene ---
+    def attach_oom_observer(self, observer: Callable[[int, int, int, int], None]) -> bool:
+        self.oom_observers.append(observer)
+        return True
+
+    def detach_oom_observer(self, observer: Callable[[int, int, int, int], None]) -> None:
+        try:
+            self.oom_observers.remove(observer)
+        except ValueError:
+            pass
+
+    def memory_snapshot(self) -> dict[str, Any]:
+        """The state in the shape of torch.cuda.memory._snapshot()."""
+        segments = []
+        addr = 0x7F0000000000
+        for seg in self.snapshot():
+            blocks = []
+            base = addr
+            for b in seg.get("blocks", ()):
+                size = int(b.get("size", 0))
+                state = b.get("state", "inactive")
+                blocks.append({"address": addr, "size": size, "requested_size": size, "state": state, "frames": []})
+                addr += size
+            total = int(seg.get("total_size", addr - base))
+            allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+            segments.append(
+                {
+                    "device": int(seg.get("device", 0)),
+                    "address": base,
+                    "total_size": total,
+                    "allocated_size": allocated,
+                    "active_size": allocated,
+                    "requested_size": allocated,
+                    "stream": 0,
+                    "segment_type": "large",
+                    "segment_pool_id": (0, 0),
+                    "is_expandable": False,
+                    "frames": [],
+                    "blocks": blocks,
+                }
+            )
+            addr = base + total + (2 << 20)
+        return {
+            "segments": segments,
+            "device_traces": [[] for _ in self.devices()],
+            "allocator_settings": {},
+            "external_annotations": [],
+        }
+
+    def record_memory_history(self, max_entries: int) -> None:
+        pass  # the simulated allocator keeps no history
+
+    def release_cache(self, devices: tuple[int, ...]) -> None:
+        for dev in devices:
+            self.empty_cache(dev)
+
     # --- driving it ---
     def init(self, device: int = 0) -> None:
         """What creating the first tensor on a device does: the device becomes visible to the sampler."""

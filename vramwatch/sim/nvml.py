@@ -112,12 +112,10 @@ class SimNvml:
     def _processes(self, node: SimNode, gpu: Any) -> list[tuple[int, int]]:
         out = []
         for s in self._samples():
-            data = getattr(s, "data", s)
-            pid = int(getattr(s, "pid", 0) or data.get("pid", 0))
-            for dev in data.get("devices") or ():
-                if dev.get("uuid") == gpu.uuid:
-                    reserved = (dev.get("values") or {}).get("torch_cuda_memory_reserved_bytes", 0)
-                    out.append((pid, int(reserved) + node.context_bytes))
+            for dev in s.devices:
+                if dev.uuid == gpu.uuid:
+                    reserved = dev.values.get("torch_cuda_memory_reserved_bytes", 0)
+                    out.append((s.pid, int(reserved) + node.context_bytes))
                     break
         for f in node.foreign:
             if int(f.get("gpu", -1)) == gpu.index:

@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
@@ -208,9 +209,7 @@ class NvmlCollector(Collector[NvmlSnapshot]):
         snap, ok = self._read(tick)
         if snap is not None:
             # power / free memory for the ranks' console status line (never raises)
-            from vramwatch.rank.status import write_readings
-
-            write_readings(self.settings.resolved_spool_dir(), snap)
+            spool.write_node_readings(self.settings.resolved_spool_dir(), status_readings(snap))
         if not ok:
             raise ReadFailed(snap)
         return snap
@@ -368,14 +367,23 @@ def _reading(d: nb.Device, up: bool, values: Mapping[Key, float]) -> GpuReading:
     return GpuReading(d.index, d.uuid, d.name, d.pci_bus_id, d.mig_mode, up, values)
 
 
+def status_readings(snap: NvmlSnapshot) -> list[spool.GpuReadings]:
+    """Power and free memory of the GPUs that answered, for the ranks' console status lines."""
+    return [
+        spool.GpuReadings(g.uuid, g.values.get(("gpu_power_watts", "")), g.values.get(("gpu_memory_free_bytes", "")))
+        for g in snap.gpus
+        if g.up
+    ]
+
+
 def reserved_by_uuid(ctx: ScrapeContext) -> dict[str, float]:
     """Sum of the ranks' reserved bytes per GPU uuid."""
     out: dict[str, float] = {}
     for s in ctx.samples:
-        for dev in s.data.get("devices") or ():
-            v = (dev.get("values") or {}).get("torch_cuda_memory_reserved_bytes")
-            if dev.get("uuid") and isinstance(v, (int, float)):
-                out[str(dev["uuid"])] = out.get(str(dev["uuid"]), 0.0) + float(v)
+        for dev in s.devices:
+            v = dev.values.get("torch_cuda_memory_reserved_bytes")
+            if dev.uuid and v is not None:
+                out[dev.uuid] = out.get(dev.uuid, 0.0) + v
     return out
 
 

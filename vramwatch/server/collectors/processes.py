@@ -121,13 +121,11 @@ def process_families(snap: tuple[GpuProcesses, ...], ctx: ScrapeContext, job_onl
     rank_pids: set[int] = set()
     ranks_on: dict[str, list[float]] = {}
     for s in ctx.samples:
-        rank_pids.add(int(s.pid))
-        if isinstance(s.data.get("pid"), int):
-            rank_pids.add(s.data["pid"])
-        for dev in s.data.get("devices") or ():
-            if dev.get("uuid"):
-                reserved = (dev.get("values") or {}).get("torch_cuda_memory_reserved_bytes", 0.0)
-                ranks_on.setdefault(str(dev["uuid"]), []).append(float(reserved or 0.0))
+        rank_pids.add(s.pid)
+        for dev in s.devices:
+            if dev.uuid:
+                reserved = dev.values.get("torch_cuda_memory_reserved_bytes", 0.0)
+                ranks_on.setdefault(dev.uuid, []).append(reserved)
     for g in snap:
         if job_only and g.uuid not in ranks_on:
             continue

@@ -134,8 +134,8 @@ def ranks_on(spool_dir: str, max_ranks: int, uuid: str) -> list[tuple[str, int]]
 
     out = []
     for s in read_samples(spool_dir, max_ranks, reap=False):
-        if any(d.get("uuid") == uuid for d in s.data.get("devices") or ()):
-            out.append((str(s.data.get("rank", s.rank)), int((s.data.get("heartbeat") or {}).get("steps", 0))))
+        if any(d.uuid == uuid for d in s.devices):
+            out.append((str(s.rank), s.heartbeat.steps))
     return out
 
 
@@ -340,4 +340,4 @@ def xid_families(rows: Iterable[XidCount], ctx: ScrapeContext, job_only: bool = 
 
 def job_uuids(ctx: ScrapeContext) -> set[str]:
     """GPUs the job's ranks use, from their samples."""
-    return {str(d.get("uuid")) for s in ctx.samples for d in s.data.get("devices") or () if d.get("uuid")}
+    return {d.uuid for s in ctx.samples for d in s.devices if d.uuid}

@@ -1,0 +1,88 @@
+"""Starting the node's server from a rank when none runs (``serve="auto"``).
+
+Eight local ranks finding no server at once: only the one holding the spool's spawn lock starts
+it. A server that exits is restarted with a doubling backoff (at most ``SPAWN_BACKOFF_MAX``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from vramwatch import spool
+from vramwatch._once import OnceLog
+from vramwatch.config import Settings
+
+SPAWN_BACKOFF_MAX = 60.0
+
+
+class ServerSpawner:
+    def __init__(self, settings: Settings, spool_dir: str, log_once: OnceLog) -> None:
+        self.settings = settings
+        self.spool_dir = spool_dir
+        self.log_once = log_once
+        self._proc: subprocess.Popen | None = None
+        self._spawn_lock_fd: int | None = None
+        self._next_check = 0.0
+        self._backoff = 2.0
+
+    def ensure(self) -> None:
+        """Called on each tick: start a server if none runs and it is this rank's turn."""
+        if self.settings.serve != "auto":
+            return
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            self._next_check = now + 5.0
+            return
+        if spool.server_running(self.spool_dir):
+            self._proc = None
+            self.release()
+            self._backoff = 2.0
+            self._next_check = now + 5.0
+            return
+        if proc is not None:  # ours exited and no server runs: back off before the next try
+            self.log_once(
+                "server-exit",
+                "vramwatch: the server exited with %s; see %s",
+                proc.returncode,
+                os.path.join(self.spool_dir, spool.SERVER_LOG),
+            )
+            self._backoff = min(self._backoff * 2, SPAWN_BACKOFF_MAX)
+        elif self._spawn_lock_fd is None:
+            self._spawn_lock_fd = spool.hold_spawn_lock(self.spool_dir)
+            if self._spawn_lock_fd is None:
+                self._next_check = now + 2.0
+                return
+        self._proc = spawn_server(self.settings, self.spool_dir)
+        self._next_check = now + self._backoff
+
+    def release(self) -> None:
+        if self._spawn_lock_fd is not None:
+            os.close(self._spawn_lock_fd)
+            self._spawn_lock_fd = None
+
+
+def spawn_server(settings: Settings, spool_dir: str) -> subprocess.Popen:
+    """Start ``vramwatch serve`` for the node, in its own session, exiting once the ranks are gone."""
+    env = dict(os.environ)
+    env.update(settings.to_env())
+    env["VRAMWATCH_SPOOL_DIR"] = spool_dir
+    env.pop("VRAMWATCH_CONFIG_FILE", None)  # already resolved into the variables above
+    logf = open(os.path.join(spool_dir, spool.SERVER_LOG), "ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "vramwatch", "serve", "--exit-when-idle"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        logf.close()

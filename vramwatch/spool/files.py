@@ -1,0 +1,121 @@
+"""The spool directory's file names, its locks and the framing of a rank's sample file.
+
+Every file in the spool is named here and nowhere else:
+
+- ``rank-<rank>-<pid>.json``: one rank's newest sample, rewritten in place on every publish
+  (a length + CRC header lets a reader detect a write in progress);
+- ``rank-<rank>-<pid>.lock``: held with ``flock`` by the rank for its whole life. The kernel drops
+  the lock when the process dies, however it dies (SIGKILL included), so a reader can tell a
+  wedged rank (lock held, sample ageing) from a dead one (lock free: its files are reaped);
+- ``server.lock``: held the same way by the node's server, so ranks can tell whether one runs;
+- ``server.json``: the running server's address and pid;
+- ``spawn.lock``: held by the one rank that starts the server when none runs;
+- ``server.log``: the spawned server's stdout and stderr;
+- ``nvml.json``: the server's NVML readings for the ranks' status lines (:mod:`.readings`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import struct
+import zlib
+
+SERVER_LOCK = "server.lock"
+SERVER_INFO = "server.json"
+SPAWN_LOCK = "spawn.lock"
+SERVER_LOG = "server.log"
+NODE_READINGS = "nvml.json"
+
+RANK_FILE = re.compile(r"^rank-(\d+)-(\d+)\.json$")
+
+_MAGIC = b"VWS1"
+_HEADER = struct.Struct("<4sII")  # magic, payload length, CRC32 of the payload
+
+
+def rank_stem(rank: int, pid: int) -> str:
+    return f"rank-{rank}-{pid}"
+
+
+def sample_path(spool_dir: str, stem: str) -> str:
+    return os.path.join(spool_dir, stem + ".json")
+
+
+def lock_path_of(sample_file: str) -> str:
+    """The lock beside a rank's sample file."""
+    return sample_file[: -len(".json")] + ".lock"
+
+
+def ensure_dir(path: str) -> None:
+    """Make the spool private (0700). In a world-writable parent such as /dev/shm anyone could have made the
+    directory first, to read the samples or plant fake ones: one owned by another user there is refused."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    uid = os.getuid()
+    st, lst = os.stat(path), os.lstat(path)
+    if uid not in (st.st_uid, lst.st_uid) or st.st_uid != lst.st_uid:
+        parent = os.stat(os.path.dirname(os.path.abspath(path)) or "/")
+        if parent.st_mode & 0o002:
+            raise PermissionError(
+                f"spool {path} belongs to uid {st.st_uid}, in a world-writable directory; remove it or set spool_dir"
+            )
+    elif st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def lock_is_free(path: str) -> bool:
+    """True if nobody holds ``path``'s flock (we take and drop it at once)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing releases the lock if we took it
+    return True
+
+
+def hold_lock(path: str) -> int | None:
+    """Open and lock ``path`` for the life of the process; None if another holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def server_running(spool_dir: str) -> bool:
+    return not lock_is_free(os.path.join(spool_dir, SERVER_LOCK))
+
+
+def hold_spawn_lock(spool_dir: str) -> int | None:
+    return hold_lock(os.path.join(spool_dir, SPAWN_LOCK))
+
+
+def frame(payload: bytes) -> bytes:
+    """A record: header (magic, length, CRC) then the payload."""
+    return _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def unframe(raw: bytes) -> bytes | None:
+    """The payload of a complete record, or None (a write in progress, or not a record)."""
+    if len(raw) < _HEADER.size:
+        return None
+    magic, length, crc = _HEADER.unpack_from(raw)
+    payload = raw[_HEADER.size : _HEADER.size + length]
+    if magic == _MAGIC and len(payload) == length and zlib.crc32(payload) == crc:
+        return payload
+    return None
+
+
+def remove_quietly(*paths: str) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass

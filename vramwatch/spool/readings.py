@@ -1,0 +1,75 @@
+"""The server's NVML readings for the ranks' console status lines (``nvml.json``).
+
+The server writes them after each NVML read (the real library or the simulated GPU alike); a rank
+reads them on its sampler thread, so the training process never calls NVML itself. Plain JSON,
+replaced atomically: ``{"time": <unix seconds>, "gpus": [{"uuid": "GPU-...", "power_watts":
+212.0, "memory_free_bytes": 2.9e9}, ...]}``. Readings older than :data:`STALE_AFTER` seconds are
+ignored (a server that stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vramwatch.spool.files import NODE_READINGS
+
+STALE_AFTER = 30.0
+
+log = logging.getLogger("vramwatch")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReadings:
+    """What NVML said of one GPU; None where it said nothing."""
+
+    uuid: str
+    power_watts: float | None = None
+    memory_free_bytes: float | None = None
+
+
+def write_node_readings(spool_dir: str, gpus: Iterable[GpuReadings], now: float | None = None) -> None:
+    """Replace the readings file atomically; never raises (the status line is a convenience)."""
+    try:
+        doc: dict[str, Any] = {"time": time.time() if now is None else now, "gpus": []}
+        for g in gpus:
+            entry: dict[str, Any] = {"uuid": g.uuid}
+            if g.power_watts is not None:
+                entry["power_watts"] = float(g.power_watts)
+            if g.memory_free_bytes is not None:
+                entry["memory_free_bytes"] = float(g.memory_free_bytes)
+            doc["gpus"].append(entry)
+        path = os.path.join(spool_dir, NODE_READINGS)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh)
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 - disk full, a spool removed under us: ranks just show less
+        log.debug("vramwatch: writing %s failed: %r", NODE_READINGS, e)
+
+
+def read_node_readings(spool_dir: str, now: float | None = None) -> dict[str, GpuReadings]:
+    """uuid -> readings, from a fresh readings file; empty when there is none."""
+    now = time.time() if now is None else now
+    out: dict[str, GpuReadings] = {}
+    try:
+        with open(os.path.join(spool_dir, NODE_READINGS), encoding="utf-8") as fh:
+            doc = json.load(fh)
+        if now - float(doc.get("time", 0)) > STALE_AFTER:
+            return out
+        for g in doc.get("gpus") or []:
+            if g.get("uuid"):
+                uuid = str(g["uuid"])
+                out[uuid] = GpuReadings(uuid, _number(g.get("power_watts")), _number(g.get("memory_free_bytes")))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    return out
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None

@@ -1,0 +1,88 @@
+"""What a rank publishes: one typed sample per interval, versioned.
+
+The rank builds a :class:`RankSample`; the server reads one back per live rank. Both sides use
+these types and nothing else: the JSON they travel as is :mod:`.codec`'s business alone.
+Bump :data:`SCHEMA_VERSION` when a field changes meaning or a required one is added; a reader
+rejects samples of any other version (logged and counted), so a job and a server of different
+vramwatch versions never misread each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSample:
+    """One CUDA device of the rank, as its allocator saw it."""
+
+    device: int  # CUDA index inside the process
+    uuid: str  # GPU-... or MIG-...: the join key with NVML's series
+    values: Mapping[str, float]  # contract family name -> value
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorInfo:
+    """The allocator settings in force (labels of ``torch_cuda_allocator_info``)."""
+
+    backend: str
+    expandable_segments: str
+    garbage_collection_threshold: str
+    max_split_size_mb: str
+
+    def labels(self) -> tuple[str, str, str, str]:
+        """The label values, in the contract's order."""
+        return (self.backend, self.expandable_segments, self.garbage_collection_threshold, self.max_split_size_mb)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatSnapshot:
+    """The job's steps: count, last step time, step-duration histogram, last loss and grad norm."""
+
+    steps: int = 0
+    last_step_time: float = 0.0
+    buckets: tuple[float, ...] = ()  # upper bounds, +Inf left out
+    counts: tuple[int, ...] = ()  # one per bucket, then the +Inf one
+    sum: float = 0.0
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorHealth:
+    """Self-health of a collector that runs inside the rank (the allocator sampler)."""
+
+    up: int
+    errors: int
+    duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class OomSnapshot:
+    """The newest memory snapshot the rank wrote after an OOM."""
+
+    path: str
+    time: float
+
+
+@dataclass(frozen=True, slots=True)
+class RankSample:
+    """One rank's state at ``time``."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    hostname: str
+    pid: int
+    time: float  # unix seconds when it was taken
+    devices: tuple[DeviceSample, ...] = ()
+    allocator_info: AllocatorInfo | None = None
+    heartbeat: HeartbeatSnapshot = HeartbeatSnapshot()
+    collectors: Mapping[str, CollectorHealth] = field(default_factory=dict)
+    oom_snapshot: OomSnapshot | None = None
+
+    def age(self, now: float) -> float:
+        return max(0.0, now - self.time)
