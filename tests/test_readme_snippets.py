@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import sys
+from types import ModuleType
 
 import pytest
 from harness import ROOT, wait_until
@@ -22,6 +25,19 @@ def blocks():
         body = text[start : end if end >= 0 else None]
         out += re.findall(r"^```python\n(.*?)^```", body, flags=re.S | re.M)
     return out
+
+
+def _integration_tests(name: str) -> ModuleType:
+    """tests/integrations/<name>.py, whose tiny models the snippets train. Loaded by path: pytest puts that
+    folder on sys.path only once it has collected a test from it."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "integrations" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_readme_has_the_three_ways_in():
@@ -89,7 +105,8 @@ def test_options_snippet(env):
 def test_trainer_snippet(env, tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from test_integrations_hf import TinyLM, tiny_model
+    hf_tests = _integration_tests("test_hf")
+    TinyLM, tiny_model = hf_tests.TinyLM, hf_tests.tiny_model
 
     exp, handles = env
     args = transformers.TrainingArguments(
@@ -112,7 +129,7 @@ def test_trainer_snippet(env, tmp_path):
 
 def test_lightning_snippet(env):
     pytest.importorskip("lightning")
-    from test_integrations_lightning import Tiny
+    Tiny = _integration_tests("test_lightning").Tiny
 
     exp, handles = env
     model = Tiny()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 GIB = 1 << 30
 
@@ -111,7 +112,7 @@ class MonitoringConfig:
 
     def scaled(self, factor: float) -> MonitoringConfig:
         """The same rules on a faster (factor < 1) or slower clock: every time quantity times factor."""
-        changes: dict[str, object] = {}
+        changes: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name.endswith(("_for", "_window")) and v:

@@ -27,7 +27,7 @@ from vramwatch.monitoring.alerts.promql import (
 from vramwatch.monitoring.config import MonitoringConfig
 
 
-def _levels(cfg: MonitoringConfig):
+def _levels(cfg: MonitoringConfig) -> tuple[tuple[str, float, str], ...]:
     return (
         (WARNING, cfg.memory_warning_ratio, cfg.memory_warning_for),
         (CRITICAL, cfg.memory_critical_ratio, cfg.memory_critical_for),
