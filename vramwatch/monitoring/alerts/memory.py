@@ -1,4 +1,4 @@
-"""GPU memory: the field notes' 85% warning / 95% page, on the two ratios that matter.
+"""GPU memory: a warning at 85% and a page at 95%, on the two ratios that matter.
 
 - ``GPUMemoryUsageHigh``: NVML used / total of the card. It counts every process on the card
   (other jobs, CUDA contexts, NCCL buffers), so it is the one that sees a neighbour filling the card.
