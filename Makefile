@@ -8,7 +8,7 @@ PROMETHEUS   := $(TOOLS)/usr/bin/prometheus
 ALERTMANAGER := $(TOOLS)/usr/bin/prometheus-alertmanager
 export TEST_TOOLS_DIR := $(abspath $(TOOLS))/usr/bin
 
-.PHONY: demo test venv tools lint docs generate check-generated gpu-test clean
+.PHONY: demo test venv tools lint typecheck docs generate check-generated gpu-test clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -59,13 +59,19 @@ $(PROMETHEUS) $(ALERTMANAGER):
 demo: venv tools
 	$(BIN)/python scripts/demo_stack.py $(DEMO_ARGS)
 
-test: venv tools
-	$(BIN)/ruff check vramwatch tests
+# The gates, in order of cost: lint and format, types, generated docs, then the tests.
+test: lint typecheck tools
 	$(BIN)/python -m vramwatch docs --check
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
+# Every Python file of the repository (ruff skips what .gitignore names, such as the venv).
 lint: venv
-	$(BIN)/ruff check vramwatch tests
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# The whole package; how strict, per module, is [tool.mypy] in pyproject.toml.
+typecheck: venv
+	$(BIN)/mypy
 
 docs: venv
 	$(BIN)/python -m vramwatch docs

@@ -1,4 +1,4 @@
-"""The field notes' 8 GB card on a big GPU: a fine-tuning-shaped run that fragments the cache, seen by vramwatch.
+"""An 8 GB card on a big GPU: a fine-tuning-shaped run that fragments the cache, seen by vramwatch.
 
     python3 benchmarks/fragmentation.py --out fragmentation.json            # real GPU, three variants
     python3 benchmarks/fragmentation.py --device cpu --seconds 3 --out f.json  # simulated GPU (harness check)
@@ -10,7 +10,7 @@ variable-length sequences padded to the batch's longest (so every step
 allocates and frees differently sized activations), a few tensors kept for a
 window of steps (as logging or metric code keeps them), and now and then a
 large contiguous request (a flat gather buffer). An OOM is caught and the step
-skipped, as the field notes' retrying code did. The run is observed only
+skipped, as training code that retries on OOM does. The run is observed only
 through vramwatch's own scrape: the parent polls ``/metrics`` and records
 allocated, reserved, fragmentation ratio, inactive split bytes, retries and
 OOMs. Three variants, each a fresh process with the same seed: the default
@@ -141,7 +141,7 @@ def run_cuda(a: dict[str, Any], vw: Any) -> dict[str, Any]:
                 big += 1
             steps += 1
         except torch.cuda.OutOfMemoryError:
-            ooms += 1  # skip the step and go on, as the field notes' retrying code did
+            ooms += 1  # skip the step and go on, as training code that retries on OOM does
             ids = x = logits = loss = buf = None  # drop the half step's tensors (no cache flush)
             opt.zero_grad(set_to_none=True)
         vw.step()

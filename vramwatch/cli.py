@@ -96,9 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger("vramwatch").setLevel(min(logging.INFO, logging.getLevelName(settings.log_level)))
             return serve(settings, exit_when_idle=args.exit_when_idle)
         if args.command == "demo":
-            from vramwatch.demo import run_demo
+            from vramwatch import demo
 
-            return run_demo(args)
+            real = demo.use_real_gpu(args.real)
+            settings, _ = settings_from_args(args, simulate=not real)
+            return demo.run_demo(settings, real=real, ranks=args.ranks, duration=args.duration)
         if args.command == "config":
             settings, sources = settings_from_args(args)
             for f in dataclasses.fields(settings):

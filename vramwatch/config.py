@@ -158,7 +158,7 @@ class Settings:
         return out
 
 
-FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Settings)}
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Settings)}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -177,11 +177,12 @@ def _shown(v: Any) -> str:
 
 def _coerce(name: str, raw: Any, source: str) -> Any:
     f = FIELDS[name]
-    kind = type(f.default)
+    kind: type = type(f.default)
 
     def fail(why: str) -> ConfigError:
         return ConfigError(f"invalid setting {name}={_shown(raw)} (from {source}): {why}")
 
+    value: Any
     try:
         if kind is bool:
             if isinstance(raw, bool):

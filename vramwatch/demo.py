@@ -6,14 +6,15 @@ the simulated GPU's scenario with several ranks, all served by one target.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
 import sys
 import time
+from types import FrameType
+from typing import NoReturn
 
-from vramwatch import cli
+from vramwatch.config import Settings
 from vramwatch.sim.state import SimNode, edit, state_path
 
 
@@ -25,26 +26,30 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def use_real_gpu(choice: str) -> bool:
+    """``--real auto|yes|no``: whether the demo trains on a CUDA GPU (it decides the settings)."""
+    return choice == "yes" or (choice == "auto" and _has_cuda())
+
+
 def _sigterm_as_interrupt() -> None:
     # SIGTERM (a supervisor, `kill`) ends the demo like Ctrl-C: ranks stopped, nothing orphaned
-    def handler(signum, frame):
+    def handler(signum: int, frame: FrameType | None) -> NoReturn:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_demo(settings: Settings, *, real: bool, ranks: int, duration: float) -> int:
+    """Train for ``duration`` seconds (0: until interrupted) on the GPU or ``ranks`` simulated ones."""
     _sigterm_as_interrupt()
-    real = args.real == "yes" or (args.real == "auto" and _has_cuda())
-    settings, _ = cli.settings_from_args(args, simulate=not real)
-    end = time.time() + args.duration if args.duration > 0 else float("inf")
+    end = time.time() + duration if duration > 0 else float("inf")
     url = f"http://{settings.host if settings.host != '0.0.0.0' else '127.0.0.1'}:{settings.port}/metrics"
     if real:
         return _real(settings, end, url)
-    return _simulated(settings, args.ranks, end, url)
+    return _simulated(settings, ranks, end, url)
 
 
-def _real(settings, end: float, url: str) -> int:
+def _real(settings: Settings, end: float, url: str) -> int:
     import torch
 
     import vramwatch
@@ -71,7 +76,7 @@ def _real(settings, end: float, url: str) -> int:
     return 0
 
 
-def _simulated(settings, ranks: int, end: float, url: str) -> int:
+def _simulated(settings: Settings, ranks: int, end: float, url: str) -> int:
     from vramwatch.sim.scenario import CYCLE, PHASES, drive_node
 
     spool_dir = settings.resolved_spool_dir()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from vramwatch.monitoring import contract
 
@@ -26,8 +27,8 @@ class MonitoringConfig:
     # PromQL label matchers selecting vramwatch's series, e.g. 'job="vramwatch"'. Empty: all.
     selector: str = ""
     # GPU memory share of the card (NVML used / total) or of the per-process budget (reserved / limit).
-    memory_warning_ratio: float = 0.85  # field notes: above 85% for 5 minutes is a warning
-    memory_critical_ratio: float = 0.95  # ... above 95% is critical and pages
+    memory_warning_ratio: float = 0.85  # above it a step's peak has little room left: someone should look
+    memory_critical_ratio: float = 0.95  # above it the next peak is likely an OOM: page
     memory_warning_for: str = "5m"
     memory_critical_for: str = "1m"
     # fragmentation worth a warning once memory is also high
@@ -53,7 +54,6 @@ class MonitoringConfig:
     # extra labels put on every alert (e.g. team="ml-infra")
     extra_labels: tuple[tuple[str, str], ...] = ()
 
-    # --- added for the alert rules (issue 5) ---
     # matchers selecting vramwatch's scrape targets in `up` (`up` exists for every target, so it needs
     # one). Matches job="vramwatch" (static, compose, deploy/kubernetes' PodMonitor) and
     # "<namespace>/vramwatch" (a PodMonitor without a job relabeling). Targets of other jobs count too
@@ -114,7 +114,7 @@ class MonitoringConfig:
 
     def scaled(self, factor: float) -> MonitoringConfig:
         """The same rules on a faster (factor < 1) or slower clock: every time quantity times factor."""
-        changes: dict[str, object] = {}
+        changes: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name.endswith(("_for", "_window")) and v:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -17,7 +18,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from vramwatch.rank.device_scalar import READ_MAX_GAP
+from vramwatch.monitoring.cadence import READ_MAX_GAP
 
 RANK = ("rank", "local_rank")
 RANK_DEVICE = ("uuid", "device", "rank", "local_rank")
@@ -42,7 +43,15 @@ class MetricSpec:
     absent_when: str = ""
 
 
-def _m(name, type_, unit, labels, help_, collector, absent_when=""):
+def _m(
+    name: str,
+    type_: str,
+    unit: str,
+    labels: Iterable[str],
+    help_: str,
+    collector: str,
+    absent_when: str = "",
+) -> MetricSpec:
     return MetricSpec(name, type_, unit, tuple(labels), help_, collector, absent_when)
 
 
@@ -536,8 +545,12 @@ def _base(s: MetricSpec) -> str:
     return s.name
 
 
-def family(name: str):
-    """A fresh metric family for ``name`` with the contract's help and labels."""
+def family(name: str) -> Any:
+    """A fresh metric family for ``name`` with the contract's help and labels.
+
+    Typed ``Any``: which family class it is depends on the name's spec, and callers call the class's own
+    ``add_metric``.
+    """
     s = BY_NAME[name]
     labels = list(s.labels)
     if s.type == "counter":

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import matplotlib
 
@@ -13,8 +15,12 @@ matplotlib.use("Agg")  # no display: render to PNG only
 
 import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
+from matplotlib.artist import Artist
+from matplotlib.axes import Axes
+from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
+from matplotlib.transforms import Bbox
 
 from vramwatch.monitoring.dashboards.walk import Axis, PanelSpec, TimeContext
 from vramwatch.report.data import AnnotationResult, PanelResult, legend
@@ -146,7 +152,7 @@ def _png(fig: Figure) -> tuple[bytes, int, int]:
     return buf.getvalue(), int(w), int(h)
 
 
-def _no_data(ax, text: str) -> None:
+def _no_data(ax: Axes, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#888888", fontsize=11)
     ax.set_xticks([])
     ax.set_yticks([])
@@ -154,11 +160,12 @@ def _no_data(ax, text: str) -> None:
         s.set_visible(False)
 
 
-def _dt(ts: list[float]) -> list[datetime]:
+def _dt(ts: list[float]) -> Any:
+    # Typed Any: matplotlib's stubs take floats, though its unit registry plots datetimes.
     return [datetime.fromtimestamp(t, tz=UTC) for t in ts]
 
 
-def _limits(ax, axis: Axis) -> None:
+def _limits(ax: Axes, axis: Axis) -> None:
     lo, hi = ax.get_ylim()
     ax.set_ylim(axis.min if axis.min is not None else lo, axis.max if axis.max is not None else hi)
     for value, col in axis.thresholds:
@@ -168,11 +175,12 @@ def _limits(ax, axis: Axis) -> None:
 # --- panel types ---
 
 
-def timeseries(res: PanelResult, tc: TimeContext, annotations: list[AnnotationResult] = ()) -> Figure:
+def timeseries(res: PanelResult, tc: TimeContext, annotations: Sequence[AnnotationResult] = ()) -> Figure:
     p = res.panel
     fig, ax = _figure(3.1)
     right = ax.twinx() if p.right else None
-    handles, n = [], 0
+    handles: list[Artist | BarContainer] = []
+    n = 0
     bar_series = sum(len(r.series) for r in res.results) if p.bars else 0
     for r in res.results:
         target_ax = right if (right is not None and r.target.ref in p.right) else ax
@@ -184,7 +192,7 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: list[AnnotationRe
             style = "--" if r.target.ref in p.dashed else "-"
             if p.bars:  # side by side within each step (matplotlib dates are days)
                 width = tc.step / 86400.0 * 0.9 / bar_series
-                h = target_ax.bar(
+                h: Artist | BarContainer = target_ax.bar(
                     [mdates.date2num(t) + (n - 1) * width for t in x],
                     y,
                     width=width,
@@ -234,12 +242,12 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: list[AnnotationRe
     loc = mdates.AutoDateLocator(minticks=3, maxticks=7, tz=UTC)
     ax.xaxis.set_major_locator(loc)
     ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(loc, tz=UTC, show_offset=False))
-    for a in (ax, right):
-        if a is not None:
-            a.tick_params(labelsize=7)
+    for axes in (ax, right):
+        if axes is not None:
+            axes.tick_params(labelsize=7)
     ax.grid(True, alpha=0.25)
     shown = handles[:MAX_LEGEND]
-    labels = [h.get_label() for h in shown]
+    labels = [str(h.get_label()) for h in shown]
     if len(handles) > MAX_LEGEND:
         labels[-1] += f" (+{len(handles) - MAX_LEGEND} more)"
     ncol = 2 if len(shown) > 3 else 1
@@ -319,7 +327,7 @@ def table(res: PanelResult) -> Figure:
         colWidths=[c / sum(chars) for c in chars],
         cellLoc="left",
         colLoc="left",
-        bbox=(0, 0, 1, 1),
+        bbox=Bbox.from_bounds(0, 0, 1, 1),
     )
     tab.auto_set_font_size(False)
     tab.set_fontsize(8)
@@ -388,7 +396,7 @@ def bargauge(res: PanelResult) -> Figure:
     return fig
 
 
-def draw(res: PanelResult, tc: TimeContext, annotations: list[AnnotationResult] = ()) -> Figure:
+def draw(res: PanelResult, tc: TimeContext, annotations: Sequence[AnnotationResult] = ()) -> Figure:
     p: PanelSpec = res.panel
     if p.type == "timeseries":
         return timeseries(res, tc, annotations)
@@ -403,7 +411,7 @@ def draw(res: PanelResult, tc: TimeContext, annotations: list[AnnotationResult] 
     return fig
 
 
-def chart(res: PanelResult, tc: TimeContext, annotations: list[AnnotationResult] = ()) -> Chart:
+def chart(res: PanelResult, tc: TimeContext, annotations: Sequence[AnnotationResult] = ()) -> Chart:
     fig = draw(res, tc, annotations)
     png, w, h = _png(fig)
     notes = res.errors or ([] if res.series_count else ["no data"])

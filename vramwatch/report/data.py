@@ -118,10 +118,11 @@ def run_annotation(client: PromClient, ann: Annotation, values: dict[str, str], 
         series = client.query_range(expr, tc.start, tc.end, step)
     except PromError as e:
         return AnnotationResult(ann, [], str(e))
-    events = []
+    events: list[tuple[float, float, str]] = []
     title_target = Target("", "", ann.title_format, False)
     for s in series:
-        run_start = prev = None
+        run_start: float | None = None
+        prev = 0.0  # set with run_start
         for t in s.times:
             if run_start is None:
                 run_start = prev = t

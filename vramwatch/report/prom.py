@@ -29,7 +29,7 @@ class PromClient:
         if parts.username is not None:  # http://user:password@host:9090
             cred = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
             self.headers["Authorization"] = "Basic " + base64.b64encode(cred.encode()).decode()
-            netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+            netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
             parts = parts._replace(netloc=netloc)
         self.base = urllib.parse.urlunsplit(parts).rstrip("/")
         self.timeout = timeout

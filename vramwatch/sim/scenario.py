@@ -1,4 +1,4 @@
-"""The demo's story, on the simulated GPU: what the field notes describe, in two minutes.
+"""The demo's story, on the simulated GPU: a fine-tuning job running short of memory, then hanging, in two minutes.
 
 One cycle of ``CYCLE`` seconds, the same clock for every rank and the node:
 warm-up fills memory; fine-tuning fragments the cache (reserved climbs above
@@ -78,7 +78,7 @@ class RankStory:
                     self._oom_cycle = int(t // CYCLE)
                     sim.allocate(int(self.limit * 0.2))  # ... and once a cycle one that cannot fit at all
         except SimOutOfMemoryError:
-            pass  # the job catches it and retries the step, as in the field notes
+            pass  # the job catches it and retries the step, as training loops that survive OOMs do
         sim.free(sim.allocated() - self.held)
         if p == "finetune" and self.steps % 10 == 0:
             sim.fragment(int(0.05 * GIB))  # scattered pieces left in split segments

@@ -128,9 +128,6 @@ class SimNode:
     def add_foreign(self, gpu: int, pid: int, used_bytes: int) -> None:
         self.foreign.append({"gpu": int(gpu), "pid": int(pid), "used_bytes": int(used_bytes)})
 
-    def clear_foreign(self, gpu: int | None = None) -> None:
-        self.foreign = [f for f in self.foreign if gpu is not None and f.get("gpu") != gpu]
-
     def inject_error(self, function: str, code: int, gpu: int | None = None) -> None:
         """Make NVML ``function`` (or ``"*"``: every per-device call) raise NVMLError(code)."""
         self.errors[_error_key(function, gpu)] = int(code)

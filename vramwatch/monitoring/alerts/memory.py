@@ -1,4 +1,4 @@
-"""GPU memory: the field notes' 85% warning / 95% page, on the two ratios that matter.
+"""GPU memory: a warning at 85% and a page at 95%, on the two ratios that matter.
 
 - ``GPUMemoryUsageHigh``: NVML used / total of the card. It counts every process on the card
   (other jobs, CUDA contexts, NCCL buffers), so it is the one that sees a neighbour filling the card.
@@ -27,7 +27,7 @@ from vramwatch.monitoring.alerts.promql import (
 from vramwatch.monitoring.config import MonitoringConfig
 
 
-def _levels(cfg: MonitoringConfig):
+def _levels(cfg: MonitoringConfig) -> tuple[tuple[str, float, str], ...]:
     return (
         (WARNING, cfg.memory_warning_ratio, cfg.memory_warning_for),
         (CRITICAL, cfg.memory_critical_ratio, cfg.memory_critical_for),

@@ -7,7 +7,7 @@ to ``stall_min_seconds``: a heartbeat older than the window is a stall whatever 
 Split by what the rank's GPU does (rank series join GPU series on ``uuid`` through the allocator's
 series, which carry both the rank and the GPU):
 
-- busy stall (critical): utilisation high and power low, the field notes' hang signature (a
+- busy stall (critical): utilisation high and power low, the signature of a hang (a
   deadlocked collective spins at 100% "utilisation" drawing little power);
 - idle stall (warning): anything else, including ranks without an NVML reading.
 """

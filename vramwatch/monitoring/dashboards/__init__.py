@@ -6,7 +6,12 @@ the JSON files under ``deploy/`` and the report walks the same models.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
+
+if TYPE_CHECKING:
+    from grafana_foundation_sdk.models.dashboard import Dashboard
 
 __all__ = ["build_all", "MODULES"]
 
@@ -18,7 +23,7 @@ MODULES = (
 )
 
 
-def build_all(cfg: MonitoringConfig = DEFAULT) -> list:
+def build_all(cfg: MonitoringConfig = DEFAULT) -> list[Dashboard]:
     """The built dashboard models (``grafana_foundation_sdk.models.dashboard.Dashboard``), in order."""
     import importlib
 
@@ -30,7 +35,7 @@ def build_all(cfg: MonitoringConfig = DEFAULT) -> list:
     return out
 
 
-def _number_panels(model) -> None:
+def _number_panels(model: Dashboard) -> None:
     # Grafana wants unique panel ids; the builder leaves them unset (rows get 0)
     for i, p in enumerate(model.panels or (), start=1):
         p.id_val = i

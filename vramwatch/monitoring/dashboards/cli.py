@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             if m.uid == args.uid:
                 sys.stdout.write(render.dashboard_json(m))
                 return 0
-        print(f"no dashboard {args.uid!r}; known: {', '.join(m.uid for m in models)}", file=sys.stderr)
+        print(f"no dashboard {args.uid!r}; known: {', '.join(str(m.uid) for m in models)}", file=sys.stderr)
         return 2
     for m in models:
         print(f"{m.uid:28} {m.title}")

@@ -192,7 +192,7 @@ def ts(
     title: str,
     description: str,
     unit: str,
-    targets: list,
+    targets: list[prometheus.Dataquery],
     *,
     span: int = 12,
     height: int = 8,
@@ -277,7 +277,7 @@ def dashed(p: timeseries.Panel, ref: str, color: str | None = None) -> timeserie
 def table_panel(
     title: str,
     description: str,
-    targets: list,
+    targets: list[prometheus.Dataquery],
     *,
     unit: str = units.Short,
     span: int = 12,
@@ -329,14 +329,15 @@ def table_panel(
     cell = cm.TableColoredBackgroundCellOptions(mode=cm.TableCellBackgroundDisplayMode.BASIC)
     if limits is not None and not color_columns:
         p = p.thresholds(limits).cell_options(cell)
-    for col in color_columns if limits is not None else ():
-        p = p.override_by_name(
-            col,
-            [
-                DynamicConfigValue(id_val="thresholds", value=limits.build()),
-                DynamicConfigValue(id_val="custom.cellOptions", value=cell),
-            ],
-        )
+    if limits is not None:
+        for col in color_columns:
+            p = p.override_by_name(
+                col,
+                [
+                    DynamicConfigValue(id_val="thresholds", value=limits.build()),
+                    DynamicConfigValue(id_val="custom.cellOptions", value=cell),
+                ],
+            )
     if sort_by:
         p = p.sort_by([cb.TableSortByFieldState().display_name(sort_by).desc(sort_desc)])
     return p
@@ -345,7 +346,7 @@ def table_panel(
 def stat_panel(
     title: str,
     description: str,
-    target,
+    target: prometheus.Dataquery,
     *,
     unit: str = units.Short,
     span: int = 6,
@@ -371,7 +372,7 @@ def stat_panel(
 def bar_panel(
     title: str,
     description: str,
-    target,
+    target: prometheus.Dataquery,
     *,
     unit: str = units.Short,
     span: int = 12,

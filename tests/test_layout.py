@@ -1,0 +1,181 @@
+"""The package's layout rules, read from the source (every import, also those inside functions).
+
+- the rank side (vramwatch.rank, vramwatch.integrations) and the server side (vramwatch.server) do not
+  import each other: they meet only through vramwatch.spool;
+- vramwatch.monitoring (the contract, alerts, dashboards) imports neither side;
+- no import cycles between the package's modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "vramwatch"
+
+RANK_SIDE = ("vramwatch.rank", "vramwatch.integrations")
+SERVER_SIDE = ("vramwatch.server",)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES: dict[str, Path] = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _known(name: str) -> str | None:
+    """``name`` or its nearest enclosing module of the package (``a.b.attr`` -> ``a.b``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(module: str) -> Iterator[tuple[str, int]]:
+    """(imported package module, line) for every import in ``module``'s source, at any depth."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _known(alias.name)
+                if target is not None:
+                    yield target, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from .x import y
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if not _within(source, ("vramwatch",)):
+                continue
+            for alias in node.names:
+                # `from pkg import name` imports the submodule pkg.name when there is one
+                sub = f"{source}.{alias.name}"
+                target = sub if sub in MODULES else _known(source)
+                if target is not None:
+                    yield target, node.lineno
+
+
+GRAPH: dict[str, dict[str, int]] = {}
+for _m in MODULES:
+    GRAPH[_m] = {}
+    for _target, _line in imports(_m):
+        if _target != _m:
+            GRAPH[_m].setdefault(_target, _line)
+
+
+def _where(module: str, target: str) -> str:
+    return f"{MODULES[module].relative_to(ROOT)}:{GRAPH[module][target]}"
+
+
+def _crossings(importers: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    return [
+        f"{_where(m, t)}: {m} imports {t}"
+        for m in GRAPH
+        if _within(m, importers)
+        for t in GRAPH[m]
+        if _within(t, forbidden)
+    ]
+
+
+def test_the_rank_side_does_not_import_the_server_side() -> None:
+    assert _crossings(RANK_SIDE, SERVER_SIDE) == []
+
+
+def test_the_server_side_does_not_import_the_rank_side() -> None:
+    assert _crossings(SERVER_SIDE, RANK_SIDE) == []
+
+
+def test_monitoring_imports_neither_side() -> None:
+    assert _crossings(("vramwatch.monitoring",), RANK_SIDE + SERVER_SIDE) == []
+
+
+def _cycles() -> list[list[str]]:
+    """One cycle (a path that returns to its start) per strongly connected component of the graph.
+
+    Importing a submodule runs its package's __init__ first, so the edge package -> child (the
+    __init__ importing its own submodule) is how packages work, not a cycle; it is left out.
+    """
+
+    def edges(m: str) -> list[str]:
+        return [t for t in GRAPH[m] if not (_is_package(m) and t.startswith(m + "."))]
+
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(m: str) -> None:  # Tarjan's algorithm
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for t in edges(m):
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in on_stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == m:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for m in sorted(GRAPH):
+        if m not in index:
+            visit(m)
+
+    def path_back(start: str, members: set[str]) -> list[str]:
+        # breadth-first within the component: the shortest way from start back to start
+        previous: dict[str, str] = {}
+        frontier = [start]
+        while frontier:
+            nxt = []
+            for m in frontier:
+                for t in edges(m):
+                    if t not in members:
+                        continue
+                    if t == start:
+                        path = [m]
+                        while path[-1] != start:
+                            path.append(previous[path[-1]])
+                        return [start, *reversed(path[:-1]), start]
+                    if t not in previous:
+                        previous[t] = m
+                        nxt.append(t)
+            frontier = nxt
+        raise AssertionError(f"no cycle through {start}")
+
+    return [path_back(c[0], set(c)) for c in components]
+
+
+def test_no_import_cycles() -> None:
+    described = [
+        " -> ".join(cycle) + "\n    " + ", ".join(_where(a, b) for a, b in zip(cycle, cycle[1:], strict=False))
+        for cycle in _cycles()
+    ]
+    assert not described, "import cycles:\n  " + "\n  ".join(described)
+
+
+def test_the_graph_sees_imports_inside_functions() -> None:
+    # the cli imports its subcommands' modules only when they run
+    assert "vramwatch.docs" in GRAPH["vramwatch.cli"]
+    assert "vramwatch.server.main" in GRAPH["vramwatch.cli"]
