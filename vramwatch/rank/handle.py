@@ -20,7 +20,8 @@ from vramwatch.config import Settings
 from vramwatch.rank.allocator import AllocatorSampler
 from vramwatch.rank.heartbeat import Heartbeat
 from vramwatch.rank.identity import RankIdentity, identify
-from vramwatch.rank.plugins import Plugins, RankContext, attach
+from vramwatch.rank.plugin_api import RankContext
+from vramwatch.rank.plugins import Plugins, attach
 from vramwatch.rank.sample import SampleAssembler
 from vramwatch.rank.sampler import SamplerThread
 from vramwatch.rank.server_spawn import ServerSpawner

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from vramwatch.rank.plugins import RankContext, SampleExtras
+from vramwatch.rank.plugin_api import RankContext, SampleExtras
 from vramwatch.spool import DeviceSample
 
 log = logging.getLogger("vramwatch")

@@ -37,7 +37,7 @@ from typing import Any
 
 from vramwatch._once import OnceLog
 from vramwatch.rank.allocator import AllocatorSource, ObserverUnavailable, TorchSource
-from vramwatch.rank.plugins import RankContext, SampleExtras
+from vramwatch.rank.plugin_api import RankContext, SampleExtras
 from vramwatch.spool import DeviceSample, OomSnapshot
 
 log = logging.getLogger("vramwatch")

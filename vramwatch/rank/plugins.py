@@ -3,55 +3,24 @@
 OOM forensics are always on (they cost nothing until an OOM); hygiene and the status line only when
 enabled. Each plugin may have an ``on_step()`` (the training thread, inside ``vramwatch.step()``) and
 an ``on_sample(devices)`` (the sampler thread, after each read) that RETURNS what it adds to the
-sample (:class:`SampleExtras`) instead of writing into shared state. Plugins run in order, each
-seeing the devices with the previous plugins' values added (the status line, last, sees them all).
+sample (:class:`~vramwatch.rank.plugin_api.SampleExtras`) instead of writing into shared state.
+Plugins run in order, each seeing the devices with the previous plugins' values added (the status
+line, last, sees them all).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 from vramwatch._once import OnceLog
-from vramwatch.config import Settings
-from vramwatch.rank.allocator import AllocatorSource
-from vramwatch.rank.heartbeat import Heartbeat
-from vramwatch.rank.identity import RankIdentity
+from vramwatch.rank.hygiene import Hygiene
+from vramwatch.rank.oom import OomWatcher
+from vramwatch.rank.plugin_api import Plugin, RankContext
+from vramwatch.rank.status import StatusLine
 from vramwatch.spool import DeviceSample, OomSnapshot
 
-if TYPE_CHECKING:
-    from vramwatch.rank.hygiene import Hygiene
-    from vramwatch.rank.oom import OomWatcher
-    from vramwatch.rank.status import StatusLine
-
 log = logging.getLogger("vramwatch")
-
-
-@dataclass(frozen=True, slots=True)
-class SampleExtras:
-    """What a plugin adds to one sample: values per CUDA device index, and the newest OOM snapshot."""
-
-    device_values: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
-    oom_snapshot: OomSnapshot | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RankContext:
-    """What a plugin may use of the rank it runs in."""
-
-    settings: Settings
-    identity: RankIdentity
-    heartbeat: Heartbeat
-    source: AllocatorSource
-    spool_dir: str
-    wake: Callable[[], None]  # publish a sample now (an OOM)
-
-
-class Plugin(Protocol):
-    def on_sample(self, devices: Sequence[DeviceSample]) -> SampleExtras | None: ...
-    def close(self) -> None: ...
 
 
 class Plugins:
@@ -101,10 +70,6 @@ def _merged(devices: Sequence[DeviceSample], extra: Mapping[int, Mapping[str, fl
 
 def attach(ctx: RankContext) -> Plugins:
     """The plugins the settings ask for."""
-    from vramwatch.rank.hygiene import Hygiene
-    from vramwatch.rank.oom import OomWatcher
-    from vramwatch.rank.status import StatusLine
-
     s = ctx.settings
     hygiene = Hygiene.for_rank(ctx) if s.reclaim_threshold > 0 else None
     status = StatusLine.for_rank(ctx) if s.status_every > 0 and (s.status_all_ranks or ctx.identity.rank == 0) else None

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from vramwatch.spool import DeviceSample, GpuReadings, read_node_readings
 
 if TYPE_CHECKING:
-    from vramwatch.rank.plugins import RankContext
+    from vramwatch.rank.plugin_api import RankContext
 
 GIB = float(1 << 30)
 
