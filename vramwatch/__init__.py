@@ -26,7 +26,7 @@ __all__ = ["ConfigError", "Handle", "Settings", "__version__", "current", "start
 
 T = TypeVar("T")
 _lock = threading.Lock()
-_handle: Any = None
+_handle: Handle | None = None
 log = logging.getLogger("vramwatch")
 
 

@@ -359,7 +359,7 @@ def build_ssl_context(cfg: WebConfig) -> ssl.SSLContext:
         ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     else:
         ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
-    classic = [CIPHER_SUITES[s] for s in tls.cipher_suites if CIPHER_SUITES[s]]
+    classic = [name for s in tls.cipher_suites if (name := CIPHER_SUITES[s])]
     if classic:
         try:
             ctx.set_ciphers(":".join(classic))

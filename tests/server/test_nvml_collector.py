@@ -263,7 +263,7 @@ def test_gpu_is_lost_turns_gpu_up_and_collector_up_to_zero(tmp_path, field):
     assert rig.value("gpu_power_watts", gpu=1) is None  # no stale readings for a lost GPU
     assert rig.value("gpu_info", gpu=1) == 1.0  # ... but its identity stays, for the alert's labels
     assert rig.nvml.health.up == 0 and rig.nvml.health.errors == 1
-    assert [r.count for r in rig.ledger.counts() if r.uuid == rig.node.gpu(1).uuid and r.xid == "79"] == [1.0]
+    assert [r.events for r in rig.ledger.counts() if r.uuid == rig.node.gpu(1).uuid and r.xid == "79"] == [1.0]
 
 
 @pytest.mark.parametrize("field", sorted(SITES))
@@ -385,7 +385,7 @@ def test_lost_gpu_is_probed_on_the_slow_cadence_and_comes_back(rig):
     assert rig.nv.calls["nvmlDeviceGetHandleByUUID"] == 1
     assert rig.value("gpu_up", gpu=1) == 1.0 and rig.value("gpu_power_watts", gpu=1) == 120.0
     assert rig.nvml.health.up == 1
-    lost_xids = [r for r in rig.ledger.counts() if r.xid == "79" and r.count > 0]
+    lost_xids = [r for r in rig.ledger.counts() if r.xid == "79" and r.events > 0]
     assert len(lost_xids) == 1  # one loss, one Xid 79
 
 

@@ -32,7 +32,7 @@ def make(tmp_path, count: int = 2, wait_ms: int = 100):
 
 
 def counts(ledger: XidLedger, uuid: str) -> dict[str, float]:
-    return {r.xid: r.count for r in ledger.counts() if r.uuid == uuid}
+    return {r.xid: r.events for r in ledger.counts() if r.uuid == uuid}
 
 
 # --- ledger ---

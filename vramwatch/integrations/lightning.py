@@ -32,10 +32,12 @@ def _callback_base() -> type:
 
         return Callback
     try:
-        from lightning.pytorch import Callback
+        from lightning.pytorch import Callback as LightningCallback
     except ImportError:
-        from pytorch_lightning import Callback
-    return Callback
+        from pytorch_lightning import Callback as LegacyCallback
+
+        return LegacyCallback
+    return LightningCallback
 
 
 __all__ = ["VramwatchCallback"]
@@ -79,7 +81,7 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
             if gs == self._last_global_step:
                 return  # an accumulation micro-batch: the optimiser has not stepped
             self._last_global_step = gs
-            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            loss: Any = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if hasattr(loss, "detach"):
                 loss = loss.detach()  # keep no autograd graph alive; no copy, no sync
             grad_norm = None

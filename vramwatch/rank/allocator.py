@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any, Protocol
 
 from vramwatch.spool import AllocatorInfo, DeviceSample
@@ -90,10 +91,10 @@ def _get(stats: dict[str, Any], path: tuple[str, ...]) -> Any:
     return node
 
 
-def alloc_conf(env: dict[str, str] | None = None) -> dict[str, str]:
+def alloc_conf(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The allocator settings a user can set, as bounded label values."""
-    env = os.environ if env is None else env
-    raw = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
+    environ: Mapping[str, str] = os.environ if env is None else env
+    raw = environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF") or ""
     conf: dict[str, str] = {}
     for part in raw.split(","):
         if ":" in part:
@@ -226,7 +227,7 @@ class TorchSource:
     """The real allocator. Imports torch lazily and only if the job already did."""
 
     def __init__(self) -> None:
-        self._torch = sys.modules.get("torch")
+        self._torch: ModuleType | None = sys.modules.get("torch")
         self._count: int | None = None
         self._totals: dict[int, int] = {}
 
@@ -235,10 +236,17 @@ class TorchSource:
             self._torch = sys.modules.get("torch")  # never import torch for the job
         return self._torch is not None and self._torch.cuda.is_initialized()
 
+    @property
+    def torch(self) -> ModuleType:
+        """torch, for the reads below: they run only for devices that ``devices()`` found, so after ``_ready()``."""
+        if self._torch is None:
+            raise RuntimeError("vramwatch: torch is not imported")
+        return self._torch
+
     def devices(self) -> list[int]:
         if not self._ready():
             return []
-        torch = self._torch
+        torch = self.torch
         if self._count is None:
             self._count = torch.cuda.device_count()
         has_ctx = getattr(torch._C, "_cuda_hasPrimaryContext", None)
@@ -247,16 +255,16 @@ class TorchSource:
         return [i for i in range(self._count) if has_ctx(i)]
 
     def stats(self, device: int) -> dict[str, Any]:
-        fn = getattr(self._torch._C, "_cuda_memoryStats", None)
-        return fn(device) if fn is not None else self._torch.cuda.memory_stats_as_nested_dict(device)
+        fn = getattr(self.torch._C, "_cuda_memoryStats", None)
+        return fn(device) if fn is not None else self.torch.cuda.memory_stats_as_nested_dict(device)
 
     def uuid(self, device: int) -> str:
-        props = self._torch.cuda.get_device_properties(device)
+        props = self.torch.cuda.get_device_properties(device)
         raw = str(getattr(props, "uuid", ""))
         return raw if raw.startswith(("GPU-", "MIG-")) else "GPU-" + raw
 
     def limit_bytes(self, device: int) -> int:
-        torch = self._torch
+        torch = self.torch
         total = self._totals.get(device)
         if total is None:
             total = self._totals[device] = torch.cuda.get_device_properties(device).total_memory
@@ -265,13 +273,13 @@ class TorchSource:
         return int(total * frac)
 
     def backend(self) -> str:
-        return self._torch.cuda.get_allocator_backend()
+        return self.torch.cuda.get_allocator_backend()
 
     def snapshot(self) -> list[dict[str, Any]]:
         try:
-            return self._torch.cuda.memory_snapshot(include_traces=False)
+            return self.torch.cuda.memory_snapshot(include_traces=False)
         except TypeError:  # torch < 2.11 has no include_traces
-            return self._torch.cuda.memory_snapshot()
+            return self.torch.cuda.memory_snapshot()
 
     # --- OOM forensics and hygiene ---
     def attach_oom_observer(self, observer: OomObserver) -> bool:

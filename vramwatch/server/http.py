@@ -169,8 +169,9 @@ class _Handler(BaseHTTPRequestHandler):
     error_message_format = "%(code)d %(message)s\n"
     error_content_type = "text/plain; charset=utf-8"
 
-    def __init__(self, request, client_address, server, deadline: float) -> None:
-        self.deadline = deadline
+    def __init__(self, request, client_address, server: ExporterHTTPServer, deadline: float | None = None) -> None:
+        # the server passes the deadline it started before the TLS handshake; without one it starts now
+        self.deadline = time.monotonic() + server.conn_timeout if deadline is None else deadline
         super().__init__(request, client_address, server)
 
     def version_string(self) -> str:
@@ -178,7 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.connection = self.request
-        self.command, self.request_version, self.requestline = None, "HTTP/1.0", ""  # send_error needs them
+        self.command, self.request_version, self.requestline = "", "HTTP/1.0", ""  # send_error needs them
         self.rfile = io.BufferedReader(_RequestReader(self.request, self.deadline, MAX_REQUEST_HEAD))
         self.wfile = _SocketWriter(self.request)
 
@@ -224,7 +225,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            encoder, ctype = choose_encoder(self.headers.get("Accept"))
+            encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
             try:
                 body = encoder(self.server.registry)
             except Exception:

@@ -260,8 +260,8 @@ class NvmlSession:
                 Device(
                     i,
                     uuid[:96],
-                    self._soft(lambda h=h: text(nv.nvmlDeviceGetName(h)))[:96],
-                    self._soft(lambda h=h: text(nv.nvmlDeviceGetPciInfo(h).busId))[:32],
+                    self._soft(lambda d: text(nv.nvmlDeviceGetName(d)), h)[:96],
+                    self._soft(lambda d: text(nv.nvmlDeviceGetPciInfo(d).busId), h)[:32],
                     self._mig_mode(h),
                     h,
                 )
@@ -280,9 +280,9 @@ class NvmlSession:
                 if classify(e) == "session":
                     self.mark_down(e)
 
-    def _soft(self, fn: Callable[[], str]) -> str:
+    def _soft(self, read: Callable[..., str], *args: Any) -> str:
         try:
-            return fn()
+            return read(*args)
         except Exception as e:  # noqa: BLE001 - an identity string is not worth a missing GPU
             if classify(e) not in ("unsupported", "quiet"):
                 self._identity_failed = True

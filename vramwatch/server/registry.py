@@ -66,12 +66,10 @@ class ExporterCollector:
         up = contract.family("vramwatch_collector_up")
         err = contract.family("vramwatch_collector_errors_total")
         dur = contract.family("vramwatch_collector_duration_seconds")
-        rows = [("spool", "", self.spool_health)] + [(c.name, "", c.health) for c in self.collectors]
+        rows: list[tuple[str, str, Health | spool.CollectorHealth]] = [("spool", "", self.spool_health)]
+        rows += [(c.name, "", c.health) for c in self.collectors]
+        rows += ranks.rank_collector_health(ctx)
         for name, rank, h in rows:
-            up.add_metric([name, rank], float(h.up))
-            err.add_metric([name, rank], float(h.errors))
-            dur.add_metric([name, rank], float(h.duration))
-        for name, rank, h in ranks.rank_collector_health(ctx):
             up.add_metric([name, rank], float(h.up))
             err.add_metric([name, rank], float(h.errors))
             dur.add_metric([name, rank], float(h.duration))

@@ -47,7 +47,7 @@ class TLSServer:
     def _files_stamp(self) -> tuple:
         tls = self.cfg.tls
         assert tls is not None
-        out = []
+        out: list[tuple[int, int, int] | None] = []
         for p in (tls.cert_file, tls.key_file, tls.client_ca_file):
             if not p:
                 continue

@@ -71,7 +71,7 @@ class XidCount(NamedTuple):
     gpu: int  # NVML index, -1 when unknown
     uuid: str
     xid: str  # the code, or "other" past the per-GPU bound
-    count: float
+    events: float
     last: float  # when the newest event came (Unix time), 0 before the first
 
 
@@ -328,11 +328,11 @@ def xid_families(rows: Iterable[XidCount], ctx: ScrapeContext, job_only: bool = 
     total = contract.family("gpu_xid_errors_total")
     last = contract.family("gpu_last_xid_timestamp_seconds")
     job = job_uuids(ctx) if job_only else None
-    for index, uuid, xid, count, when in rows:
+    for index, uuid, xid, events, when in rows:
         if job is not None and uuid not in job:
             continue
         labels = [str(index), uuid, xid]
-        total.add_metric(labels, count)
+        total.add_metric(labels, events)
         if when > 0:
             last.add_metric(labels, when)
     return (total, last)
