@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vramwatch._once import OnceLog
 from vramwatch.config import Settings
-from vramwatch.server.collectors.health import OnceLog
 
 log = logging.getLogger("vramwatch")
 
@@ -158,7 +158,7 @@ class NvmlSession:
         self.last_error = ""
         self.lost: frozenset[str] = frozenset()  # uuids currently lost (kept by the NVML collector)
         self._on_lost: list[Callable[[Device], None]] = []
-        self.once = OnceLog()
+        self.once = OnceLog(log)
         self._next_try = 0.0
         self._backoff = BACKOFF_FIRST
 
@@ -203,11 +203,11 @@ class NvmlSession:
         self._next_try = now + self._backoff
         self.once(
             ("init", kind),
-            logging.WARNING,
             "vramwatch: NVML unavailable (%s); device metrics are off, allocator metrics go on; "
             "retrying with back-off up to %.0f s",
             detail,
             BACKOFF_MAX,
+            level=logging.WARNING,
         )
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
 
@@ -222,9 +222,9 @@ class NvmlSession:
             self._backoff = min(self._backoff * 2, BACKOFF_MAX)
         self.once(
             ("down", error_name(e)),
-            logging.WARNING,
             "vramwatch: NVML stopped answering (%s); re-initialising with back-off",
             error_name(e),
+            level=logging.WARNING,
         )
 
     def next_try_in(self) -> float:
@@ -250,10 +250,10 @@ class NvmlSession:
                 incomplete = True
                 self.once(
                     ("enumerate", i, error_name(e)),
-                    logging.WARNING,
                     "vramwatch: NVML GPU %d cannot be identified (%s); skipping it for now",
                     i,
                     error_name(e),
+                    level=logging.WARNING,
                 )
                 continue
             devices.append(

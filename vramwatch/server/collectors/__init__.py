@@ -21,7 +21,7 @@ from vramwatch.server.collectors.framework import (
     enabled_collectors,
     register,
 )
-from vramwatch.server.collectors.health import Health, OnceLog
+from vramwatch.server.collectors.health import Health
 from vramwatch.spool import RankSample
 
 __all__ = [
@@ -29,7 +29,6 @@ __all__ = [
     "Cadence",
     "Collector",
     "Health",
-    "OnceLog",
     "ReadFailed",
     "Runner",
     "ScrapeContext",

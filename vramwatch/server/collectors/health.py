@@ -1,28 +1,12 @@
-"""Self-health of a collector and the one "log once" of the server."""
+"""Self-health of a collector."""
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Hashable
+
+from vramwatch._once import OnceLog
 
 log = logging.getLogger("vramwatch")
-
-
-class OnceLog:
-    """Logs each distinct key once; repeats are only counted (in :class:`Health`), never logged again."""
-
-    def __init__(self) -> None:
-        self._seen: set[Hashable] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, key: Hashable, level: int, msg: str, *args: object) -> bool:
-        with self._lock:
-            if key in self._seen:
-                return False
-            self._seen.add(key)
-        log.log(level, msg, *args)
-        return True
 
 
 class Health:
@@ -36,7 +20,7 @@ class Health:
         self.up = 1
         self.errors = 0
         self.duration = 0.0
-        self._once = OnceLog()
+        self._once = OnceLog(log)
 
     def ok(self) -> None:
         self.up = 1
@@ -50,4 +34,4 @@ class Health:
         self.up = 0
         self.errors += 1
         if key:
-            self._once(key, logging.WARNING, msg, *args)
+            self._once(key, msg, *args)

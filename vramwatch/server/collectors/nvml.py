@@ -296,12 +296,12 @@ class NvmlCollector(Collector[NvmlSnapshot]):
                         level = logging.WARNING if nb.error_code(e) == nb.NO_PERMISSION else logging.INFO
                         self.session.once(
                             ("unsupported", d.uuid, f.name),
-                            level,
                             "vramwatch: GPU %d %s: %s is %s; not asked again until NVML re-inits",
                             d.index,
                             d.uuid,
                             f.name,
                             nb.error_name(e),
+                            level=level,
                         )
                     continue
                 if kind == "lost":
@@ -312,22 +312,22 @@ class NvmlCollector(Collector[NvmlSnapshot]):
                 if kind == "quiet":
                     self.session.once(
                         ("quiet", d.uuid, f.name, nb.error_name(e)),
-                        logging.DEBUG,
                         "vramwatch: GPU %d: %s has no data yet (%s)",
                         d.index,
                         f.name,
                         nb.error_name(e),
+                        level=logging.DEBUG,
                     )
                     return None, True
                 self.session.once(
                     ("transient", d.uuid, f.name, nb.error_name(e)),
-                    logging.WARNING,
                     "vramwatch: GPU %d %s: reading %s failed (%s: %s); retrying every read",
                     d.index,
                     d.uuid,
                     f.name,
                     nb.error_name(e),
                     e,
+                    level=logging.WARNING,
                 )
                 return None, False
         return None, True  # not supported: skipped, not a failure

@@ -72,11 +72,11 @@ class ProcessesCollector(Collector[tuple[GpuProcesses, ...]]):
                     self._unsupported.add(d.uuid)
                     s.once(
                         ("unsupported", d.uuid, "processes"),
-                        logging.INFO,
                         "vramwatch: GPU %d %s: compute processes are %s; not asked again",
                         d.index,
                         d.uuid,
                         nb.error_name(e),
+                        level=logging.INFO,
                     )
                     continue
                 if kind == "session":
@@ -86,11 +86,11 @@ class ProcessesCollector(Collector[tuple[GpuProcesses, ...]]):
                     ok = False
                     s.once(
                         ("transient", d.uuid, "processes", nb.error_name(e)),
-                        logging.WARNING,
                         "vramwatch: GPU %d %s: listing compute processes failed (%s)",
                         d.index,
                         d.uuid,
                         nb.error_name(e),
+                        level=logging.WARNING,
                     )
                 continue
             rows = tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in list(procs)[:MAX_PROCESSES])

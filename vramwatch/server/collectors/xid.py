@@ -225,10 +225,10 @@ class XidWatcher:
             except _NoXid:
                 s.once(
                     ("xid-unsupported", d.uuid),
-                    logging.INFO,
                     "vramwatch: GPU %d %s offers no Xid events; not watched",
                     d.index,
                     d.uuid,
+                    level=logging.INFO,
                 )
                 continue
             except Exception as e:
@@ -236,11 +236,11 @@ class XidWatcher:
                 if kind in ("unsupported", "lost"):
                     s.once(
                         ("xid-register", d.uuid, nb.error_name(e)),
-                        logging.INFO,
                         "vramwatch: Xid events on GPU %d %s: %s; not watched",
                         d.index,
                         d.uuid,
                         nb.error_name(e),
+                        level=logging.INFO,
                     )
                     continue
                 raise  # session trouble, UNKNOWN, ...: free the set and back off
@@ -285,11 +285,11 @@ class XidWatcher:
             self.session.mark_down(e)
         self.session.once(
             ("xid", where, nb.error_name(e)),
-            logging.WARNING,
             "vramwatch: Xid watcher %s failed (%s: %s); retrying with back-off",
             where,
             nb.error_name(e),
             e,
+            level=logging.WARNING,
         )
         self._free()
         pause = self._backoff
