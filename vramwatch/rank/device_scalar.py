@@ -24,8 +24,9 @@ import math
 import time
 from typing import Any
 
+from vramwatch.monitoring.cadence import READ_MAX_GAP  # the help texts promise it: one definition
+
 READ_MAX_SHARE = 5e-5  # of one core, per value read from a GPU (loss, grad norm): 0.005%
-READ_MAX_GAP = 5.0  # seconds: however slow a read, the value is never staler than two of these
 
 
 def finite(v: Any) -> float | None:
