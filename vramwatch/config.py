@@ -39,11 +39,6 @@ def _non_negative(v: float) -> None:
         raise ValueError("must be >= 0")
 
 
-def _ratio(v: float) -> None:
-    if not 0 < v <= 1:
-        raise ValueError("must be in (0, 1]")
-
-
 def _host(v: str) -> None:
     if not v:
         raise ValueError("must not be empty")

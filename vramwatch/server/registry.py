@@ -22,7 +22,6 @@ class ExporterCollector:
         self.collectors = collectors
         self.hostname = settings.resolved_hostname()
         self.spool_health = Health()
-        self.last_ranks = 0
         self._served_at: float | None = None
 
     def served_ranks_since(self, t: float) -> bool:
@@ -50,7 +49,6 @@ class ExporterCollector:
             samples = []
             self.spool_health.failed("spool", "vramwatch: reading the spool failed: %r", e)
         self.spool_health.duration = time.perf_counter() - t0
-        self.last_ranks = len(samples)
         if samples:
             self._served_at = time.monotonic()
         return ScrapeContext(tuple(samples), time.time(), self.hostname)
