@@ -1117,7 +1117,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 # merge and check
 # ----------------------------------------------------------------------------------------------
 def merge(paths: list[str], out_dir: str = ".") -> dict[str, Any]:
-    """Combine part files (one per device command) into the one file the issue asks for; each part is
+    """Combine part files (one per device command) into the one results file; each part is
     named by its path from ``out_dir`` (where the merged file goes)."""
     out: dict[str, Any] = {}
     parts = []
@@ -1234,7 +1234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-workdir", action="store_true", help="keep the per-run logs")
     p.add_argument("--out", default="", help="JSON file to write (rewritten after every pair)")
     p.add_argument("--merge", nargs="+", metavar="PART", help="merge part files into --out and exit")
-    p.add_argument("--check", metavar="FILE", help="exit 1 if FILE lacks a key the issue requires")
+    p.add_argument("--check", metavar="FILE", help="exit 1 if FILE lacks a key the results need")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     size = args.size or ("tiny" if args.device == "cpu" else "full")

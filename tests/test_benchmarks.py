@@ -1,5 +1,5 @@
-"""The benchmark harness on CPU: the scripts run, their JSON has what issue 9 asks for, the A/B runs are what
-they claim (A without vramwatch, B with it and its server), and run_gpu.sh drives them end to end.
+"""The benchmark harness on CPU: the scripts run, their JSON has every figure the results need, the A/B runs
+are what they claim (A without vramwatch, B with it and its server), and run_gpu.sh drives them end to end.
 
 The figures here mean nothing (a loaded 2-core VM, simulated GPU); only the plumbing is under test.
 """

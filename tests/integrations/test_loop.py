@@ -78,7 +78,7 @@ def test_track_counts_only_completed_items(rank_settings):
 def test_buckets_span_launch_bound_steps_to_stalls():
     assert list(BUCKETS) == sorted(set(BUCKETS))
     assert BUCKETS[0] <= 0.001 and BUCKETS[-1] >= 3600
-    # the field notes' stalled step (340 s) and a 2 ms launch-bound step land in different finite buckets
+    # a stalled step of minutes (340 s) and a 2 ms launch-bound step land in different finite buckets
     assert any(b >= 340 for b in BUCKETS) and sum(b < 0.002 for b in BUCKETS) >= 1
     assert len(BUCKETS) <= 24  # bounded series per rank
 

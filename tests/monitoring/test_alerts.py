@@ -144,7 +144,7 @@ def test_every_metric_in_every_expr_is_in_the_contract():
             base = re.sub(r"_(sum|count|bucket)$", "", name) if name not in contract.BY_NAME else name
             assert base in contract.BY_NAME or name == "up", f"{r['alert']}: {name} is not in the contract"
             used.add(base)
-    # the scanner is not vacuous: the families the issue names are all found
+    # the scanner is not vacuous: the families the alerts are built on are all found
     assert {
         "gpu_memory_used_bytes",
         "torch_cuda_memory_limit_bytes",

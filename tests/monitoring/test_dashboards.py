@@ -222,7 +222,7 @@ def test_every_metric_in_every_query_is_in_the_contract(dashboards):
             bad = {n for n in names if not in_contract(n)}
             assert not bad, f"{uid}: {sorted(bad)} not in vramwatch.monitoring.contract, in {expr!r}"
             used |= names
-    # the families the issue asks the dashboards to show
+    # the families the dashboards must show
     for name in (
         "torch_cuda_memory_allocated_bytes",
         "torch_cuda_memory_reserved_bytes",

@@ -9,7 +9,7 @@ completed (``Event.query()`` never blocks). The published loss is therefore one 
 step counter; until the GPU gets there, the last value read stands.
 
 A read of a GPU value costs more CPU than the rest of a sample (~0.27 ms on an H200 host whose sampler
-core is idle between samples: cold caches, three CUDA calls; RESULTS.md, run 3), so reads are spaced by
+core is idle between samples: cold caches, three CUDA calls), so reads are spaced by
 their own measured cost to keep them at or below ``READ_MAX_SHARE`` of a core, and at most
 ``READ_MAX_GAP`` apart: on that host, one read every 5 s instead of every sample. Host numbers are read
 every sample (they cost nothing).
@@ -110,7 +110,7 @@ def queue_copy(t: Any, slots: dict[Any, Any]) -> tuple[Any, Any]:
 
     The buffer, event and stream are made once per device and dtype and reused: one copy is in flight
     at a time and its value is read before the next is queued. A fresh pinned tensor and event per
-    sample cost ~0.4 ms of the sampler's CPU a second on an H200 host (RESULTS.md, run 2c)."""
+    sample cost ~0.4 ms of the sampler's CPU a second on an H200 host."""
     import torch  # the job's own; only reached with a CUDA tensor in hand
 
     key = (t.device, t.dtype)

@@ -14,7 +14,7 @@ from typing import Any
 from vramwatch.rank.device_scalar import DeviceScalar
 from vramwatch.spool import HeartbeatSnapshot
 
-# From 1 ms launch-bound steps to the 340 s stall-like step of the field notes and beyond.
+# From 1 ms launch-bound steps to stalls of minutes (a hung collective) and beyond.
 BUCKETS: tuple[float, ...] = (
     0.001,
     0.0025,

@@ -1,6 +1,6 @@
 """Opt-in allocator hygiene: give the cache back between steps once reserved passes a threshold.
 
-The field notes' cure for fragmentation-driven OOMs was ``empty_cache()`` between steps, and
+The usual cure for fragmentation-driven OOMs is ``empty_cache()`` between steps, or
 ``garbage_collection_threshold:0.8`` in ``PYTORCH_CUDA_ALLOC_CONF``. This does the same from outside
 the allocator and counts it (``torch_cuda_memory_cache_reclaims_total``), so a reclaim that makes
 every step slow is visible on the dashboard and the status line.

@@ -3,7 +3,7 @@
     vramwatch: step 1200, 0.412 s/step, cuda:0 alloc 3.06 GiB reserved 4.14 GiB free 2.73 GiB frag 26%
                retries 0 power 212 W          (one line, folded here)
 
-What the field notes' hand-written callback printed every step, from the values the sampler
+What a hand-written logging callback would print every step, from the values the sampler
 already read (at most one ``interval`` old): the step path never reads allocator stats, it
 compares one counter and formats a line only on every N-th step.
 
