@@ -227,7 +227,7 @@ clock = iter(range(10**9, 10**12, 10**8))  # far-apart "now"s: every read is due
 read_with = timed(lambda: with_snap.read(now=float(next(clock))), 15)
 read_without = timed(no_snap.read, 15)
 segs = src.snapshot()
-dev = with_snap.read(now=float(next(clock)))[0]["values"]
+dev = with_snap.read(now=float(next(clock)))[0].values
 done({"segments": len(segs), "blocks": sum(len(s["blocks"]) for s in segs),
       "snapshot_ms": [t * 1000 for t in snap], "read_with_ms": [t * 1000 for t in read_with],
       "read_without_ms": [t * 1000 for t in read_without],
