@@ -251,6 +251,8 @@ def load(
     for var, raw in env.items():
         if var.startswith(ENV_PREFIX):
             key = var[len(ENV_PREFIX) :].lower()
+            if var != var.upper():  # two spellings of one setting would race for precedence
+                raise ConfigError(f"invalid variable {_shown(var)}: settings are upper case ({var.upper()})")
             if key not in FIELDS:
                 raise ConfigError(f"unknown setting {_shown(key)} (from {var})")
             env_values[key] = raw

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily
 
-from vramwatch.server.http import MAX_REQUEST_HEAD, ExporterHTTPServer
+from vramwatch.server.http import MAX_REQUEST_HEAD, ExporterHTTPServer, accepts_gzip
 
 MAX_CONN = 4
 TIMEOUT = 1.5
@@ -147,6 +147,37 @@ def test_malformed_requests_get_a_clean_answer(server, payload):
 def test_fuzzed_requests_never_break_the_server(server, payload):
     check_response(exchange(server, payload, timeout=TIMEOUT + 3, half_close=True))
     assert scrape(server) == 200
+
+
+@pytest.mark.parametrize(
+    "header,gzip",
+    [
+        ("gzip", True),
+        ("gzip, deflate, br", True),
+        ("deflate, GZIP;q=0.5", True),
+        ("gzip;q=0", False),
+        ("gzip; q=0.000", False),
+        ("deflate", False),
+        ("", False),
+        ("*", True),
+        ("*;q=0", False),
+        ("*, gzip;q=0", False),
+        ("gzip;q=bogus", False),
+        ("notgzip", False),
+    ],
+)
+def test_gzip_follows_the_accept_encoding_weights(header, gzip):
+    assert accepts_gzip(header) is gzip
+
+
+def test_gzip_refused_by_weight_gets_plain_text(server):
+    def headers(accept: bytes) -> bytes:
+        raw = exchange(server, b"GET /metrics HTTP/1.0\r\nAccept-Encoding: " + accept + b"\r\n\r\n")
+        assert check_response(raw) == 200
+        return raw.split(b"\r\n\r\n", 1)[0]
+
+    assert b"Content-Encoding: gzip" in headers(b"gzip")
+    assert b"Content-Encoding" not in headers(b"gzip;q=0")
 
 
 def test_methods_and_paths(server):

@@ -49,6 +49,31 @@ _DRAIN_BYTES = 64 * 1024
 Authorizer = Callable[[str | None], bool]  # Authorization header -> allowed
 
 
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an ``Accept-Encoding`` header (RFC 9110, 12.5.3) allows gzip: ``gzip`` or ``*`` with q > 0.
+
+    A substring test would answer ``gzip;q=0`` (gzip refused) with gzip; an explicit ``gzip`` entry
+    wins over ``*``.
+    """
+    star: bool | None = None
+    for item in accept_encoding.split(","):
+        coding, _, params = item.partition(";")
+        coding = coding.strip().lower()
+        q = 1.0
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = 0.0  # a malformed weight is no consent
+        if coding in ("gzip", "x-gzip"):
+            return q > 0
+        if coding == "*":
+            star = q > 0
+    return bool(star)
+
+
 class _HeadTooLarge(Exception):
     pass
 
@@ -233,7 +258,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._reply(500, b"collection failed; see the server log\n", "text/plain", head=head)
                 return
             extra = {}
-            if "gzip" in (self.headers.get("Accept-Encoding") or ""):
+            if accepts_gzip(self.headers.get("Accept-Encoding") or ""):
                 body = gzip.compress(body, compresslevel=1)
                 extra["Content-Encoding"] = "gzip"
             self._reply(200, body, ctype, extra, head)
