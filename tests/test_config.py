@@ -39,6 +39,8 @@ def test_precedence_argument_over_env_over_file_over_default(tmp_path):
         ({}, {"VRAMWATCH_BOGUS": "1"}, "unknown setting 'bogus' (from VRAMWATCH_BOGUS)"),
         ({"interval": float("nan")}, {}, "must be a finite number"),
         ({}, {"VRAMWATCH_port": "9001", "VRAMWATCH_PORT": "9002"}, "invalid variable 'VRAMWATCH_port'"),
+        ({"host": "bad host-x"}, {}, "host='bad host-x' (from argument): must be an IP address or host name"),
+        ({"host": "-x.example"}, {}, "must be an IP address or host name"),
     ],
 )
 def test_errors_name_key_value_and_source(kwargs, env, message):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,13 +40,18 @@ def _non_negative(v: float) -> None:
         raise ValueError("must be >= 0")
 
 
+# RFC 1123 host name label: letters, digits and inner hyphens, 1-63 characters
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
 def _host(v: str) -> None:
     if not v:
         raise ValueError("must not be empty")
     try:
         ipaddress.ip_address(v)
     except ValueError:
-        if v != "localhost" and not all(part.isalnum() or "-" in part for part in v.split(".")):
+        labels = v[:-1].split(".") if v.endswith(".") else v.split(".")
+        if len(v) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
             raise ValueError("must be an IP address or host name") from None
 
 
