@@ -18,6 +18,9 @@ from vramwatch.monitoring.alerts import cli
 from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml
 from vramwatch.monitoring.alerts.rules import alert_names, alerts, anchor, groups
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, format_duration, parse_duration
+from vramwatch.monitoring.dashboards import ids
+
+DASHBOARD_UIDS = {ids.TRAINING_MEMORY_UID, ids.GPU_HEALTH_UID, ids.FLEET_UID}
 
 ALERTS_DIR = ROOT / "vramwatch" / "monitoring" / "alerts"
 ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
@@ -36,11 +39,13 @@ def test_every_rule_has_severity_summary_description_and_runbook():
         assert re.fullmatch(r"[A-Z][A-Za-z]+", r["alert"]), r["alert"]
         assert r["labels"]["severity"] in ("critical", "warning")
         ann = r["annotations"]
-        assert set(ann) == {"summary", "description", "runbook_url"}, r["alert"]
+        assert set(ann) == {"summary", "description", "runbook_url", "dashboard_url"}, r["alert"]
         assert "{{" not in ann["summary"] and ann["summary"].endswith("."), ann["summary"]
         if not r["expr"].startswith("absent("):  # absent() has neither labels nor a value worth showing
             assert "$labels." in ann["description"] or "$value" in ann["description"], r["alert"]
         assert ann["runbook_url"] == DEFAULT.runbook_url.format(anchor=r["alert"].lower())
+        uid = re.fullmatch(re.escape(DEFAULT.dashboard_url) + r"/d/([a-z-]+)\?orgId=1(\{\{.*)", ann["dashboard_url"])
+        assert uid and uid.group(1) in DASHBOARD_UIDS, ann["dashboard_url"]
         if "for" in r:
             assert parse_duration(r["for"]) > 0
 
@@ -208,6 +213,12 @@ def test_no_threshold_literals_outside_monitoring_config(path):
 
 
 def _perturbed(f: dataclasses.Field, v):
+    if f.name == "dashboard_url":
+        return "https://grafana.example"
+    if f.name == "disabled_alerts":
+        return ("GPULost",)
+    if f.name == "rank_skew_exempt":
+        return ('rank="7"',)
     if f.name == "extra_labels":
         return (("team", "ml-infra"),)
     if f.name == "job_labels":

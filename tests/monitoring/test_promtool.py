@@ -2,8 +2,9 @@
 
 The test files name one of three rule files that this module renders beside them in a temporary
 directory: ``behaviour.rules.yml`` (annotations stripped, so behaviour tests list labels only),
-``vramwatch.rules.yml`` (the shipped rules, for the wording tests) and ``absent.rules.yml`` (the
-opt-in absent-target rule).
+``vramwatch.rules.yml`` (the shipped rules, for the wording tests), ``absent.rules.yml`` (the
+opt-in absent-target rule) and ``skew-exempt.rules.yml`` (ranks exempted from the rank-skew rule by a
+matcher set).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from vramwatch.monitoring.config import DEFAULT
 CASES = ROOT / "tests" / "monitoring" / "alerts"
 TEST_FILES = sorted(CASES.glob("*.yaml"))
 ABSENT = dataclasses.replace(DEFAULT, target_absent_for="15m")
+SKEW_EXEMPT = dataclasses.replace(DEFAULT, rank_skew_exempt=(*DEFAULT.rank_skew_exempt, 'job="pp-train", rank=~"0|3"'))
+RENDERED = ("vramwatch.rules.yml", "behaviour.rules.yml", "absent.rules.yml", "skew-exempt.rules.yml")
 
 
 def _strip_annotations(doc: dict) -> dict:
@@ -39,6 +42,7 @@ def render_into(d: Path) -> None:
     (d / "vramwatch.rules.yml").write_text(to_yaml(rule_file(DEFAULT)))
     (d / "behaviour.rules.yml").write_text(to_yaml(_strip_annotations(rule_file(DEFAULT))))
     (d / "absent.rules.yml").write_text(to_yaml(_strip_annotations(rule_file(ABSENT))))
+    (d / "skew-exempt.rules.yml").write_text(to_yaml(_strip_annotations(rule_file(SKEW_EXEMPT))))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ def _promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([tool("promtool"), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("name", ["vramwatch.rules.yml", "behaviour.rules.yml", "absent.rules.yml"])
+@pytest.mark.parametrize("name", RENDERED)
 def test_promtool_check_rules(rules_dir, name):
     r = _promtool("check", "rules", name, cwd=rules_dir)
     assert r.returncode == 0, r.stdout + r.stderr

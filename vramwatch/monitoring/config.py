@@ -3,7 +3,11 @@
 Thresholds, windows, selectors and severities live here and nowhere else: the
 dashboards draw their threshold lines from the same object, and a test rejects
 threshold literals elsewhere. Override by constructing your own
-``MonitoringConfig(...)`` (or ``dataclasses.replace(DEFAULT, ...)``).
+``MonitoringConfig(...)`` (or ``dataclasses.replace(DEFAULT, ...)``), or with a YAML file of the
+same keys (:mod:`vramwatch.monitoring.config_file`, ``vramwatch alerts --config F``).
+
+Every field carries its documentation (``metadata["doc"]``) and its check (``metadata["check"]``,
+run by :func:`validate`): the example file, the docs and the Helm values are generated from them.
 
 Every time quantity (``*_for``, ``*_window``, ``*_seconds``, ``leak_horizon_hours``) scales
 together through :meth:`MonitoringConfig.scaled`: the end-to-end test runs the shipped rules
@@ -14,103 +18,300 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from vramwatch.errors import ConfigError
 from vramwatch.monitoring import contract
 
 GIB = 1 << 30
 
+Check = Callable[[Any], None]  # raises ValueError saying what the value must be
+
+
+def setting(default: Any, doc: str, check: Check | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "check": check})
+
+
+# --- checks (each raises ValueError with what the value must be) ---
+
+
+def _ratio(v: float) -> None:
+    if not 0 < v <= 1:
+        raise ValueError("must be a ratio above 0 and at most 1")
+
+
+def _positive(v: float) -> None:
+    if not v > 0:
+        raise ValueError("must be above 0")
+
+
+def _non_negative(v: float) -> None:
+    if v < 0:
+        raise ValueError("must be 0 or more")
+
+
+def _above_one(v: float) -> None:
+    if not v > 1:
+        raise ValueError("must be above 1 (a multiple of the median)")
+
+
+def _window(v: str) -> None:
+    if parse_duration(v) <= 0:
+        raise ValueError("must be a duration above 0")
+
+
+def _for(v: str) -> None:
+    if v:  # empty or 0s: fire at once
+        parse_duration(v)
+
+
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\\n]|\\.)*"\s*'
+_MATCHERS = re.compile(rf"(?:{_MATCHER}(?:,{_MATCHER})*,?\s*)?")
+
+
+def _matchers(v: str) -> None:
+    if not _MATCHERS.fullmatch(v):
+        raise ValueError('must be PromQL label matchers such as job="train", namespace=~"ml-.*"')
+
+
+def _matcher_list(v: tuple[str, ...]) -> None:
+    for m in v:
+        if not m.strip():
+            raise ValueError("must not hold an empty matcher set (it would match every series)")
+        _matchers(m)
+
+
+def _label_names(v: tuple[str, ...]) -> None:
+    for name in v:
+        if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+            raise ValueError(f"{name!r} is not a Prometheus label name")
+
+
+def _extra_labels(v: tuple[tuple[str, str], ...]) -> None:
+    _label_names(tuple(k for k, _ in v))
+    taken = {"severity", "alertname"} & {k for k, _ in v}
+    if taken:
+        raise ValueError(f"must not set {', '.join(sorted(taken))}: routing and inhibition depend on them")
+
+
+def _xids(v: tuple[int, ...]) -> None:
+    if any(x < 0 for x in v):
+        raise ValueError("must be Xid numbers (0 or more)")
+
+
+def _reasons(v: tuple[str, ...]) -> None:
+    for r in v:
+        if not re.fullmatch(r"[a-z0-9_]+", r):
+            raise ValueError(f"{r!r} is not a throttle reason name (lower case, digits, _)")
+
+
+def _url(v: str, placeholders: frozenset[str]) -> None:
+    if not re.match(r"https?://[^\s/]+", v) or re.search(r"\s", v):
+        raise ValueError("must be an http:// or https:// URL without spaces")
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(v) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"has unbalanced braces ({e})") from None
+    unknown = fields - placeholders
+    if unknown:
+        allowed = ", ".join("{" + p + "}" for p in sorted(placeholders)) or "none"
+        raise ValueError(f"has unknown placeholder(s) {', '.join(sorted(unknown))}; allowed: {allowed}")
+
+
+RUNBOOK_PLACEHOLDERS = frozenset({"anchor", "alertname"})
+
+
+def _runbook_url(v: str) -> None:
+    _url(v, RUNBOOK_PLACEHOLDERS)
+
+
+def _base_url(v: str) -> None:
+    if v:
+        _url(v, frozenset())
+        if v.endswith("/"):
+            raise ValueError("must not end with / (paths are appended)")
+
+
+def _alert_names(v: tuple[str, ...]) -> None:
+    for name in v:
+        if not re.fullmatch(r"[A-Z][A-Za-z]+", name):
+            raise ValueError(f"{name!r} is not an alert name")  # the rule set checks that it exists
+
 
 @dataclass(frozen=True)
 class MonitoringConfig:
-    # PromQL label matchers selecting vramwatch's series, e.g. 'job="vramwatch"'. Empty: all.
-    selector: str = ""
-    # GPU memory share of the card (NVML used / total) or of the per-process budget (reserved / limit).
-    memory_warning_ratio: float = 0.85  # above it a step's peak has little room left: someone should look
-    memory_critical_ratio: float = 0.95  # above it the next peak is likely an OOM: page
-    memory_warning_for: str = "5m"
-    memory_critical_for: str = "1m"
-    # fragmentation worth a warning once memory is also high
-    fragmentation_ratio: float = 0.3
-    # a rank stalls when its heartbeat is older than this many times its recent mean step time ...
-    stall_factor: float = 10.0
-    # ... and never sooner than this (seconds), so 2 ms steps do not page on a GC pause
-    stall_min_seconds: float = 120.0
-    stall_for: str = "2m"
-    # "busy stall": utilisation at least this while power is at most this share of the limit
-    busy_utilization_ratio: float = 0.9
-    busy_power_ratio: float = 0.35
-    # leak: memory projected to run out within this many hours
-    leak_horizon_hours: float = 4.0
-    # exporter self-health
-    sample_stale_seconds: float = 60.0
-    # Xids that page (NVIDIA's catalogue: reset / reboot / RMA), and the app faults that only warn;
-    # the server pre-initialises the defaults' counters, so they are defined in the contract
-    xid_critical: tuple[int, ...] = contract.XID_CRITICAL
-    xid_warning: tuple[int, ...] = contract.XID_WARNING
-    runbook_url: str = "https://github.com/vramwatch/vramwatch/blob/main/docs/runbooks.md#{anchor}"
-    dashboard_tags: tuple[str, ...] = ("vramwatch", "gpu", "pytorch")
-    # extra labels put on every alert (e.g. team="ml-infra")
-    extra_labels: tuple[tuple[str, str], ...] = ()
-
-    # matchers selecting vramwatch's scrape targets in `up` (`up` exists for every target, so it needs
-    # one). Matches job="vramwatch" (static, compose, deploy/kubernetes' PodMonitor) and
-    # "<namespace>/vramwatch" (a PodMonitor without a job relabeling). Targets of other jobs count too
-    # once they served vramwatch_build_info within target_seen_window (e.g. annotation discovery).
-    target_selector: str = 'job=~".*vramwatch.*"'
-    target_seen_window: str = "1h"
-    # labels that tell one training job apart across its nodes (the peers in the rank-skew rule). A
-    # label a setup lacks is empty on every series, so the default covers static configs (job), the
-    # shipped PodMonitor (namespace + the pod's job-name labels) and annotation discovery (job_name).
-    job_labels: tuple[str, ...] = (
-        "job",
-        "namespace",
-        "batch_kubernetes_io_job_name",
-        "training_kubeflow_org_job_name",
-        "job_name",
+    selector: str = setting(
+        "",
+        "PromQL label matchers selecting vramwatch's series in every rule and panel, e.g. 'job=\"train\"'. "
+        "Empty: all series of vramwatch's metric names.",
+        _matchers,
     )
-    # device alerts about memory, throttling and foreign processes only for GPUs a rank of the job uses
-    # (with `gpus: all` the server also reports the node's other GPUs). Xid and lost GPUs: every GPU.
-    job_gpus_only: bool = True
-    # allocator: more than this many cudaMalloc retries (cache flushes) within the window warn
-    alloc_retries_max: float = 2.0
-    alloc_retry_window: str = "15m"
-    # an out-of-memory error raised by the allocator within the window warns
-    oom_window: str = "15m"
-    fragmentation_for: str = "15m"
-    # leak: predict_linear over this window; the series must be at least this old, and the
-    # projection must hold for leak_for (so the warm-up ramp does not count as a leak)
-    leak_window: str = "1h"
-    leak_for: str = "30m"
-    # mean step time over this window (a stall longer than the window falls back to stall_min_seconds)
-    stall_window: str = "30m"
-    # Xid events within this window alert (resolves when the window has passed)
-    xid_window: str = "15m"
-    gpu_lost_for: str = "1m"
-    ecc_window: str = "15m"
-    remapped_rows_for: str = "5m"
-    # throttle reasons (gpu_clock_throttle{reason}, names from the NVML collector's THROTTLE_REASONS)
-    # worth a warning; sw_power_cap is normal under full load, gpu_idle is no trouble
-    throttle_reasons: tuple[str, ...] = (
-        "hw_slowdown",
-        "hw_thermal_slowdown",
-        "sw_thermal_slowdown",
-        "hw_power_brake_slowdown",
+    memory_warning_ratio: float = setting(
+        0.85,
+        "GPU memory share of the card (NVML used / total) or of a rank's budget (reserved / limit) above "
+        "which a step's peak has little room left: a warning.",
+        _ratio,
     )
-    throttle_for: str = "10m"
-    foreign_process_for: str = "5m"
-    # rank skew: a rank's reserved bytes above this many times the median of its job's ranks,
-    # and at least this many bytes above it
-    rank_skew_ratio: float = 1.5
-    rank_skew_min_bytes: float = float(4 * GIB)
-    rank_skew_for: str = "15m"
-    target_down_for: str = "5m"
-    # `absent(up{target_selector})` for this long alerts; empty: no such rule (between jobs no target
-    # is the normal state of a per-job exporter)
-    target_absent_for: str = ""
-    sample_stale_for: str = "1m"
-    collector_down_for: str = "5m"
+    memory_critical_ratio: float = setting(
+        0.95, "The same share above which the next peak is likely an OOM: a page.", _ratio
+    )
+    memory_warning_for: str = setting("5m", "How long memory must stay above the warning ratio.", _for)
+    memory_critical_for: str = setting("1m", "How long memory must stay above the critical ratio.", _for)
+    fragmentation_ratio: float = setting(
+        0.3,
+        "Share of reserved bytes holding no tensor that warns, once memory is also above the warning ratio.",
+        _ratio,
+    )
+    stall_factor: float = setting(
+        10.0,
+        "A rank stalls when its heartbeat is older than this many times its recent mean step time "
+        "(and older than the floors below).",
+        _positive,
+    )
+    stall_min_seconds: float = setting(
+        120.0,
+        "The no-step floor (seconds) of the idle-stall warning, so 2 ms steps do not warn on a GC pause.",
+        _positive,
+    )
+    stall_for: str = setting("2m", "How long an idle stall must last before it warns.", _for)
+    busy_stall_min_seconds: float = setting(
+        60.0,
+        "The no-step floor (seconds) of the busy-stall page (GPU busy at low power: the hang signature). "
+        "Lower than the idle floor: the signature is the evidence, and the page must beat NCCL's watchdog.",
+        _positive,
+    )
+    busy_stall_for: str = setting(
+        "1m",
+        "How long a busy stall must last before it pages; with the floor, a page comes within "
+        "busy_stall_min_seconds + busy_stall_for + one evaluation interval (+ Alertmanager's group_wait).",
+        _for,
+    )
+    busy_utilization_ratio: float = setting(
+        0.9, "A stalled rank's GPU reads busy at this utilisation or more ...", _ratio
+    )
+    busy_power_ratio: float = setting(
+        0.35, "... while drawing at most this share of its power limit: the hang signature.", _ratio
+    )
+    leak_horizon_hours: float = setting(
+        4.0, "A leak warns when the per-step peak is projected to exceed the budget within this many hours.", _positive
+    )
+    sample_stale_seconds: float = setting(
+        60.0, "A rank whose newest sample is older than this (seconds) is wedged.", _positive
+    )
+    xid_critical: tuple[int, ...] = setting(
+        contract.XID_CRITICAL,
+        "Xids that page (NVIDIA's catalogue: reset, reboot or RMA). The server pre-initialises the defaults' counters.",
+        _xids,
+    )
+    xid_warning: tuple[int, ...] = setting(
+        contract.XID_WARNING,
+        "Xids known to be application faults or maintenance events: they warn (every Xid not in "
+        "xid_critical warns; these are the ones the descriptions name).",
+        _xids,
+    )
+    runbook_url: str = setting(
+        "https://github.com/vramwatch/vramwatch/blob/main/docs/runbooks.md#{anchor}",
+        "Each alert's runbook_url annotation: {anchor} becomes the lower-case alert name (a Markdown "
+        "heading's anchor), {alertname} the alert name. Point it at your own wiki.",
+        _runbook_url,
+    )
+    dashboard_url: str = setting(
+        "http://127.0.0.1:3000",
+        "Grafana's base URL: each alert's dashboard_url annotation opens its dashboard there, scoped to the "
+        "alert's node, GPU and rank. Empty: no such annotation. The default is the compose stack's Grafana.",
+        _base_url,
+    )
+    dashboard_tags: tuple[str, ...] = setting(
+        ("vramwatch", "gpu", "pytorch"), "Tags of the generated Grafana dashboards."
+    )
+    extra_labels: tuple[tuple[str, str], ...] = setting(
+        (), "Labels put on every alert, e.g. {team: ml-infra} (a mapping in YAML).", _extra_labels
+    )
+    disabled_alerts: tuple[str, ...] = setting(
+        (), "Alert names left out of the rules (both severities), e.g. [GPUClockThrottled].", _alert_names
+    )
+    target_selector: str = setting(
+        'job=~".*vramwatch.*"',
+        "Matchers selecting vramwatch's scrape targets in `up` (`up` exists for every target, so it needs "
+        'one). Matches job="vramwatch" (static, compose, the shipped PodMonitor) and "<namespace>/vramwatch" '
+        "(a PodMonitor without a job relabeling). Targets of other jobs count too once they served "
+        "vramwatch_build_info within target_seen_window.",
+        _matchers,
+    )
+    target_seen_window: str = setting(
+        "1h", "How recently a target of another job must have served vramwatch_build_info to count.", _window
+    )
+    job_labels: tuple[str, ...] = setting(
+        ("job", "namespace", "batch_kubernetes_io_job_name", "training_kubeflow_org_job_name", "job_name"),
+        "Labels that tell one training job apart across its nodes (the peers of the rank-skew rule). A label "
+        "a setup lacks is empty on every series, so the default covers static configs (job), the shipped "
+        "PodMonitor (namespace + the pod's job-name labels) and annotation discovery (job_name).",
+        _label_names,
+    )
+    job_gpus_only: bool = setting(
+        True,
+        "Device alerts about memory, throttling and foreign processes only for GPUs a rank of the job uses "
+        "(with `gpus: all` the server also reports the node's other GPUs). Xid and lost GPUs: every GPU.",
+    )
+    alloc_retries_max: float = setting(
+        2.0, "More than this many cudaMalloc retries (cache flushes) within alloc_retry_window warn.", _non_negative
+    )
+    alloc_retry_window: str = setting("15m", "The window of the cudaMalloc retry count.", _window)
+    oom_window: str = setting("15m", "An out-of-memory error within this window warns.", _window)
+    fragmentation_for: str = setting("15m", "How long fragmentation must stay high before it warns.", _for)
+    leak_window: str = setting(
+        "1h", "predict_linear's window for the leak projection; the series must be at least this old.", _window
+    )
+    leak_for: str = setting(
+        "30m", "How long the leak projection must hold (so the warm-up ramp does not count as a leak).", _for
+    )
+    stall_window: str = setting(
+        "30m",
+        "The mean step time's window (a stall longer than the window falls back to the floors).",
+        _window,
+    )
+    xid_window: str = setting("15m", "Xid events within this window alert (resolves once it has passed).", _window)
+    gpu_lost_for: str = setting("1m", "How long a GPU must be lost (gpu_up 0) before it pages.", _for)
+    ecc_window: str = setting("15m", "Uncorrected ECC errors within this window warn.", _window)
+    remapped_rows_for: str = setting("5m", "How long pending or failed row remaps must show before they warn.", _for)
+    throttle_reasons: tuple[str, ...] = setting(
+        ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown"),
+        "Throttle reasons (gpu_clock_throttle{reason}, the NVML collector's names) worth a warning; "
+        "sw_power_cap is normal under full load, gpu_idle is no trouble.",
+        _reasons,
+    )
+    throttle_for: str = setting("10m", "How long a throttle reason must hold before it warns.", _for)
+    foreign_process_for: str = setting("5m", "How long a foreign process must be on a job GPU to warn.", _for)
+    rank_skew_ratio: float = setting(
+        1.25,
+        "Rank skew: a rank's reserved bytes above this many times the median of its job's ranks ...",
+        _above_one,
+    )
+    rank_skew_min_bytes: float = setting(
+        float(2 * GIB), "... and at least this many bytes above it (2 GiB = 2147483648).", _non_negative
+    )
+    rank_skew_for: str = setting("15m", "How long the skew must stay before it warns.", _for)
+    rank_skew_exempt: tuple[str, ...] = setting(
+        ('vramwatch_io_rank_skew="off"',),
+        "Matcher sets of ranks the skew rule never flags (any set matching exempts): pipeline-parallel "
+        "jobs, whose first and last stages are larger by design. The default is the per-job opt-out, "
+        'the pod label vramwatch.io/rank-skew: "off" (the shipped PodMonitor copies it); a set such as '
+        '\'job="pp-train", rank=~"0|15"\' exempts given ranks.',
+        _matcher_list,
+    )
+    target_down_for: str = setting("5m", "How long a target must fail its scrapes before it warns.", _for)
+    target_absent_for: str = setting(
+        "",
+        "absent(up{target_selector}) for this long warns; empty: no such rule (between jobs no target is "
+        "the normal state of a per-job exporter).",
+        _for,
+    )
+    sample_stale_for: str = setting("1m", "How long samples must stay stale before it warns.", _for)
+    collector_down_for: str = setting("5m", "How long a collector must fail before it warns.", _for)
 
     def scaled(self, factor: float) -> MonitoringConfig:
         """The same rules on a faster (factor < 1) or slower clock: every time quantity times factor."""
@@ -130,6 +331,44 @@ class MonitoringConfig:
 
 DEFAULT = MonitoringConfig()
 
+# pairs that must stay ordered: (lower, higher)
+_ORDERED = (("memory_warning_ratio", "memory_critical_ratio"),)
+
+
+def shown(v: Any) -> str:
+    """A value as an error message quotes it: short, one line."""
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validate(cfg: MonitoringConfig, source: str = "MonitoringConfig") -> MonitoringConfig:
+    """``cfg`` if every value passes its check; else ConfigError naming the first bad key and ``source``.
+
+    Does not check that ``disabled_alerts`` exist (the rule set does, see ``alerts.rules``)."""
+    for f in dataclasses.fields(cfg):
+        check = f.metadata.get("check")
+        v = getattr(cfg, f.name)
+        if check is None:
+            continue
+        try:
+            check(v)
+        except ValueError as e:
+            raise ConfigError(f"invalid monitoring setting {f.name}={shown(v)} (from {source}): {e}") from None
+    for low, high in _ORDERED:
+        if not getattr(cfg, low) < getattr(cfg, high):
+            raise ConfigError(
+                f"invalid monitoring setting {low}={shown(getattr(cfg, low))} (from {source}): "
+                f"must be below {high} ({shown(getattr(cfg, high))})"
+            )
+    both = set(cfg.xid_critical) & set(cfg.xid_warning)
+    if both:
+        raise ConfigError(
+            f"invalid monitoring setting xid_warning={shown(cfg.xid_warning)} (from {source}): "
+            f"Xid {', '.join(map(str, sorted(both)))} also in xid_critical"
+        )
+    return cfg
+
+
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, "y": 31536000.0}
 _DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
 
@@ -138,7 +377,7 @@ def parse_duration(text: str) -> float:
     """Seconds in a Prometheus duration such as ``1h30m`` or ``500ms``."""
     parts = _DURATION.findall(text)
     if not text or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"not a Prometheus duration: {text!r}")
+        raise ValueError(f"not a Prometheus duration: {text!r} (e.g. 90s, 5m, 1h30m)")
     return sum(int(n) * _UNITS[u] for n, u in parts)
 
 

@@ -1,19 +1,43 @@
-"""``vramwatch alerts``: print the rules, or write / check the generated files under deploy/."""
+"""``vramwatch alerts``: print the rules, or write / check the generated files under deploy/.
+
+``--config F`` renders from a monitoring config file (the keys of ``MonitoringConfig``); a bad key or
+value exits 2 naming it. ``--write``/``--check`` also cover ``monitoring.example.yaml``, the defaults
+as a commented file, so the example can never drift from the fields.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
+from vramwatch.errors import ConfigError
+from vramwatch.monitoring import config_file
 from vramwatch.monitoring.alerts.render import DEFAULT_RELEASE, prometheus_rule, rule_file, to_yaml
-from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
+from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, validate
 
 RULES_PATH = Path("prometheus") / "rules" / "vramwatch.rules.yml"
 PROMETHEUS_RULE_PATH = Path("kubernetes") / "prometheusrule.yaml"
+EXAMPLE_CONFIG_PATH = Path(config_file.EXAMPLE_PATH)
+
+
+def add_config_argument(p: argparse.ArgumentParser) -> None:
+    """``--config F``, shared with ``vramwatch dashboards``."""
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a YAML monitoring config: any keys of MonitoringConfig (see deploy/monitoring.example.yaml)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> MonitoringConfig:
+    """The config ``--config`` names (the defaults without one); ConfigError naming a bad key."""
+    return config_file.load(args.config) if args.config else DEFAULT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_argument(p)
     p.add_argument(
         "--format",
         choices=("rules", "prometheusrule"),
@@ -28,10 +52,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--namespace", default=None, help="the PrometheusRule's namespace (default: none set)")
     p.add_argument(
-        "--selector", default=None, help="PromQL label matchers selecting vramwatch's series, e.g. 'job=\"vramwatch\"'"
+        "--selector",
+        default=None,
+        help="PromQL label matchers selecting vramwatch's series, e.g. 'job=\"vramwatch\"' (overrides the config's)",
     )
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--write", metavar="DIR", help=f"write DIR/{RULES_PATH} and DIR/{PROMETHEUS_RULE_PATH}")
+    group.add_argument(
+        "--write",
+        metavar="DIR",
+        help=f"write DIR/{RULES_PATH}, DIR/{PROMETHEUS_RULE_PATH} and DIR/{EXAMPLE_CONFIG_PATH}",
+    )
     group.add_argument("--check", metavar="DIR", help="exit 1 if the files under DIR are not what --write writes")
 
 
@@ -41,11 +71,18 @@ def generated(
     return {
         RULES_PATH: to_yaml(rule_file(cfg)),
         PROMETHEUS_RULE_PATH: to_yaml(prometheus_rule(cfg, namespace=namespace, release=release or None)),
+        EXAMPLE_CONFIG_PATH: config_file.example_yaml(),  # always the defaults: the file to copy
     }
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = DEFAULT if args.selector is None else MonitoringConfig(selector=args.selector)
+    try:
+        cfg = config_from_args(args)
+        if args.selector is not None:
+            cfg = validate(dataclasses.replace(cfg, selector=args.selector), "--selector")
+    except ConfigError as e:
+        print(f"vramwatch alerts: {e}", file=sys.stderr)
+        return 2
     files = generated(cfg, args.release, args.namespace)
     if args.write:
         for rel, text in files.items():

@@ -13,13 +13,17 @@ from vramwatch.monitoring.alerts.promql import (
     metric,
     num,
 )
-from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.config import GIB, MonitoringConfig
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
-    reserved = metric(cfg, "torch_cuda_memory_reserved_bytes")
+    name = "torch_cuda_memory_reserved_bytes"
+    reserved = metric(cfg, name)
     by = ", ".join(cfg.job_labels)
     median = f"quantile by ({by}) (0.5, {reserved})"
+    # exempt ranks still count in the median (it is robust to a few large ranks), they are never flagged
+    exempt = " or ".join(metric(cfg, name, m) for m in cfg.rank_skew_exempt)
+    flagged = f"({reserved} unless ({exempt}))" if exempt else reserved
     return [
         alert(
             "GPUForeignProcess",
@@ -32,12 +36,15 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
         ),
         alert(
             "TrainingRankMemorySkew",
-            f"{reserved} / on({by}) group_left() {median} > {num(cfg.rank_skew_ratio)}\n"
-            f"and {reserved} - on({by}) group_left() {median} > {num(cfg.rank_skew_min_bytes)}",
+            f"{flagged} / on({by}) group_left() {median} > {num(cfg.rank_skew_ratio)}\n"
+            f"and {flagged} - on({by}) group_left() {median} > {num(cfg.rank_skew_min_bytes)}",
             WARNING,
             "One rank holds far more GPU memory than the median of its peers.",
-            f"{DEVICE_WHERE} reserves {VALUE_RATIO}x the median of its job's ranks: uneven batches, a rank "
-            "doing extra work (evaluation, logging), or a leak on one rank.",
+            f"{DEVICE_WHERE} has reserved {VALUE_RATIO}x the median of its job's ranks for more than "
+            f"{cfg.rank_skew_for} (flagged above {num(cfg.rank_skew_ratio)}x and "
+            f"{num(cfg.rank_skew_min_bytes / GIB)} GiB more): uneven batches, a rank doing extra work "
+            "(evaluation, logging), or a leak on one rank. A pipeline-parallel job's first and last stages "
+            "are larger by design: exempt them (rank_skew_exempt).",
             cfg.rank_skew_for,
         ),
     ]

@@ -1,15 +1,20 @@
 """Stalls: a rank's heartbeat older than a bound derived from its own recent step times.
 
-The bound is ``max(stall_min_seconds, stall_factor x mean step time over stall_window)``. When no
-step has completed for a whole ``stall_window`` the mean is undefined (0/0) and the bound falls back
-to ``stall_min_seconds``: a heartbeat older than the window is a stall whatever the step time was.
+The bound is ``max(floor, stall_factor x mean step time over stall_window)``. When no step has
+completed for a whole ``stall_window`` the mean is undefined (0/0) and the bound falls back to the
+floor: a heartbeat older than the window is a stall whatever the step time was.
 
 Split by what the rank's GPU does (rank series join GPU series on ``uuid`` through the allocator's
 series, which carry both the rank and the GPU):
 
-- busy stall (critical): utilisation high and power low, the signature of a hang (a
-  deadlocked collective spins at 100% "utilisation" drawing little power);
-- idle stall (warning): anything else, including ranks without an NVML reading.
+- busy stall (critical): utilisation high and power low, the signature of a hang (a deadlocked
+  collective spins at 100% "utilisation" drawing little power). The signature is the evidence, so
+  its floor (``busy_stall_min_seconds``) and ``for`` (``busy_stall_for``) are short: the page comes
+  within floor + for + one evaluation interval of the last step (docs/runbooks.md#trainingstalled);
+- idle stall (warning): anything else, including ranks without an NVML reading, on the longer
+  ``stall_min_seconds`` and ``stall_for`` (input pipeline, evaluation, checkpointing).
+
+Neither fires for one slow step of up to ``stall_factor`` x the mean: the bound is at least that.
 """
 
 from __future__ import annotations
@@ -33,21 +38,21 @@ _PER_GPU_ONLY = ",".join(x for x in contract.RANK_DEVICE if x not in contract.RA
 _GPU_JOIN = "gpu," + ",".join(x for x in contract.RANK_DEVICE if x != "uuid")  # gpu,device,rank,local_rank
 
 
-def stalled_ranks(cfg: MonitoringConfig) -> str:
-    """Per rank: the heartbeat's age in seconds, where it exceeds the rank's bound."""
+def stalled_ranks(cfg: MonitoringConfig, floor: float | None = None) -> str:
+    """Per rank: the heartbeat's age in seconds, where it exceeds the rank's bound (with ``floor``)."""
     hb = metric(cfg, "vramwatch_training_last_step_timestamp_seconds")
-    bound = stall_bound(cfg, lambda name: metric(cfg, name))
+    bound = stall_bound(cfg, lambda name: metric(cfg, name), floor)
     return f"(time() - {hb})\n> (\n  {bound}\n)"
 
 
 def busy_stalls(cfg: MonitoringConfig) -> str:
-    """Per rank and GPU: stalled ranks whose GPU reads busy at low power."""
+    """Per rank and GPU: ranks stalled past the busy floor whose GPU reads busy at low power."""
     alloc = metric(cfg, "torch_cuda_memory_allocated_bytes")
     util = metric(cfg, "gpu_utilization_ratio")
     power = metric(cfg, "gpu_power_watts")
     plimit = metric(cfg, "gpu_power_limit_watts")
     return (
-        f"(\n{_indent(stalled_ranks(cfg))}\n)\n"
+        f"(\n{_indent(stalled_ranks(cfg, cfg.busy_stall_min_seconds))}\n)\n"
         f"* ignoring({_PER_GPU_ONLY}) group_right()\n({alloc} * 0 + 1)\n"
         f"and ignoring({_GPU_JOIN}) {util} >= {num(cfg.busy_utilization_ratio)}\n"
         f"and ignoring({_GPU_JOIN}) {power} / {plimit} <= {num(cfg.busy_power_ratio)}"
@@ -58,29 +63,31 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
 
 
+def _why(cfg: MonitoringConfig, floor: float) -> str:
+    return f"(bound: {cfg.stall_factor:g}x its mean step time over {cfg.stall_window}, at least {floor:g}s)"
+
+
 def rules(cfg: MonitoringConfig) -> list[dict]:
-    why = (
-        f"(bound: {cfg.stall_factor:g}x its mean step time over {cfg.stall_window}, "
-        f"at least {cfg.stall_min_seconds:g}s)"
-    )
     return [
         alert(
             "TrainingStalled",
             busy_stalls(cfg),
             CRITICAL,
             "A rank stopped making progress while its GPU reads busy at low power (a hang).",
-            f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {why}, while its GPU "
+            f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} "
+            f"{_why(cfg, cfg.busy_stall_min_seconds)}, while its GPU "
             f"{label('uuid')} reads at least {percent(cfg.busy_utilization_ratio)} utilisation at no more "
             f"than {percent(cfg.busy_power_ratio)} of its power limit: the hang signature. "
             "Checkpoint-less work is being lost.",
-            cfg.stall_for,
+            cfg.busy_stall_for,
         ),
         alert(
             "TrainingStalled",
             f"(\n{_indent(stalled_ranks(cfg))}\n)\nunless ignoring({_PER_GPU_ONLY})\n(\n{_indent(busy_stalls(cfg))}\n)",
             WARNING,
             "A rank stopped making progress.",
-            f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {why}; its GPU does not show the "
+            f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {_why(cfg, cfg.stall_min_seconds)}; "
+            "its GPU does not show the "
             "busy-at-low-power hang signature (idle, input pipeline, evaluation, checkpointing, or no "
             "NVML reading).",
             cfg.stall_for,

@@ -95,16 +95,17 @@ def alert(
     return rule
 
 
-def stall_bound(cfg: MonitoringConfig, series: Callable[[str], str]) -> str:
+def stall_bound(cfg: MonitoringConfig, series: Callable[[str], str], floor: float | None = None) -> str:
     """How old a rank's heartbeat may get before it counts as stalled; alerts and dashboards share it.
 
-    ``stall_factor`` x the rank's mean step time over ``stall_window``, at least
-    ``stall_min_seconds``; when no step completed in the whole window the mean is undefined (0/0)
-    and the bound is the minimum. ``series(name)`` renders a family with its label matchers.
+    ``stall_factor`` x the rank's mean step time over ``stall_window``, at least ``floor`` (default
+    ``stall_min_seconds``, the idle stall's; the busy stall passes ``busy_stall_min_seconds``); when
+    no step completed in the whole window the mean is undefined (0/0) and the bound is the floor.
+    ``series(name)`` renders a family with its label matchers.
     """
     w = duration(cfg.stall_window)
     h = "vramwatch_training_step_duration_seconds"
     mean = f"rate({series(h + '_sum')}[{w}]) / rate({series(h + '_count')}[{w}])"
-    low = num(cfg.stall_min_seconds)
+    low = num(cfg.stall_min_seconds if floor is None else floor)
     last = series("vramwatch_training_last_step_timestamp_seconds")
     return f"clamp_min({num(cfg.stall_factor)} * ({mean} > 0), {low})\n  or {last} * 0 + {low}"

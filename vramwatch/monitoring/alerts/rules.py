@@ -1,22 +1,28 @@
-"""Assemble the rule groups: one group per area, runbook links and extra labels added in one pass."""
+"""Assemble the rule groups: one group per area; runbook and dashboard links, extra labels and the
+disabled alerts applied in one pass."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
+from vramwatch.errors import ConfigError
 from vramwatch.monitoring.alerts import allocator, contention, exporter, health, memory, progress
-from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
+from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, shown
+from vramwatch.monitoring.dashboards import ids
 
-# (group name, module): the order of the rule file
+# (group name, module, the dashboard its alerts link to): the order of the rule file
 AREAS = (
-    ("vramwatch-memory", memory),
-    ("vramwatch-allocator", allocator),
-    ("vramwatch-progress", progress),
-    ("vramwatch-health", health),
-    ("vramwatch-contention", contention),
-    ("vramwatch-exporter", exporter),
+    ("vramwatch-memory", memory, ids.TRAINING_MEMORY_UID),
+    ("vramwatch-allocator", allocator, ids.TRAINING_MEMORY_UID),
+    ("vramwatch-progress", progress, ids.TRAINING_MEMORY_UID),
+    ("vramwatch-health", health, ids.GPU_HEALTH_UID),
+    ("vramwatch-contention", contention, ids.TRAINING_MEMORY_UID),
+    ("vramwatch-exporter", exporter, ids.FLEET_UID),
 )
+# alerts whose dashboard is not their area's
+DASHBOARD_OF = {"GPUForeignProcess": ids.GPU_HEALTH_UID}
 
 
 def anchor(alertname: str) -> str:
@@ -24,28 +30,54 @@ def anchor(alertname: str) -> str:
     return alertname.lower()
 
 
-def add_runbook_links(groups: list[dict[str, Any]], cfg: MonitoringConfig) -> list[dict[str, Any]]:
-    out = copy.deepcopy(groups)
-    for g in out:
-        for r in g["rules"]:
-            if "alert" in r:
-                r["annotations"]["runbook_url"] = cfg.runbook_url.format(anchor=anchor(r["alert"]))
-    return out
+def dashboard_link(cfg: MonitoringConfig, uid: str) -> str:
+    """``<dashboard_url>/d/<uid>``, scoped by the alert's labels (each only where the alert has it)."""
+    params = "".join(
+        f"{{{{ if $labels.{label} }}}}&var-{var}={{{{ $labels.{label} }}}}{{{{ end }}}}"
+        for label, var in ids.LINK_VARIABLES
+    )
+    return f"{cfg.dashboard_url}/d/{uid}?orgId=1{params}"
 
 
-def add_extra_labels(groups: list[dict[str, Any]], cfg: MonitoringConfig) -> list[dict[str, Any]]:
-    out = copy.deepcopy(groups)
-    for g in out:
-        for r in g["rules"]:
-            if "alert" in r:
-                r["labels"] = {**r.get("labels", {}), **dict(cfg.extra_labels)}
-    return out
+def _annotate(rule: dict[str, Any], cfg: MonitoringConfig, uid: str) -> None:
+    name = rule["alert"]
+    rule["annotations"]["runbook_url"] = cfg.runbook_url.format(anchor=anchor(name), alertname=name)
+    if cfg.dashboard_url:
+        rule["annotations"]["dashboard_url"] = dashboard_link(cfg, DASHBOARD_OF.get(name, uid))
+    rule["labels"] = {**rule.get("labels", {}), **dict(cfg.extra_labels)}
+
+
+def _raw(cfg: MonitoringConfig) -> list[tuple[str, list[dict[str, Any]], str]]:
+    return [(name, module.rules(cfg), uid) for name, module, uid in AREAS]
+
+
+def all_alert_names() -> set[str]:
+    """Every alert the rules can hold, the opt-in ones included."""
+    every = dataclasses.replace(DEFAULT, target_absent_for=DEFAULT.target_down_for)
+    return {r["alert"] for _, rules, _ in _raw(every) for r in rules if "alert" in r}
+
+
+def check_disabled_alerts(cfg: MonitoringConfig, source: str = "MonitoringConfig") -> None:
+    unknown = sorted(set(cfg.disabled_alerts) - all_alert_names())
+    if unknown:
+        raise ConfigError(
+            f"invalid monitoring setting disabled_alerts={shown(cfg.disabled_alerts)} (from {source}): "
+            f"no alert named {', '.join(unknown)}; known: {', '.join(sorted(all_alert_names()))}"
+        )
 
 
 def groups(cfg: MonitoringConfig = DEFAULT) -> list[dict[str, Any]]:
     """The rule groups, as the ``groups:`` list of a Prometheus rule file."""
-    raw = [{"name": name, "rules": module.rules(cfg)} for name, module in AREAS]
-    return add_extra_labels(add_runbook_links(raw, cfg), cfg)
+    check_disabled_alerts(cfg)
+    out = []
+    for name, rules, uid in _raw(cfg):
+        kept = [copy.deepcopy(r) for r in rules if r.get("alert") not in cfg.disabled_alerts]
+        for r in kept:
+            if "alert" in r:
+                _annotate(r, cfg, uid)
+        if kept:
+            out.append({"name": name, "rules": kept})
+    return out
 
 
 def alerts(cfg: MonitoringConfig = DEFAULT) -> list[dict[str, Any]]:

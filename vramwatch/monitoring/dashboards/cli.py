@@ -13,6 +13,9 @@ NEEDS = "grafana-foundation-sdk==0.0.21 (pip install 'vramwatch[dashboards]')"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from vramwatch.monitoring.alerts.cli import add_config_argument  # no SDK: the parser is always built
+
+    add_config_argument(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--write",
@@ -24,21 +27,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vramwatch.errors import ConfigError
+    from vramwatch.monitoring.alerts.cli import config_from_args
+
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"vramwatch dashboards: {e}", file=sys.stderr)
+        return 2
     try:
         from vramwatch.monitoring.dashboards import build_all, render
     except ImportError as e:
         print(f"vramwatch dashboards: needs {NEEDS}: {e}", file=sys.stderr)
         return 2
     if args.write:
-        for path in render.write(args.write):
+        for path in render.write(args.write, cfg):
             print(path)
         return 0
     if args.check:
-        bad = render.stale(args.check)
+        bad = render.stale(args.check, cfg)
         for rel in bad:
             print(f"stale: {args.check}/{rel} (run: vramwatch dashboards --write {args.check})", file=sys.stderr)
         return 1 if bad else 0
-    models = build_all()
+    models = build_all(cfg)
     if args.uid:
         for m in models:
             if m.uid == args.uid:

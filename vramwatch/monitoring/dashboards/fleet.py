@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.dashboards import ids
 from vramwatch.monitoring.dashboards.common import (
     Scope,
     bar_panel,
@@ -24,7 +25,7 @@ from vramwatch.monitoring.dashboards.common import (
     xid_annotation,
 )
 
-UID = "vramwatch-fleet"
+UID = ids.FLEET_UID
 TITLE = "vramwatch / Fleet overview"
 # Prometheus's own series of the alerts it evaluates (not a vramwatch family)
 ALERTS = "ALERTS"

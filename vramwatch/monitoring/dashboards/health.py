@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.dashboards import ids
 from vramwatch.monitoring.dashboards.common import (
     Scope,
     base_dashboard,
@@ -20,7 +21,7 @@ from vramwatch.monitoring.dashboards.common import (
     xid_annotation,
 )
 
-UID = "vramwatch-gpu-health"
+UID = ids.GPU_HEALTH_UID
 TITLE = "vramwatch / GPU health"
 GPU = "gpu{{gpu}} {{instance}}"
 SINCE_FROM = "${__from:date:seconds}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.dashboards import ids
 from vramwatch.monitoring.dashboards.common import (
     PROM,
     Scope,
@@ -23,7 +24,7 @@ from vramwatch.monitoring.dashboards.common import (
     units,
 )
 
-UID = "vramwatch-training-memory"
+UID = ids.TRAINING_MEMORY_UID
 TITLE = "vramwatch / Training memory"
 RANK = "rank {{rank}}"
 
