@@ -38,6 +38,7 @@ CFG = dataclasses.replace(
     DEFAULT.scaled(1 / 60),
     selector='job="vramwatch"',
     stall_min_seconds=4.0,
+    busy_stall_min_seconds=3.0,
     sample_stale_seconds=15.0,
     xid_window="8s",
 )
@@ -231,6 +232,10 @@ def test_busy_stall_pages_and_resolves_when_steps_resume(stack):
     paged = _wait("the busy-stall page", lambda: stack.hooks.alerts("/page", "TrainingStalled", rank="2"))
     assert paged[0]["labels"]["severity"] == "critical" and paged[0]["labels"]["uuid"] == gpu2
     assert "has not completed a step for" in paged[0]["annotations"]["description"]
+    # the link opens the training-memory dashboard on this node, GPU and rank
+    link = paged[0]["annotations"]["dashboard_url"]
+    assert link.startswith(f"{CFG.dashboard_url}/d/vramwatch-training-memory?"), link
+    assert f"&var-gpu={gpu2}" in link and "&var-rank=2" in link and "{{" not in link
     assert not stack.hooks.alerts("/warning", "TrainingStalled", rank="2"), "a busy stall is not an idle stall"
 
     stack.drive(2, stall=False)
