@@ -111,6 +111,9 @@ class MonitoringConfig:
     target_absent_for: str = ""
     sample_stale_for: str = "1m"
     collector_down_for: str = "5m"
+    # the target label naming the Kubernetes node (the shipped PodMonitor's and prometheus.yml's
+    # relabeling); the dashboards' node variable selects on it, a setup without it sees "All"
+    node_label: str = "node"
 
     def scaled(self, factor: float) -> MonitoringConfig:
         """The same rules on a faster (factor < 1) or slower clock: every time quantity times factor."""

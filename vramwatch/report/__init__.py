@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=V1[,V2]",
-        help="a dashboard variable (job, host, gpu, rank); default: All",
+        help="a dashboard variable (job, namespace, node, host, gpu, rank, the job-name labels); default: All",
     )
     p.add_argument("--dashboard", action="append", default=[], metavar="UID", help="only these dashboards")
     p.add_argument("--out", default="report.html", help="HTML file to write (default: report.html)")
