@@ -75,6 +75,9 @@ class FakeProm(BaseHTTPRequestHandler):
     empty: set[str] = set()  # exprs answered with no series
     seen: list[str] = []
     auth: list[str | None] = []
+    headers_seen: list[dict[str, str]] = []
+    require: dict[str, str] = {}  # header -> value every request must carry, else 401
+    redirect_to = ""  # answer every request with a redirect there
 
     def log_message(self, *a):  # quiet
         pass
@@ -85,6 +88,15 @@ class FakeProm(BaseHTTPRequestHandler):
         expr = q.get("query", q.get("match[]", ""))
         FakeProm.seen.append(expr)
         FakeProm.auth.append(self.headers.get("Authorization"))
+        FakeProm.headers_seen.append({k.lower(): v for k, v in self.headers.items()})
+        if FakeProm.redirect_to:
+            self.send_response(302)
+            self.send_header("Location", FakeProm.redirect_to + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if any(self.headers.get(k) != v for k, v in FakeProm.require.items()):
+            return self._send(401, {"status": "error", "errorType": "unauthorized", "error": "who are you"})
         if "syntax error" in expr:
             return self._send(400, {"status": "error", "errorType": "bad_data", "error": "parse error"})
         empty = any(e in expr for e in FakeProm.empty)
@@ -122,11 +134,19 @@ class FakeProm(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+def _serve(tls=None):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeProm)
+    if tls is not None:
+        srv.socket = tls.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    FakeProm.empty, FakeProm.seen, FakeProm.auth, FakeProm.headers_seen = set(), [], [], []
+    FakeProm.require, FakeProm.redirect_to = {}, ""
+    return srv
+
+
 @pytest.fixture
 def fake_prom():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeProm)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    FakeProm.empty, FakeProm.seen, FakeProm.auth = set(), [], []
+    srv = _serve()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
     srv.server_close()
@@ -288,6 +308,163 @@ def test_basic_auth_from_the_url(fake_prom):
     url = fake_prom.replace("http://", "http://ml%20ops:s%3Acret@")
     assert PromClient(url).query("vector(1)", 0)[0].values == [_answer("vector(1)", 1)[0]]
     assert FakeProm.auth[-1] == "Basic " + base64.b64encode(b"ml ops:s:cret").decode()
+
+
+# --- credentials: sent with every request, written nowhere ---
+
+SECRET_PW, SECRET_TOKEN, SECRET_HEADER = "pw-Zq8rT1vX", "tok-9fK2mNp4Lw", "hdr-7Hs3Qe0R"
+
+
+def _no_secrets(*texts: str, secrets=(SECRET_PW, SECRET_TOKEN, SECRET_HEADER)) -> None:
+    import base64
+
+    for text in texts:
+        for secret in secrets:
+            assert secret not in text, f"{secret!r} written out"
+        for token in re.findall(r"[A-Za-z0-9+/]{12,}={0,2}", text):  # base64 of user:password
+            try:
+                decoded = base64.b64decode(token + "==", validate=False).decode("utf-8", "replace")
+            except ValueError:
+                continue
+            assert SECRET_PW not in decoded, f"{secret!r} written out in base64"
+
+
+def _secret_file(tmp_path, name, text):
+    f = tmp_path / name
+    f.write_text(text + "\n")
+    f.chmod(0o600)
+    return str(f)
+
+
+def _auth_cases(tmp_path, base):
+    import base64
+
+    basic = "Basic " + base64.b64encode(f"ml ops:{SECRET_PW}".encode()).decode()
+    bearer = f"Bearer {SECRET_TOKEN}"
+    config = tmp_path / "http.yml"
+    config.write_text(
+        "authorization:\n  credentials_file: token\n"
+        f"http_headers:\n  X-Api-Key:\n    secrets: [{SECRET_HEADER}]\n  X-Scope-OrgID:\n    values: [team-a]\n"
+    )
+    (tmp_path / "token").write_text(SECRET_TOKEN + "\n")
+    host = base.split("://", 1)[1]
+    scheme = base.split("://", 1)[0]
+    return {
+        "url user info": ([f"{scheme}://ml%20ops:{SECRET_PW}@{host}"], {"Authorization": basic}),
+        "user in URL, password file": (
+            [f"{scheme}://ml%20ops@{host}", "--basic-auth-password-file", _secret_file(tmp_path, "pw", SECRET_PW)],
+            {"Authorization": basic},
+        ),
+        "bearer token file": (
+            [base, "--bearer-token-file", _secret_file(tmp_path, "tok", SECRET_TOKEN)],
+            {"Authorization": bearer},
+        ),
+        "bearer token": ([base, "--bearer-token", SECRET_TOKEN], {"Authorization": bearer}),
+        "headers": (
+            [base, "--header", f"X-Api-Key: {SECRET_HEADER}", "--header", "X-Scope-OrgID: team-a"],
+            {"X-Api-Key": SECRET_HEADER, "X-Scope-OrgID": "team-a"},
+        ),
+        "http config file": (
+            [base, "--http-config-file", str(config)],
+            {"Authorization": bearer, "X-Api-Key": SECRET_HEADER, "X-Scope-OrgID": "team-a"},
+        ),
+    }
+
+
+def _report_to(tmp_path, name, url_and_flags, *extra):
+    out = tmp_path / f"{name.replace(' ', '-')}.html"
+    r = _report(
+        "--prometheus", *url_and_flags, "--dashboard", "vramwatch-fleet", "--last", "10m", "--out", str(out), *extra
+    )
+    return r, out
+
+
+def test_credentials_go_into_requests_and_nowhere_else(fake_prom, tmp_path):
+    for name, (args, headers) in _auth_cases(tmp_path, fake_prom).items():
+        FakeProm.require, FakeProm.headers_seen = headers, []
+        r, out = _report_to(tmp_path, name, args)
+        assert r.returncode == 0, (name, r.stderr)
+        assert FakeProm.headers_seen and all(
+            all(h.get(k.lower()) == v for k, v in headers.items()) for h in FakeProm.headers_seen
+        ), name
+        page = out.read_text()
+        assert f"Prometheus {fake_prom}</p>" in page, name  # the URL, without its user info
+        _no_secrets(page, r.stderr, r.stdout)
+        # the same credentials, refused: the error says so without repeating them
+        FakeProm.require = {k: v + "x" for k, v in headers.items()}
+        r, out = _report_to(tmp_path, name + " refused", args)
+        assert r.returncode == 1 and "HTTP 401 (check the credentials)" in r.stderr, (name, r.stderr)
+        assert not out.exists()
+        _no_secrets(r.stderr, r.stdout)
+
+
+def test_tls_with_a_ca_file_and_a_client_certificate(tmp_path):
+    import ssl
+
+    from tlsutil import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki.cert, pki.key)
+    ctx.load_verify_locations(pki.client_ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    srv = _serve(ctx)
+    try:
+        base = f"https://127.0.0.1:{srv.server_address[1]}"
+        tls = ["--ca-file", str(pki.ca), "--cert-file", str(pki.client_cert), "--key-file", str(pki.client_key)]
+        for name, (args, headers) in _auth_cases(tmp_path, base).items():
+            FakeProm.require = headers
+            r, out = _report_to(tmp_path, "tls " + name, [*args, *tls])
+            assert r.returncode == 0, (name, r.stderr)
+            assert f"Prometheus {base}</p>" in out.read_text()
+            _no_secrets(out.read_text(), r.stderr, r.stdout)
+        args, headers = _auth_cases(tmp_path, base)["url user info"]
+        FakeProm.require, seen = headers, len(FakeProm.seen)
+        # without the CA the server is not trusted; without the client certificate it refuses us
+        for name, flags in (("no CA", tls[2:]), ("no client cert", tls[:2])):
+            r, out = _report_to(tmp_path, name, [*args, *flags])
+            assert r.returncode == 1 and "did not answer" in r.stderr, (name, r.stderr)
+            _no_secrets(r.stderr, r.stdout)
+        assert "CERTIFICATE_VERIFY_FAILED" in _report_to(tmp_path, "no CA", [*args, *tls[2:]])[0].stderr
+        assert len(FakeProm.seen) == seen  # no request got through
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_redirect_elsewhere_does_not_get_the_credentials(fake_prom, tmp_path):
+    other = _serve()
+    try:
+        FakeProm.redirect_to = f"http://localhost:{other.server_address[1]}"  # another origin
+        r, _ = _report_to(tmp_path, "redirect", [fake_prom, "--bearer-token", SECRET_TOKEN])
+        assert r.returncode == 1 and "HTTP 302, a redirect elsewhere (not followed)" in r.stderr, r.stderr
+        assert len(FakeProm.headers_seen) == 1  # the other server never got a request
+        _no_secrets(r.stderr)
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--bearer-token", SECRET_TOKEN, "--bearer-token-file", "/nonexistent"], "give one way to authenticate"),
+        (["--bearer-token-file", "/nonexistent/tok"], "--bearer-token-file /nonexistent/tok: cannot read it"),
+        (["--header", f"Authorization: Bearer {SECRET_TOKEN}"], "header 'Authorization' is set by the client"),
+        (["--header", SECRET_HEADER], "--header wants 'Name: value'"),
+        (["--ca-file", "HTTP"], "TLS options given for http://"),
+        (["--ca-file", "/nonexistent/ca.crt"], "--ca-file /nonexistent/ca.crt: no such file"),
+        (["--http-config-file", "HTTP"], "unknown key 'proxy_url'"),
+    ],
+)
+def test_bad_credential_options_exit_2_naming_them(fake_prom, tmp_path, flags, message):
+    (tmp_path / "http.yml").write_text(f"proxy_url: http://x\nauthorization: {{credentials: {SECRET_TOKEN}}}\n")
+    flags = [str(tmp_path / "http.yml") if f == "HTTP" else f for f in flags]
+    url = fake_prom.replace("http://", f"http://u:{SECRET_PW}@") if "--bearer-token" in flags else fake_prom
+    r = _report("--prometheus", url, *flags, "--out", str(tmp_path / "x.html"))
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    _no_secrets(r.stderr, r.stdout)
+    assert not FakeProm.seen
 
 
 def _closed_port() -> int:
