@@ -175,14 +175,17 @@ def _figures(html_text: str) -> list[tuple]:
 # --- charts are drawn from the returned data ---
 
 
+BEYOND = re.compile(r" \(up to [^)]*, beyond the axis\)$")
+
+
 def _lines(fig) -> dict[str, list[float]]:
     out = {}
     for ax in fig.axes:
         for ln in ax.get_lines():
             if not ln.get_label().startswith("_"):  # threshold and event lines are unlabelled
-                out[ln.get_label()] = [float(v) for v in ln.get_ydata()]
+                out[BEYOND.sub("", ln.get_label())] = [float(v) for v in ln.get_ydata()]
         for cont in ax.containers:  # bars
-            out[cont.get_label()] = [float(r.get_height()) for r in cont]
+            out[BEYOND.sub("", cont.get_label())] = [float(r.get_height()) for r in cont]
     return out
 
 
@@ -226,6 +229,91 @@ def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
     ran = [e for e in FakeProm.seen if e != "vector(1)"]
     assert ran and not [e for e in ran if "$" in e]
     assert any('job=~".*"' in e for e in ran) and any("[75s]" in e for e in ran)  # rate interval 60 + 15
+
+
+def _axes_data(fig, res, p):
+    """(axes, the values drawn on it that are data, not forecasts, its Axis spec) for each y-axis."""
+
+    main, *rest = fig.axes
+    out = []
+    for ax, axis in [(main, p.axis)] + [(ax, next(iter(p.right.values()))) for ax in rest]:
+        refs = set(p.right) if ax is not main else {r.target.ref for r in res.results} - set(p.right)
+        values = [
+            v
+            for r in res.results
+            if r.target.ref in refs and not r.target.projection
+            for s in r.series
+            for v in s.values
+        ]
+        out.append((ax, values, axis))
+    return out
+
+
+def test_every_chart_axis_is_sized_to_its_data(fake_prom):
+    client = PromClient(fake_prom)
+    tc = TimeContext(start=1_800_000_000, end=1_800_000_600, step=60, scrape_interval=15)
+    checked = 0
+    for d in SPECS:
+        values = variable_values(d, {})
+        for p in (p for p in d.panels if p.type in ("timeseries", "bargauge")):
+            res = run_panel(client, p, values, tc)
+            fig = charts.draw(res, tc)
+            if p.type == "bargauge":
+                (ax,) = fig.axes
+                lo, hi = ax.get_xlim()
+                top = max(s.values[-1] for r in res.results for s in r.series)
+                assert lo == 0 and top <= hi <= 1.2 * top, (p.title, lo, hi, top)
+                checked += 1
+                continue
+            for ax, data, axis in _axes_data(fig, res, p):
+                lo, hi = ax.get_ylim()
+                marks = [v for v, _ in axis.thresholds] + ([0.0] if p.bars else [])
+                want_lo = axis.min if axis.min is not None else min(data + marks)
+                want_hi = axis.max if axis.max is not None else max(data + marks)
+                if axis.max is None:
+                    assert hi >= max(data + marks), (p.title, "data above the axis")
+                if axis.min is None:
+                    assert lo <= min(data + marks), (p.title, "data below the axis")
+                span = want_hi - want_lo
+                # no more room than the margin: the axis fits the data (and the threshold lines, fixed ends)
+                assert want_hi <= hi <= want_hi + 0.06 * span + 1e-9, (p.title, hi, want_hi)
+                assert want_lo - 0.06 * span - 1e-9 <= lo <= want_lo, (p.title, lo, want_lo)
+                checked += 1
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+    assert checked >= sum(1 for d in SPECS for p in d.panels if p.type in ("timeseries", "bargauge"))
+
+
+def test_the_leak_projection_does_not_flatten_the_peak():
+    """A projection tens of TiB out (a steep 4-hour extrapolation) is drawn to the edge, with its reach named."""
+    from vramwatch.report.data import PanelResult, TargetResult
+    from vramwatch.report.prom import Series
+
+    (d,) = [x for x in SPECS if x.uid == "vramwatch-training-memory"]
+    (p,) = [x for x in d.panels if x.title == "Per-step peak and leak projection"]
+    refs = {t.ref: t for t in p.targets}
+    assert refs["B"].projection and not refs["A"].projection and not refs["C"].projection
+    lab = {"job": "j", "instance": "h", "rank": "0", "device": "0", "uuid": "U"}
+    ts = [1_800_000_000 + 60.0 * i for i in range(11)]
+    gib = float(1 << 30)
+    peak = [60 * gib + 0.2 * gib * i for i in range(11)]
+    proj = [20 * 1024 * gib * (1 + i) for i in range(11)]  # up to 220 TiB
+    res = PanelResult(
+        p,
+        [
+            TargetResult(refs["A"], "", [Series(lab, ts, peak)]),
+            TargetResult(refs["B"], "", [Series(lab, ts, proj)]),
+            TargetResult(refs["C"], "", [Series(lab, ts, [70 * gib] * 11)]),
+        ],
+    )
+    fig = charts.draw(res, TimeContext(ts[0], ts[-1], 60, 15))
+    lo, hi = fig.axes[0].get_ylim()
+    assert lo == 0 and 70 * gib <= hi <= 75 * gib  # the peak and the limit fill the chart
+    labels = [h.get_label() for h in fig.axes[0].get_lines() if not h.get_label().startswith("_")]
+    assert any(lb.endswith("(up to 220 TiB, beyond the axis)") for lb in labels), labels
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any("beyond the axis" in t for t in legend), legend
 
 
 def test_table_sorts_merges_and_formats():
