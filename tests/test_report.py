@@ -542,13 +542,16 @@ def test_a_redirect_elsewhere_does_not_get_the_credentials(fake_prom, tmp_path):
         (["--header", SECRET_HEADER], "--header wants 'Name: value'"),
         (["--ca-file", "HTTP"], "TLS options given for http://"),
         (["--ca-file", "/nonexistent/ca.crt"], "--ca-file /nonexistent/ca.crt: no such file"),
+        (["--ca-file", "HTTP", "HTTPS"], "does not load"),  # a file that is no certificate
         (["--http-config-file", "HTTP"], "unknown key 'proxy_url'"),
     ],
 )
 def test_bad_credential_options_exit_2_naming_them(fake_prom, tmp_path, flags, message):
     (tmp_path / "http.yml").write_text(f"proxy_url: http://x\nauthorization: {{credentials: {SECRET_TOKEN}}}\n")
-    flags = [str(tmp_path / "http.yml") if f == "HTTP" else f for f in flags]
     url = fake_prom.replace("http://", f"http://u:{SECRET_PW}@") if "--bearer-token" in flags else fake_prom
+    if "HTTPS" in flags:
+        url, flags = url.replace("http://", "https://"), [f for f in flags if f != "HTTPS"]
+    flags = [str(tmp_path / "http.yml") if f == "HTTP" else f for f in flags]
     r = _report("--prometheus", url, *flags, "--out", str(tmp_path / "x.html"))
     assert r.returncode == 2 and message in r.stderr, r.stderr
     _no_secrets(r.stderr, r.stdout)

@@ -183,12 +183,12 @@ def run(args: argparse.Namespace) -> int:
             key_file=args.key_file or "",
             insecure_skip_verify=args.insecure_skip_verify,
         )
+        client = PromClient(url, timeout=args.timeout, http=http)
     except ConfigError as e:
         print(f"vramwatch report: {e}", file=sys.stderr)
         return 2
     shown_url = redact_url(url)
     try:
-        client = PromClient(url, timeout=args.timeout, http=http)
         client.query("vector(1)", end)
     except PromError as e:
         print(f"vramwatch report: {e}", file=sys.stderr)

@@ -37,25 +37,17 @@ class HTTPConfig:
     key_file: str = ""
     insecure_skip_verify: bool = False
 
-    def secrets(self) -> list[str]:
-        """Every header value, and the parts of a basic-auth value: what must never be written out."""
-        out = []
-        for name, value in self.headers:
-            out.append(value)
-            scheme, _, cred = value.partition(" ")
-            if name.lower() == "authorization" and cred:
-                out.append(cred)
-                if scheme.lower() == "basic":
-                    try:
-                        out.append(base64.b64decode(cred).decode().partition(":")[2])  # the password
-                    except ValueError:
-                        continue
-        return [s for s in out if s]
-
     def ssl_context(self) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cafile=self.ca_file or None)
+        """The client's TLS context; raises ConfigError naming a CA or certificate file that does not load."""
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file or None)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"CA file {self.ca_file}: does not load ({e})") from None
         if self.cert_file:
-            ctx.load_cert_chain(self.cert_file, self.key_file or None)
+            try:
+                ctx.load_cert_chain(self.cert_file, self.key_file or None)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"client certificate {self.cert_file} / key {self.key_file}: {e}") from None
         if self.insecure_skip_verify:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -37,7 +36,8 @@ class PromClient:
     """Prometheus's HTTP API at ``url``; ``http`` carries the credentials and TLS settings.
 
     Without ``http``, user info in ``url`` (``http://user:password@host``) becomes basic auth.
-    Credentials go into requests only: ``base`` and every error message are free of them.
+    Credentials go into requests only: ``base`` and every error message are free of them. Raises
+    ConfigError for a URL or TLS file that is no good.
     """
 
     def __init__(self, url: str, timeout: float = 30.0, http: HTTPConfig | None = None) -> None:
@@ -52,10 +52,7 @@ class PromClient:
             self._headers[name] = f"{self._headers[name]}, {value}" if name in self._headers else value
         handlers: list[urllib.request.BaseHandler] = [_SameOriginRedirects()]
         if self.base.startswith("https://"):
-            try:
-                handlers.append(urllib.request.HTTPSHandler(context=http.ssl_context()))
-            except (OSError, ssl.SSLError) as e:  # a CA or client certificate that does not load
-                raise PromError(f"TLS settings for {self.base}: {e}") from None
+            handlers.append(urllib.request.HTTPSHandler(context=http.ssl_context()))
         self._opener = urllib.request.build_opener(*handlers)
 
     def __repr__(self) -> str:
