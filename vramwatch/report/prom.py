@@ -7,7 +7,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from http.client import HTTPMessage
+from typing import IO, Any
 
 from vramwatch.report.httpconfig import HTTPConfig, http_config, split_userinfo
 
@@ -25,7 +26,9 @@ class Series:
 
 class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
     # urllib would send the Authorization header and the extra headers on to any host a redirect names
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+    def redirect_request(
+        self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: HTTPMessage, newurl: str
+    ) -> urllib.request.Request | None:
         old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
         if (old.scheme, old.hostname, old.port) != (new.scheme, new.hostname, new.port):
             return None  # urllib then raises the redirect as an HTTPError
