@@ -32,6 +32,10 @@ RULE = """groups:
     annotations: {summary: fires so the firing-alerts panels have a row}
 """
 
+# the target labels a Kubernetes PodMonitor adds (namespace, node, the pod's job-name label), so the
+# dashboards' variables for them have values; the other job-name labels stay absent, as in a real cluster
+TARGET_LABELS = {"namespace": "ml-research", "node": "gpu-node-a", "batch_kubernetes_io_job_name": "llama-ft"}
+
 # what must have data before the scenario counts as played out
 WAIT_FOR = (
     "count(torch_cuda_memory_allocated_bytes) == 2",
@@ -96,7 +100,8 @@ def start(tmp: Path, duration: float = 14.0, wait_for: tuple[str, ...] | None = 
     exp = Exporter(tmp / "exp", gpus=2, **{"nvml_slow_interval": 1.0, **settings}).start()
     rules = tmp / "rules.yml"
     rules.write_text(RULE)
-    prom = Prometheus(tmp, [f"127.0.0.1:{exp.port}"], rule_files=[str(rules)]).start()
+    target = {"targets": [f"127.0.0.1:{exp.port}"], "labels": TARGET_LABELS}
+    prom = Prometheus(tmp, rule_files=[str(rules)], extra_scrape={"static_configs": [target]}).start()
     # Prometheus applies discovered targets after ~5 s: start the story once it scrapes, so that
     # every counter has samples from before its first event (increase() needs them)
     prom.wait_for("up == 1", timeout=30)

@@ -75,6 +75,9 @@ class FakeProm(BaseHTTPRequestHandler):
     empty: set[str] = set()  # exprs answered with no series
     seen: list[str] = []
     auth: list[str | None] = []
+    headers_seen: list[dict[str, str]] = []
+    require: dict[str, str] = {}  # header -> value every request must carry, else 401
+    redirect_to = ""  # answer every request with a redirect there
 
     def log_message(self, *a):  # quiet
         pass
@@ -85,6 +88,15 @@ class FakeProm(BaseHTTPRequestHandler):
         expr = q.get("query", q.get("match[]", ""))
         FakeProm.seen.append(expr)
         FakeProm.auth.append(self.headers.get("Authorization"))
+        FakeProm.headers_seen.append({k.lower(): v for k, v in self.headers.items()})
+        if FakeProm.redirect_to:
+            self.send_response(302)
+            self.send_header("Location", FakeProm.redirect_to + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if any(self.headers.get(k) != v for k, v in FakeProm.require.items()):
+            return self._send(401, {"status": "error", "errorType": "unauthorized", "error": "who are you"})
         if "syntax error" in expr:
             return self._send(400, {"status": "error", "errorType": "bad_data", "error": "parse error"})
         empty = any(e in expr for e in FakeProm.empty)
@@ -122,11 +134,19 @@ class FakeProm(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+def _serve(tls=None):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeProm)
+    if tls is not None:
+        srv.socket = tls.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    FakeProm.empty, FakeProm.seen, FakeProm.auth, FakeProm.headers_seen = set(), [], [], []
+    FakeProm.require, FakeProm.redirect_to = {}, ""
+    return srv
+
+
 @pytest.fixture
 def fake_prom():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeProm)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    FakeProm.empty, FakeProm.seen, FakeProm.auth = set(), [], []
+    srv = _serve()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
     srv.server_close()
@@ -155,14 +175,17 @@ def _figures(html_text: str) -> list[tuple]:
 # --- charts are drawn from the returned data ---
 
 
+BEYOND = re.compile(r" \(up to [^)]*, beyond the axis\)$")
+
+
 def _lines(fig) -> dict[str, list[float]]:
     out = {}
     for ax in fig.axes:
         for ln in ax.get_lines():
             if not ln.get_label().startswith("_"):  # threshold and event lines are unlabelled
-                out[ln.get_label()] = [float(v) for v in ln.get_ydata()]
+                out[BEYOND.sub("", ln.get_label())] = [float(v) for v in ln.get_ydata()]
         for cont in ax.containers:  # bars
-            out[cont.get_label()] = [float(r.get_height()) for r in cont]
+            out[BEYOND.sub("", cont.get_label())] = [float(r.get_height()) for r in cont]
     return out
 
 
@@ -206,6 +229,91 @@ def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
     ran = [e for e in FakeProm.seen if e != "vector(1)"]
     assert ran and not [e for e in ran if "$" in e]
     assert any('job=~".*"' in e for e in ran) and any("[75s]" in e for e in ran)  # rate interval 60 + 15
+
+
+def _axes_data(fig, res, p):
+    """(axes, the values drawn on it that are data, not forecasts, its Axis spec) for each y-axis."""
+
+    main, *rest = fig.axes
+    out = []
+    for ax, axis in [(main, p.axis)] + [(ax, next(iter(p.right.values()))) for ax in rest]:
+        refs = set(p.right) if ax is not main else {r.target.ref for r in res.results} - set(p.right)
+        values = [
+            v
+            for r in res.results
+            if r.target.ref in refs and not r.target.projection
+            for s in r.series
+            for v in s.values
+        ]
+        out.append((ax, values, axis))
+    return out
+
+
+def test_every_chart_axis_is_sized_to_its_data(fake_prom):
+    client = PromClient(fake_prom)
+    tc = TimeContext(start=1_800_000_000, end=1_800_000_600, step=60, scrape_interval=15)
+    checked = 0
+    for d in SPECS:
+        values = variable_values(d, {})
+        for p in (p for p in d.panels if p.type in ("timeseries", "bargauge")):
+            res = run_panel(client, p, values, tc)
+            fig = charts.draw(res, tc)
+            if p.type == "bargauge":
+                (ax,) = fig.axes
+                lo, hi = ax.get_xlim()
+                top = max(s.values[-1] for r in res.results for s in r.series)
+                assert lo == 0 and top <= hi <= 1.2 * top, (p.title, lo, hi, top)
+                checked += 1
+                continue
+            for ax, data, axis in _axes_data(fig, res, p):
+                lo, hi = ax.get_ylim()
+                marks = [v for v, _ in axis.thresholds] + ([0.0] if p.bars else [])
+                want_lo = axis.min if axis.min is not None else min(data + marks)
+                want_hi = axis.max if axis.max is not None else max(data + marks)
+                if axis.max is None:
+                    assert hi >= max(data + marks), (p.title, "data above the axis")
+                if axis.min is None:
+                    assert lo <= min(data + marks), (p.title, "data below the axis")
+                span = want_hi - want_lo
+                # no more room than the margin: the axis fits the data (and the threshold lines, fixed ends)
+                assert want_hi <= hi <= want_hi + 0.06 * span + 1e-9, (p.title, hi, want_hi)
+                assert want_lo - 0.06 * span - 1e-9 <= lo <= want_lo, (p.title, lo, want_lo)
+                checked += 1
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+    assert checked >= sum(1 for d in SPECS for p in d.panels if p.type in ("timeseries", "bargauge"))
+
+
+def test_the_leak_projection_does_not_flatten_the_peak():
+    """A projection tens of TiB out (a steep 4-hour extrapolation) is drawn to the edge, with its reach named."""
+    from vramwatch.report.data import PanelResult, TargetResult
+    from vramwatch.report.prom import Series
+
+    (d,) = [x for x in SPECS if x.uid == "vramwatch-training-memory"]
+    (p,) = [x for x in d.panels if x.title == "Per-step peak and leak projection"]
+    refs = {t.ref: t for t in p.targets}
+    assert refs["B"].projection and not refs["A"].projection and not refs["C"].projection
+    lab = {"job": "j", "instance": "h", "rank": "0", "device": "0", "uuid": "U"}
+    ts = [1_800_000_000 + 60.0 * i for i in range(11)]
+    gib = float(1 << 30)
+    peak = [60 * gib + 0.2 * gib * i for i in range(11)]
+    proj = [20 * 1024 * gib * (1 + i) for i in range(11)]  # up to 220 TiB
+    res = PanelResult(
+        p,
+        [
+            TargetResult(refs["A"], "", [Series(lab, ts, peak)]),
+            TargetResult(refs["B"], "", [Series(lab, ts, proj)]),
+            TargetResult(refs["C"], "", [Series(lab, ts, [70 * gib] * 11)]),
+        ],
+    )
+    fig = charts.draw(res, TimeContext(ts[0], ts[-1], 60, 15))
+    lo, hi = fig.axes[0].get_ylim()
+    assert lo == 0 and 70 * gib <= hi <= 75 * gib  # the peak and the limit fill the chart
+    labels = [h.get_label() for h in fig.axes[0].get_lines() if not h.get_label().startswith("_")]
+    assert any(lb.endswith("(up to 220 TiB, beyond the axis)") for lb in labels), labels
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any("beyond the axis" in t for t in legend), legend
 
 
 def test_table_sorts_merges_and_formats():
@@ -288,6 +396,166 @@ def test_basic_auth_from_the_url(fake_prom):
     url = fake_prom.replace("http://", "http://ml%20ops:s%3Acret@")
     assert PromClient(url).query("vector(1)", 0)[0].values == [_answer("vector(1)", 1)[0]]
     assert FakeProm.auth[-1] == "Basic " + base64.b64encode(b"ml ops:s:cret").decode()
+
+
+# --- credentials: sent with every request, written nowhere ---
+
+SECRET_PW, SECRET_TOKEN, SECRET_HEADER = "pw-Zq8rT1vX", "tok-9fK2mNp4Lw", "hdr-7Hs3Qe0R"
+
+
+def _no_secrets(*texts: str, secrets=(SECRET_PW, SECRET_TOKEN, SECRET_HEADER)) -> None:
+    import base64
+
+    for text in texts:
+        for secret in secrets:
+            assert secret not in text, f"{secret!r} written out"
+        for token in re.findall(r"[A-Za-z0-9+/]{12,}={0,2}", text):  # base64 of user:password
+            try:
+                decoded = base64.b64decode(token + "==", validate=False).decode("utf-8", "replace")
+            except ValueError:
+                continue
+            assert SECRET_PW not in decoded, f"{secret!r} written out in base64"
+
+
+def _secret_file(tmp_path, name, text):
+    f = tmp_path / name
+    f.write_text(text + "\n")
+    f.chmod(0o600)
+    return str(f)
+
+
+def _auth_cases(tmp_path, base):
+    import base64
+
+    basic = "Basic " + base64.b64encode(f"ml ops:{SECRET_PW}".encode()).decode()
+    bearer = f"Bearer {SECRET_TOKEN}"
+    config = tmp_path / "http.yml"
+    config.write_text(
+        "authorization:\n  credentials_file: token\n"
+        f"http_headers:\n  X-Api-Key:\n    secrets: [{SECRET_HEADER}]\n  X-Scope-OrgID:\n    values: [team-a]\n"
+    )
+    (tmp_path / "token").write_text(SECRET_TOKEN + "\n")
+    host = base.split("://", 1)[1]
+    scheme = base.split("://", 1)[0]
+    return {
+        "url user info": ([f"{scheme}://ml%20ops:{SECRET_PW}@{host}"], {"Authorization": basic}),
+        "user in URL, password file": (
+            [f"{scheme}://ml%20ops@{host}", "--basic-auth-password-file", _secret_file(tmp_path, "pw", SECRET_PW)],
+            {"Authorization": basic},
+        ),
+        "bearer token file": (
+            [base, "--bearer-token-file", _secret_file(tmp_path, "tok", SECRET_TOKEN)],
+            {"Authorization": bearer},
+        ),
+        "bearer token": ([base, "--bearer-token", SECRET_TOKEN], {"Authorization": bearer}),
+        "headers": (
+            [base, "--header", f"X-Api-Key: {SECRET_HEADER}", "--header", "X-Scope-OrgID: team-a"],
+            {"X-Api-Key": SECRET_HEADER, "X-Scope-OrgID": "team-a"},
+        ),
+        "http config file": (
+            [base, "--http-config-file", str(config)],
+            {"Authorization": bearer, "X-Api-Key": SECRET_HEADER, "X-Scope-OrgID": "team-a"},
+        ),
+    }
+
+
+def _report_to(tmp_path, name, url_and_flags, *extra):
+    out = tmp_path / f"{name.replace(' ', '-')}.html"
+    r = _report(
+        "--prometheus", *url_and_flags, "--dashboard", "vramwatch-fleet", "--last", "10m", "--out", str(out), *extra
+    )
+    return r, out
+
+
+def test_credentials_go_into_requests_and_nowhere_else(fake_prom, tmp_path):
+    for name, (args, headers) in _auth_cases(tmp_path, fake_prom).items():
+        FakeProm.require, FakeProm.headers_seen = headers, []
+        r, out = _report_to(tmp_path, name, args)
+        assert r.returncode == 0, (name, r.stderr)
+        assert FakeProm.headers_seen and all(
+            all(h.get(k.lower()) == v for k, v in headers.items()) for h in FakeProm.headers_seen
+        ), name
+        page = out.read_text()
+        assert f"Prometheus {fake_prom}</p>" in page, name  # the URL, without its user info
+        _no_secrets(page, r.stderr, r.stdout)
+        # the same credentials, refused: the error says so without repeating them
+        FakeProm.require = {k: v + "x" for k, v in headers.items()}
+        r, out = _report_to(tmp_path, name + " refused", args)
+        assert r.returncode == 1 and "HTTP 401 (check the credentials)" in r.stderr, (name, r.stderr)
+        assert not out.exists()
+        _no_secrets(r.stderr, r.stdout)
+
+
+def test_tls_with_a_ca_file_and_a_client_certificate(tmp_path):
+    import ssl
+
+    from tlsutil import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki.cert, pki.key)
+    ctx.load_verify_locations(pki.client_ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    srv = _serve(ctx)
+    try:
+        base = f"https://127.0.0.1:{srv.server_address[1]}"
+        tls = ["--ca-file", str(pki.ca), "--cert-file", str(pki.client_cert), "--key-file", str(pki.client_key)]
+        for name, (args, headers) in _auth_cases(tmp_path, base).items():
+            FakeProm.require = headers
+            r, out = _report_to(tmp_path, "tls " + name, [*args, *tls])
+            assert r.returncode == 0, (name, r.stderr)
+            assert f"Prometheus {base}</p>" in out.read_text()
+            _no_secrets(out.read_text(), r.stderr, r.stdout)
+        args, headers = _auth_cases(tmp_path, base)["url user info"]
+        FakeProm.require, seen = headers, len(FakeProm.seen)
+        # without the CA the server is not trusted; without the client certificate it refuses us
+        for name, flags in (("no CA", tls[2:]), ("no client cert", tls[:2])):
+            r, out = _report_to(tmp_path, name, [*args, *flags])
+            assert r.returncode == 1 and "did not answer" in r.stderr, (name, r.stderr)
+            _no_secrets(r.stderr, r.stdout)
+        assert "CERTIFICATE_VERIFY_FAILED" in _report_to(tmp_path, "no CA", [*args, *tls[2:]])[0].stderr
+        assert len(FakeProm.seen) == seen  # no request got through
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_redirect_elsewhere_does_not_get_the_credentials(fake_prom, tmp_path):
+    other = _serve()
+    try:
+        FakeProm.redirect_to = f"http://localhost:{other.server_address[1]}"  # another origin
+        r, _ = _report_to(tmp_path, "redirect", [fake_prom, "--bearer-token", SECRET_TOKEN])
+        assert r.returncode == 1 and "HTTP 302, a redirect elsewhere (not followed)" in r.stderr, r.stderr
+        assert len(FakeProm.headers_seen) == 1  # the other server never got a request
+        _no_secrets(r.stderr)
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--bearer-token", SECRET_TOKEN, "--bearer-token-file", "/nonexistent"], "give one way to authenticate"),
+        (["--bearer-token-file", "/nonexistent/tok"], "--bearer-token-file /nonexistent/tok: cannot read it"),
+        (["--header", f"Authorization: Bearer {SECRET_TOKEN}"], "header 'Authorization' is set by the client"),
+        (["--header", SECRET_HEADER], "--header wants 'Name: value'"),
+        (["--ca-file", "HTTP"], "TLS options given for http://"),
+        (["--ca-file", "/nonexistent/ca.crt"], "--ca-file /nonexistent/ca.crt: no such file"),
+        (["--ca-file", "HTTP", "HTTPS"], "does not load"),  # a file that is no certificate
+        (["--http-config-file", "HTTP"], "unknown key 'proxy_url'"),
+    ],
+)
+def test_bad_credential_options_exit_2_naming_them(fake_prom, tmp_path, flags, message):
+    (tmp_path / "http.yml").write_text(f"proxy_url: http://x\nauthorization: {{credentials: {SECRET_TOKEN}}}\n")
+    url = fake_prom.replace("http://", f"http://u:{SECRET_PW}@") if "--bearer-token" in flags else fake_prom
+    if "HTTPS" in flags:
+        url, flags = url.replace("http://", "https://"), [f for f in flags if f != "HTTPS"]
+    flags = [str(tmp_path / "http.yml") if f == "HTTP" else f for f in flags]
+    r = _report("--prometheus", url, *flags, "--out", str(tmp_path / "x.html"))
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    _no_secrets(r.stderr, r.stdout)
+    assert not FakeProm.seen
 
 
 def _closed_port() -> int:

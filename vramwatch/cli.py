@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="a short training job with the exporter (simulated GPU without CUDA)")
     d.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until interrupted)")
     d.add_argument("--ranks", type=int, default=2, help="simulated ranks (simulated GPU only)")
+    d.add_argument("--cycle", type=float, default=0.0, help="seconds of one turn of the simulated story (default: 120)")
     d.add_argument(
         "--real",
         choices=("auto", "yes", "no"),
@@ -100,7 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             real = demo.use_real_gpu(args.real)
             settings, _ = settings_from_args(args, simulate=not real)
-            return demo.run_demo(settings, real=real, ranks=args.ranks, duration=args.duration)
+            if not args.cycle >= 0:  # NaN too
+                print(f"vramwatch demo: --cycle wants seconds (0: the story's), got {args.cycle!r}", file=sys.stderr)
+                return 2
+            return demo.run_demo(settings, real=real, ranks=args.ranks, duration=args.duration, cycle=args.cycle)
         if args.command == "config":
             settings, sources = settings_from_args(args)
             for f in dataclasses.fields(settings):

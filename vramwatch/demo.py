@@ -39,14 +39,17 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_demo(settings: Settings, *, real: bool, ranks: int, duration: float) -> int:
-    """Train for ``duration`` seconds (0: until interrupted) on the GPU or ``ranks`` simulated ones."""
+def run_demo(settings: Settings, *, real: bool, ranks: int, duration: float, cycle: float = 0.0) -> int:
+    """Train for ``duration`` seconds (0: until interrupted) on the GPU or ``ranks`` simulated ones.
+
+    ``cycle``: seconds of one turn of the simulated story (0: its own two minutes).
+    """
     _sigterm_as_interrupt()
     end = time.time() + duration if duration > 0 else float("inf")
     url = f"http://{settings.host if settings.host != '0.0.0.0' else '127.0.0.1'}:{settings.port}/metrics"
     if real:
         return _real(settings, end, url)
-    return _simulated(settings, ranks, end, url)
+    return _simulated(settings, ranks, end, url, cycle)
 
 
 def _real(settings: Settings, end: float, url: str) -> int:
@@ -76,8 +79,11 @@ def _real(settings: Settings, end: float, url: str) -> int:
     return 0
 
 
-def _simulated(settings: Settings, ranks: int, end: float, url: str) -> int:
-    from vramwatch.sim.scenario import CYCLE, PHASES, drive_node
+def _simulated(settings: Settings, ranks: int, end: float, url: str, cycle: float) -> int:
+    from vramwatch.sim.scenario import CYCLE, EVENTS, PHASES, drive_node
+
+    cycle = cycle or CYCLE
+    scale = cycle / CYCLE
 
     spool_dir = settings.resolved_spool_dir()
     os.makedirs(spool_dir, mode=0o700, exist_ok=True)
@@ -92,18 +98,24 @@ def _simulated(settings: Settings, ranks: int, end: float, url: str) -> int:
     for r in range(ranks):
         e = dict(env, RANK=str(r), LOCAL_RANK=str(r), CUDA_VISIBLE_DEVICES=str(r))
         cmd = [sys.executable, "-m", "vramwatch.sim.scenario", "--t0", str(t0), "--parent", str(os.getpid())]
+        cmd += ["--cycle", str(cycle)]
         if r == ranks - 1:
             cmd.append("--stall")
         procs.append(subprocess.Popen(cmd, env=e))
-    phases = ", ".join(f"{n} at {s:.0f}s" for s, n in PHASES)
+    phases = ", ".join(f"{n} at {s * scale:.0f}s" for s, n in PHASES)
+    events = ", ".join(f"{name} at {a * scale:.0f}s" for name, (a, _b) in EVENTS.items())
     print(f"vramwatch demo: {ranks} simulated ranks on {ranks} simulated GPUs, one target: {url}", flush=True)
-    print(f"  scenario ({CYCLE:.0f}s cycle, repeating): {phases}; the last rank stalls", flush=True)
+    print(f"  scenario ({cycle:.0f}s cycle, repeating): {phases}; the last rank stalls", flush=True)
+    print(f"  on the GPUs: {events}", flush=True)
     print("  Ctrl-C to stop" + (f", or it ends in {end - t0:.0f}s" if end != float("inf") else ""), flush=True)
     stalled = {ranks - 1}
+    prev: float | None = None
     try:
         while time.time() < end and all(p.poll() is None for p in procs):
+            t = time.time() - t0
             with edit(spool_dir, ranks) as current:  # reload: others may inject Xids or errors meanwhile
-                drive_node(current, time.time() - t0, stalled)
+                drive_node(current, t, stalled, prev, cycle)
+            prev = t
             time.sleep(1.0)
     except KeyboardInterrupt:
         pass

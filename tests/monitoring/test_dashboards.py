@@ -132,21 +132,92 @@ def test_dashboard_header(dashboards):
         assert d["graphTooltip"] == 1  # shared crosshair across panels
 
 
-def test_variables_chain_datasource_job_host_gpu_rank(dashboards):
+# variable -> the label it selects on, in order, for the default config
+DEFAULT_VARIABLES = {
+    "job": "job",
+    "namespace": "namespace",
+    "batch_kubernetes_io_job_name": "batch_kubernetes_io_job_name",
+    "training_kubeflow_org_job_name": "training_kubeflow_org_job_name",
+    "job_name": "job_name",
+    "node": "node",
+    "host": "instance",
+    "gpu": "uuid",
+    "rank": "rank",
+}
+
+
+def _check_variables(d: dict, expected: dict[str, str]) -> None:
+    vs = d["templating"]["list"]
+    assert [v["name"] for v in vs] == ["datasource", *expected], d["uid"]
+    assert vs[0]["type"] == "datasource" and vs[0]["query"] == "prometheus"
+    for i, v in enumerate(vs[1:], start=1):
+        assert v["type"] == "query" and v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        # All is ".*", which also matches a series without the label: an absent label narrows nothing
+        assert v["multi"] and v["includeAll"] and v["allValue"] == ".*"
+        assert v["current"]["value"] == "$__all"
+        assert v["refresh"] == 2  # on time range change: new jobs appear
+        assert re.fullmatch(r"label_values\(.+, \w+\)", v["query"])
+        # narrowed by every variable before it, and by no later one
+        earlier = [x["name"] for x in vs[1:i]]
+        assert variable_names(v["query"]) == set(earlier) - ({"gpu"} if v["name"] == "rank" else set()), v["name"]
+    labels = {v["name"]: re.search(r", (\w+)\)$", v["query"]).group(1) for v in vs[1:]}
+    assert labels == expected
+    # every panel query on a target's series narrows by each target variable, on its label
+    for p in d["panels"]:
+        for t in p.get("targets", []):
+            if "ALERTS" in t["expr"]:
+                continue
+            for var, label in list(expected.items())[:-2]:
+                assert f'{label}=~"${var}"' in t["expr"], (p["title"], var, t["expr"])
+
+
+def test_variables_chain_datasource_job_labels_node_host_gpu_rank(dashboards):
+    for d in dashboards.values():
+        _check_variables(d, DEFAULT_VARIABLES)
+        assert d["templating"]["list"][1]["label"] == "Scrape job"
+        assert {v["name"]: v["label"] for v in d["templating"]["list"]}["batch_kubernetes_io_job_name"] == "Job"
+
+
+def test_variables_take_their_labels_from_the_config():
+    cfg = dataclasses.replace(DEFAULT, job_labels=("job", "kube_namespace", "team"), node_label="kubernetes_node")
+    for m in build_all(cfg):
+        d = json.loads(render.dashboard_json(m))
+        _check_variables(
+            d,
+            {
+                "job": "job",
+                "kube_namespace": "kube_namespace",
+                "team": "team",
+                "node": "kubernetes_node",
+                "host": "instance",
+                "gpu": "uuid",
+                "rank": "rank",
+            },
+        )
+        text = render.dashboard_json(m)
+        assert "batch_kubernetes_io_job_name" not in text and 'node=~"' not in text
+
+
+def test_firing_alerts_keep_alerts_without_the_selected_labels(dashboards):
+    fleet = dashboards["vramwatch-fleet"]
+    exprs = [t["expr"] for p in fleet["panels"] if p["title"] == "Firing alerts" for t in p["targets"]]
+    assert len(exprs) == 2  # the stat and the table
+    for firing in exprs:
+        for var, label in list(DEFAULT_VARIABLES.items())[:-3]:  # the job labels and the node
+            assert f'{label}=~"${var}|"' in firing
+        assert "instance" not in firing  # alerts aggregated over a job's targets have no instance
+
+
+def test_links_lead_to_the_other_dashboards_with_time_and_variables(dashboards):
     for uid, d in dashboards.items():
-        vs = d["templating"]["list"]
-        assert [v["name"] for v in vs] == ["datasource", "job", "host", "gpu", "rank"], uid
-        assert vs[0]["type"] == "datasource" and vs[0]["query"] == "prometheus"
-        for i, v in enumerate(vs[1:], start=1):
-            assert v["type"] == "query" and v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
-            assert v["multi"] and v["includeAll"] and v["allValue"] == ".*"
-            assert v["current"]["value"] == "$__all"
-            assert v["refresh"] == 2  # on time range change: new jobs appear
-            assert re.fullmatch(r"label_values\(.+, \w+\)", v["query"])
-            earlier = {x["name"] for x in vs[1:i]}
-            assert variable_names(v["query"]) <= earlier, f"{uid}: {v['name']} uses a later variable"
-        labels = {v["name"]: re.search(r", (\w+)\)$", v["query"]).group(1) for v in vs[1:]}
-        assert labels == {"job": "job", "host": "instance", "gpu": "uuid", "rank": "rank"}
+        links = d["links"]
+        assert [link["url"] for link in links] == [f"/d/{u}" for u in EXPECTED if u != uid], uid
+        for link in links:
+            assert link["type"] == "link" and link["includeVars"] is True and link["keepTime"] is True
+            target = dashboards[link["url"].removeprefix("/d/")]
+            assert target["title"] == f"vramwatch / {link['title']}"
+            # carrying the variables works because every dashboard has the same ones
+            assert [v["name"] for v in target["templating"]["list"]] == [v["name"] for v in d["templating"]["list"]]
 
 
 def test_every_panel_and_target_uses_the_datasource_variable(dashboards):

@@ -43,7 +43,20 @@ def _tc(live) -> TimeContext:
 
 
 def test_variables_offer_the_node_its_gpus_and_ranks(live, client):
+    """Each variable's own query, run as Grafana runs it (narrowed by the ones before it, at All)."""
     tc = _tc(live)
+    node = live.exporter.node()
+    expected = {
+        "job": ["vramwatch"],
+        "namespace": [live_scenario.TARGET_LABELS["namespace"]],
+        "batch_kubernetes_io_job_name": [live_scenario.TARGET_LABELS["batch_kubernetes_io_job_name"]],
+        "training_kubeflow_org_job_name": [],  # absent on this target: the variable offers only All
+        "job_name": [],
+        "node": [live_scenario.TARGET_LABELS["node"]],
+        "host": [f"127.0.0.1:{live.exporter.port}"],
+        "gpu": sorted(g.uuid for g in node.gpus),
+        "rank": ["0", "1"],
+    }
     for d in (spec(m) for m in build_all()):
         values: dict[str, str] = {}
         offered = {}
@@ -51,13 +64,26 @@ def test_variables_offer_the_node_its_gpus_and_ranks(live, client):
             if v.type == "query":
                 offered[v.name] = variable_options(client, v, values, tc)
                 values[v.name] = v.all_value
-        node = live.exporter.node()
-        assert offered == {
-            "job": ["vramwatch"],
-            "host": [f"127.0.0.1:{live.exporter.port}"],
-            "gpu": sorted(g.uuid for g in node.gpus),
-            "rank": ["0", "1"],
-        }, d.uid
+        assert offered == expected, d.uid
+        # narrowed by the earlier ones: a namespace that does not exist leaves nothing to pick after it
+        values = {**variable_values(d, {}), "namespace": "no-such-namespace"}
+        later = [v for v in d.variables if v.type == "query"][2:]
+        assert [variable_options(client, v, values, tc) for v in later] == [[]] * len(later), d.uid
+
+
+def _failures(client, d, values, tc) -> tuple[list[str], int]:
+    failures, ran = [], 0
+    for p in d.panels:
+        res = run_panel(client, p, values, tc)
+        for r in res.results:
+            ran += 1
+            if r.error:
+                failures.append(f"{d.uid} / {p.title} / {r.target.ref}: error {r.error}\n    {r.expr}")
+            elif not r.series:
+                failures.append(f"{d.uid} / {p.title} / {r.target.ref}: no series\n    {r.expr}")
+            elif not any(v == v for s in r.series for v in s.values):  # all NaN draws nothing
+                failures.append(f"{d.uid} / {p.title} / {r.target.ref}: only NaN\n    {r.expr}")
+    return failures, ran
 
 
 @pytest.mark.parametrize("mode", ["all", "first"])
@@ -67,19 +93,37 @@ def test_every_panel_query_returns_series(live, client, mode):
     for d in (spec(m) for m in build_all()):
         values = variable_values(d, {}, client, tc, first=(mode == "first"))
         if mode == "first":
-            assert ".*" not in values.values(), values
-        for p in d.panels:
-            res = run_panel(client, p, values, tc)
-            for r in res.results:
-                ran += 1
-                if r.error:
-                    failures.append(f"{d.uid} / {p.title} / {r.target.ref}: error {r.error}\n    {r.expr}")
-                elif not r.series:
-                    failures.append(f"{d.uid} / {p.title} / {r.target.ref}: no series\n    {r.expr}")
-                elif not any(v == v for s in r.series for v in s.values):  # all NaN draws nothing
-                    failures.append(f"{d.uid} / {p.title} / {r.target.ref}: only NaN\n    {r.expr}")
+            # every variable whose label the target has is at a concrete value, the others at All
+            concrete = {k for k, v in values.items() if v != ".*"}
+            assert concrete == {v.name for v in d.variables if v.type == "query"} - {
+                "training_kubeflow_org_job_name",
+                "job_name",
+            }, values
+        f, n = _failures(client, d, values, tc)
+        failures += f
+        ran += n
     assert ran >= 50  # 52 targets when written
     assert not failures, f"{len(failures)} of {ran} queries failed:\n" + "\n".join(failures)
+
+
+def test_each_variable_alone_at_a_value_narrows_every_panel(live, client):
+    """One variable at a time: at a value it offers every panel still has data; at a value nobody has,
+    every panel is empty (the matcher is in every query), except the alerts' and the zero-defaulted stats."""
+    tc = _tc(live)
+    for d in (spec(m) for m in build_all()):
+        all_values = variable_values(d, {})
+        for v in (v for v in d.variables if v.type == "query"):
+            options = variable_options(client, v, all_values, tc)
+            if options:
+                failures, _ = _failures(client, d, {**all_values, v.name: options[0]}, tc)
+                assert not failures, f"{v.name}={options[0]}:\n" + "\n".join(failures)
+            if v.name in ("gpu", "rank"):
+                continue  # panels of a GPU's series do not narrow by rank, nor the heartbeat's by GPU
+            for p in d.panels:
+                for r in run_panel(client, p, {**all_values, v.name: "no-such-value"}, tc).results:
+                    if "ALERTS" in r.expr or "vector(0)" in r.expr:
+                        continue
+                    assert not r.error and not r.series, (d.uid, v.name, p.title, r.target.ref, r.expr)
 
 
 def test_annotations_mark_the_xid_and_the_oom(live, client):

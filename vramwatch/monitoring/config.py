@@ -312,6 +312,12 @@ class MonitoringConfig:
     )
     sample_stale_for: str = setting("1m", "How long samples must stay stale before it warns.", _for)
     collector_down_for: str = setting("5m", "How long a collector must fail before it warns.", _for)
+    node_label: str = setting(
+        "node",
+        "The target label naming the Kubernetes node (the shipped PodMonitor's and prometheus.yml's "
+        "relabeling); the dashboards' node variable selects on it, a setup without it sees All.",
+        lambda v: _label_names((v,)),
+    )
 
     def scaled(self, factor: float) -> MonitoringConfig:
         """The same rules on a faster (factor < 1) or slower clock: every time quantity times factor."""

@@ -50,7 +50,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prometheus",
         required=True,
         metavar="URL",
-        help="Prometheus base URL (http://user:password@host:9090 for basic auth)",
+        help="Prometheus base URL (http://user:password@host:9090 for basic auth; the page shows it without)",
+    )
+    a = p.add_argument_group(
+        "credentials and TLS (Prometheus' http_config; secrets go into requests only, never into the page or logs)"
+    )
+    a.add_argument(
+        "--http-config-file",
+        metavar="FILE",
+        help="a Prometheus HTTP client config (promtool's --http.config.file): basic_auth, authorization, "
+        "tls_config, http_headers",
+    )
+    a.add_argument("--bearer-token-file", metavar="FILE", help="send 'Authorization: Bearer <the file's content>'")
+    a.add_argument(
+        "--bearer-token", metavar="TOKEN", help="the token itself (visible to other users in ps: prefer the file)"
+    )
+    a.add_argument("--basic-auth-user", metavar="USER", help="basic auth user (or http://USER@host)")
+    a.add_argument("--basic-auth-password-file", metavar="FILE", help="basic auth password, read from FILE")
+    a.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="an extra request header, e.g. 'X-Scope-OrgID: team-a' (repeatable; values are treated as secrets)",
+    )
+    a.add_argument("--ca-file", metavar="FILE", help="CA certificate(s) to verify an https:// Prometheus with")
+    a.add_argument("--cert-file", metavar="FILE", help="client certificate, for a Prometheus that asks for one")
+    a.add_argument("--key-file", metavar="FILE", help="the client certificate's key")
+    a.add_argument(
+        "--insecure-skip-verify", action="store_true", help="do not verify the server certificate (tls_config's)"
     )
     p.add_argument("--start", type=parse_time, help="range start: unix seconds or RFC 3339 (default: end - last)")
     p.add_argument("--end", type=parse_time, help="range end (default: now)")
@@ -80,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=V1[,V2]",
-        help="a dashboard variable (job, host, gpu, rank); default: All",
+        help="a dashboard variable (job, namespace, node, host, gpu, rank, the job-name labels); default: All",
     )
     p.add_argument("--dashboard", action="append", default=[], metavar="UID", help="only these dashboards")
     p.add_argument("--out", default="report.html", help="HTML file to write (default: report.html)")
@@ -97,10 +125,12 @@ def _say(args: argparse.Namespace, msg: str) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         from vramwatch import __version__
+        from vramwatch.errors import ConfigError
         from vramwatch.monitoring.dashboards import build_all
         from vramwatch.monitoring.dashboards.walk import TimeContext, spec
         from vramwatch.report import charts, html
         from vramwatch.report.data import run_annotation, run_panel, variable_values
+        from vramwatch.report.httpconfig import http_config, redact_url
         from vramwatch.report.prom import PromClient, PromError
     except ImportError as e:
         print(f"vramwatch report: needs {NEEDS}: {e}", file=sys.stderr)
@@ -139,7 +169,25 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    client = PromClient(args.prometheus, timeout=args.timeout)
+    try:
+        url, http = http_config(
+            args.prometheus,
+            config_file=args.http_config_file or "",
+            bearer_token=args.bearer_token or "",
+            bearer_token_file=args.bearer_token_file or "",
+            basic_auth_user=args.basic_auth_user or "",
+            basic_auth_password_file=args.basic_auth_password_file or "",
+            headers=args.header,
+            ca_file=args.ca_file or "",
+            cert_file=args.cert_file or "",
+            key_file=args.key_file or "",
+            insecure_skip_verify=args.insecure_skip_verify,
+        )
+        client = PromClient(url, timeout=args.timeout, http=http)
+    except ConfigError as e:
+        print(f"vramwatch report: {e}", file=sys.stderr)
+        return 2
+    shown_url = redact_url(url)
     try:
         client.query("vector(1)", end)
     except PromError as e:
@@ -149,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         f"{datetime.fromtimestamp(start, tz=UTC):%Y-%m-%d %H:%M:%S} to "
         f"{datetime.fromtimestamp(end, tz=UTC):%Y-%m-%d %H:%M:%S} UTC"
     )
-    _say(args, f"vramwatch report: {args.prometheus}, {when}, step {step:g}s")
+    _say(args, f"vramwatch report: {shown_url}, {when}, step {step:g}s")
 
     rendered, charts_n, empty, failed = [], 0, 0, 0
     for i, d in enumerate(specs, start=1):
@@ -173,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append((row.title, panels))
         rendered.append((d, rows))
     shown_vars = {name: ",".join(chosen[name]) if name in chosen else "All" for name in sorted(known)}
-    text = html.page(args.prometheus, tc, shown_vars, rendered, __version__)
+    text = html.page(shown_url, tc, shown_vars, rendered, __version__)
     with open(args.out, "w", encoding="utf-8") as fh:
         fh.write(text)
     _say(

@@ -165,9 +165,31 @@ def _dt(ts: list[float]) -> Any:
     return [datetime.fromtimestamp(t, tz=UTC) for t in ts]
 
 
-def _limits(ax: Axes, axis: Axis) -> None:
-    lo, hi = ax.get_ylim()
-    ax.set_ylim(axis.min if axis.min is not None else lo, axis.max if axis.max is not None else hi)
+MARGIN = 0.05  # of the data's span, above and below (matplotlib's own autoscale margin)
+
+
+def y_range(values: Sequence[float], axis: Axis, bars: bool = False) -> tuple[float, float]:
+    """The y-axis for ``values`` (the data, not forecasts) and the axis' threshold lines and fixed ends.
+
+    A projection far beyond the data does not stretch the axis: it is drawn up to the edge.
+    """
+    finite = [v for v in values if math.isfinite(v)] + [v for v, _ in axis.thresholds]
+    if bars:
+        finite.append(0.0)  # bars grow from zero
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    pad = (hi - lo) * MARGIN or abs(hi) * MARGIN or 1.0
+    lo, hi = lo - pad if lo < 0 or lo - pad >= 0 else 0.0, hi + pad  # a positive series keeps a 0 floor
+    if axis.min is not None:
+        lo = axis.min
+    if axis.max is not None:
+        hi = axis.max
+    if hi <= lo:  # a fixed end on the wrong side of the data
+        hi = lo + pad
+    return lo, hi
+
+
+def _limits(ax: Axes, axis: Axis, values: Sequence[float], bars: bool) -> None:
+    ax.set_ylim(*y_range(values, axis, bars))
     for value, col in axis.thresholds:
         ax.axhline(value, color=color(col), linestyle="--", linewidth=1.0, alpha=0.9)
 
@@ -180,6 +202,8 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: Sequence[Annotati
     fig, ax = _figure(3.1)
     right = ax.twinx() if p.right else None
     handles: list[Artist | BarContainer] = []
+    data: dict[bool, list[float]] = {False: [], True: []}  # values that size the left / right axis
+    forecasts: list[tuple[Artist | BarContainer, bool, list[float]]] = []
     n = 0
     bar_series = sum(len(r.series) for r in res.results) if p.bars else 0
     for r in res.results:
@@ -211,6 +235,11 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: Sequence[Annotati
                     drawstyle="steps-post" if p.stepped else "default",
                 )
             handles.append(h)
+            on_right = target_ax is right
+            if r.target.projection:
+                forecasts.append((h, on_right, y))
+            else:
+                data[on_right] += y
     if not handles:
         _no_data(ax, p.no_value or "No data")
         if right is not None:
@@ -234,11 +263,17 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: Sequence[Annotati
                 )
     ax.set_xlim(_dt([tc.start])[0], _dt([tc.end])[0])
     ax.yaxis.set_major_formatter(_formatter(p.axis.unit))
-    _limits(ax, p.axis)
+    _limits(ax, p.axis, data[False], p.bars)
     if right is not None:
         ax_r = next(iter(p.right.values()))
         right.yaxis.set_major_formatter(_formatter(ax_r.unit))
-        _limits(right, ax_r)
+        _limits(right, ax_r, data[True], p.bars)
+    for h, on_right, y in forecasts:  # say where a forecast leaves the chart
+        top = (right if on_right and right is not None else ax).get_ylim()[1]
+        beyond = [v for v in y if math.isfinite(v) and v > top]
+        if beyond:
+            unit = (next(iter(p.right.values())) if on_right else p.axis).unit
+            h.set_label(f"{h.get_label()} (up to {fmt(max(beyond), unit)}, beyond the axis)")
     loc = mdates.AutoDateLocator(minticks=3, maxticks=7, tz=UTC)
     ax.xaxis.set_major_locator(loc)
     ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(loc, tz=UTC, show_offset=False))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from http.client import HTTPMessage
+from typing import IO, Any
+
+from vramwatch.report.httpconfig import HTTPConfig, http_config, split_userinfo
 
 
 class PromError(RuntimeError):
@@ -22,26 +24,55 @@ class Series:
     values: list[float]
 
 
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    # urllib would send the Authorization header and the extra headers on to any host a redirect names
+    def redirect_request(
+        self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: HTTPMessage, newurl: str
+    ) -> urllib.request.Request | None:
+        old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
+        if (old.scheme, old.hostname, old.port) != (new.scheme, new.hostname, new.port):
+            return None  # urllib then raises the redirect as an HTTPError
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 class PromClient:
-    def __init__(self, url: str, timeout: float = 30.0) -> None:
-        parts = urllib.parse.urlsplit(url)
-        self.headers = {"Accept": "application/json"}
-        if parts.username is not None:  # http://user:password@host:9090
-            cred = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
-            self.headers["Authorization"] = "Basic " + base64.b64encode(cred.encode()).decode()
-            netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-            parts = parts._replace(netloc=netloc)
-        self.base = urllib.parse.urlunsplit(parts).rstrip("/")
+    """Prometheus's HTTP API at ``url``; ``http`` carries the credentials and TLS settings.
+
+    Without ``http``, user info in ``url`` (``http://user:password@host``) becomes basic auth.
+    Credentials go into requests only: ``base`` and every error message are free of them. Raises
+    ConfigError for a URL or TLS file that is no good.
+    """
+
+    def __init__(self, url: str, timeout: float = 30.0, http: HTTPConfig | None = None) -> None:
+        if http is None:
+            url, http = http_config(url)
+        else:
+            url = split_userinfo(url)[0]
+        self.base = url.rstrip("/")
         self.timeout = timeout
+        self._headers = {"Accept": "application/json"}
+        for name, value in http.headers:  # one header of several values, as HTTP allows
+            self._headers[name] = f"{self._headers[name]}, {value}" if name in self._headers else value
+        handlers: list[urllib.request.BaseHandler] = [_SameOriginRedirects()]
+        if self.base.startswith("https://"):
+            handlers.append(urllib.request.HTTPSHandler(context=http.ssl_context()))
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def __repr__(self) -> str:
+        return f"PromClient({self.base!r})"
 
     def _get(self, path: str, params: list[tuple[str, str]]) -> Any:
         url = f"{self.base}{path}?{urllib.parse.urlencode(params)}"
-        req = urllib.request.Request(url, headers=self.headers)
+        req = urllib.request.Request(url, headers=self._headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+            with self._opener.open(req, timeout=self.timeout) as r:
                 body = r.read()
         except urllib.error.HTTPError as e:  # 400 / 422 carry Prometheus's error message
             body = e.read()
+            if e.code in (401, 403):
+                raise PromError(f"{self.base}{path}: HTTP {e.code} (check the credentials)") from None
+            if 300 <= e.code < 400:
+                raise PromError(f"{self.base}{path}: HTTP {e.code}, a redirect elsewhere (not followed)") from None
             if not body.startswith(b"{"):
                 raise PromError(f"{path}: HTTP {e.code}") from None
         except (urllib.error.URLError, OSError) as e:

@@ -1,10 +1,13 @@
 """The demo's story, on the simulated GPU: a fine-tuning job running short of memory, then hanging, in two minutes.
 
-One cycle of ``CYCLE`` seconds, the same clock for every rank and the node:
-warm-up fills memory; fine-tuning fragments the cache (reserved climbs above
-allocated); pressure near the budget brings cudaMalloc retries and a caught
-OOM; then the last rank stalls with utilisation pinned and power falling (the
-busy-looking hang); then it recovers.
+One cycle of ``CYCLE`` seconds (``cycle`` compresses it: every time scales), the same clock for
+every rank and the node. The ranks' allocators: warm-up fills memory; fine-tuning fragments the
+cache (reserved climbs above allocated); pressure near the budget brings cudaMalloc retries and a
+caught OOM; then the last rank stalls with utilisation pinned and power falling (the busy-looking
+hang); then it recovers. The node's devices (``EVENTS``): the first GPU runs hot and throttles its
+clocks during fine-tuning; an inference server starts on the last GPU before the pressure and leaves
+after the stall (a second process on the card has caused such stalls); the stalled GPU reports an
+Xid. So every dashboard moves: memory, GPU health (throttling, Xid, foreign process), fleet.
 """
 
 from __future__ import annotations
@@ -22,10 +25,27 @@ GIB = 1 << 30
 CYCLE = 120.0
 BUDGET_FRACTION = 0.5  # of the simulated card: 60 GiB held leaves room for fragmentation, not for much more
 PHASES = ((0.0, "warmup"), (20.0, "finetune"), (70.0, "pressure"), (80.0, "stall"), (95.0, "recover"))
+# device events of one cycle: name -> (start, end) in seconds of the CYCLE-long story (an Xid is one instant)
+EVENTS = {
+    "thermal throttling on the first GPU": (35.0, 55.0),
+    "a foreign process on the last GPU": (60.0, 95.0),
+    "an Xid on the stalled GPU": (82.0, 82.0),
+}
+THERMAL, FOREIGN, XID_AT = EVENTS.values()
+XID = 13  # graphics engine exception: a warning Xid (MonitoringConfig.xid_warning), pre-initialised
+FOREIGN_PID = 4242  # the inference server's pid
+FOREIGN_BYTES = 12 * GIB
+HOT_C = 88.0
+SW_POWER_CAP, SW_THERMAL, HW_THERMAL = 0x4, 0x20, 0x40  # NVML clocks-event reason bits
 
 
-def phase(t: float) -> str:
-    t = t % CYCLE
+def _story_time(t: float, cycle: float) -> float:
+    """Seconds into the CYCLE-long story at time ``t`` of a ``cycle``-long one."""
+    return (t % cycle) * CYCLE / cycle
+
+
+def phase(t: float, cycle: float = CYCLE) -> str:
+    t = _story_time(t, cycle)
     name = PHASES[0][1]
     for start, n in PHASES:
         if t >= start:
@@ -33,9 +53,28 @@ def phase(t: float) -> str:
     return name
 
 
-def drive_node(node: SimNode, t: float, stalled_gpus: set[int]) -> None:
-    """Device readings for time ``t``: busy GPUs draw power; a stalled one reads 100% at low power."""
-    p = phase(t)
+def _within(t: float, span: tuple[float, float], cycle: float) -> bool:
+    return span[0] <= _story_time(t, cycle) < span[1]
+
+
+def _crossed(prev: float | None, t: float, at: float, cycle: float) -> bool:
+    """Whether story time ``at`` of some cycle lies in (prev, t]."""
+    if prev is None or t <= prev:
+        return False
+    when = at * cycle / CYCLE
+    first = math.floor((prev - when) / cycle) + 1  # the first cycle whose event is after prev
+    return first * cycle + when <= t
+
+
+def drive_node(
+    node: SimNode, t: float, stalled_gpus: set[int], prev_t: float | None = None, cycle: float = CYCLE
+) -> None:
+    """Device readings for time ``t``: busy GPUs draw power; a stalled one reads 100% at low power.
+
+    ``prev_t``, the time of the call before, places the one-off events (the Xid) once per cycle.
+    """
+    p = phase(t, cycle)
+    hot = _within(t, THERMAL, cycle)
     for g in node.gpus:
         wobble = 0.03 * math.sin(t / 3.0 + g.index)
         if g.index in stalled_gpus and p == "stall":
@@ -43,28 +82,44 @@ def drive_node(node: SimNode, t: float, stalled_gpus: set[int]) -> None:
         else:
             g.utilization = min(1.0, 0.93 + wobble)
             g.power_w = 540.0 + 60.0 * wobble
+            g.sm_clock_mhz = 1980.0
         g.memory_utilization = 0.6 * g.utilization
         g.temperature_c = min(78.0, g.temperature_c + 0.2) if g.utilization > 0.5 else max(35.0, g.temperature_c - 0.5)
         g.energy_mj += g.power_w * 1000.0  # one second of draw
-        g.throttle_mask = 0x4 if g.power_w > 590 else 0
+        g.throttle_mask = SW_POWER_CAP if g.power_w > 590 else 0
+        if g.index == 0 and hot:  # the card runs hot: the driver holds its clocks down
+            middle = _within(t, ((THERMAL[0] * 2 + THERMAL[1]) / 3, (THERMAL[0] + THERMAL[1] * 2) / 3), cycle)
+            g.temperature_c = HOT_C + (3.0 if middle else 0.0)
+            g.throttle_mask = SW_THERMAL | (HW_THERMAL if middle else 0)
+            g.sm_clock_mhz = 1200.0 if middle else 1500.0
+            g.power_w *= 0.8
+    last = node.gpus[-1].index
+    node.foreign = [f for f in node.foreign if f.get("pid") != FOREIGN_PID]  # others' processes stay
+    if _within(t, FOREIGN, cycle):
+        node.add_foreign(last, pid=FOREIGN_PID, used_bytes=FOREIGN_BYTES)
+    if _crossed(prev_t, t, XID_AT[0], cycle):
+        for i in sorted(stalled_gpus) or [last]:
+            node.inject_xid(i, XID)
 
 
 class RankStory:
     """One rank's allocator through the cycle; ``step(t)`` is one training step at scenario time t."""
 
-    def __init__(self, sim: SimAllocator, fill_gib: float, steps_per_second: float) -> None:
+    def __init__(self, sim: SimAllocator, fill_gib: float, steps_per_second: float, cycle: float = CYCLE) -> None:
         self.sim = sim
         sim.init(0)
         sim.set_memory_fraction(BUDGET_FRACTION)  # a capped job, as on a shared card
         self.limit = sim.limit_bytes(0)
         self.fill = int(fill_gib * GIB)
-        self.chunk = int(fill_gib * GIB / (20 * steps_per_second))  # filled over the 20 s warm-up
+        self.cycle = cycle
+        warmup = PHASES[1][0] * cycle / CYCLE
+        self.chunk = max(1, int(fill_gib * GIB / (warmup * steps_per_second)))  # filled over the warm-up
         self.held = 0
         self.steps = 0
         self._oom_cycle = -1
 
     def step(self, t: float) -> None:
-        sim, p = self.sim, phase(t)
+        sim, p, cycle = self.sim, phase(t, self.cycle), self.cycle
         if p == "warmup" and self.held < self.fill:
             sim.allocate(self.chunk)
             self.held += self.chunk
@@ -74,8 +129,8 @@ class RankStory:
                 # variable-length sequences near the budget: a longer one finds no cached block that
                 # fits, and cudaMalloc succeeds only after the cache is flushed (a retry) ...
                 sim.allocate(int(self.limit * (0.06 + 0.02 * (self.steps % 3))))
-                if self._oom_cycle != int(t // CYCLE):
-                    self._oom_cycle = int(t // CYCLE)
+                if self._oom_cycle != int(t // cycle):
+                    self._oom_cycle = int(t // cycle)
                     sim.allocate(int(self.limit * 0.2))  # ... and once a cycle one that cannot fit at all
         except SimOutOfMemoryError:
             pass  # the job catches it and retries the step, as training loops that survive OOMs do
@@ -90,18 +145,24 @@ class RankStory:
 
 
 def run_rank(
-    t0: float, duration: float, stall_me: bool, fill_gib: float, steps_per_second: float, parent: int = 0
+    t0: float,
+    duration: float,
+    stall_me: bool,
+    fill_gib: float,
+    steps_per_second: float,
+    parent: int = 0,
+    cycle: float = CYCLE,
 ) -> None:
     h = vramwatch.start(simulate=True)
     assert h.sim is not None
-    story = RankStory(h.sim, fill_gib, steps_per_second)
+    story = RankStory(h.sim, fill_gib, steps_per_second, cycle)
     period = 1.0 / steps_per_second
     end = time.time() + duration if duration > 0 else float("inf")
     while time.time() < end:
         if parent and os.getppid() != parent:
             break  # the demo that started us is gone: so are we
         t = time.time() - t0
-        if phase(t) == "stall" and stall_me:
+        if phase(t, cycle) == "stall" and stall_me:
             time.sleep(0.2)  # no steps: the heartbeat ages
             continue
         story.step(t)
@@ -118,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fill-gib", type=float, default=60.0)
     ap.add_argument("--steps-per-second", type=float, default=10.0)
     ap.add_argument("--parent", type=int, default=0, help="exit when this process is no longer our parent")
+    ap.add_argument("--cycle", type=float, default=CYCLE, help="seconds of one story cycle")
     a = ap.parse_args(argv)
     try:
-        run_rank(a.t0, a.duration, a.stall, a.fill_gib, a.steps_per_second, a.parent)
+        run_rank(a.t0, a.duration, a.stall, a.fill_gib, a.steps_per_second, a.parent, a.cycle)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: leave quietly
         vramwatch.stop()
     return 0

@@ -27,9 +27,13 @@ def build_all(cfg: MonitoringConfig = DEFAULT) -> list[Dashboard]:
     """The built dashboard models (``grafana_foundation_sdk.models.dashboard.Dashboard``), in order."""
     import importlib
 
+    from vramwatch.monitoring.dashboards.common import dashboard_links
+
+    modules = [importlib.import_module(name) for name in MODULES]
+    titles = {mod.UID: mod.TITLE for mod in modules}
     out = []
-    for name in MODULES:
-        model = importlib.import_module(name).build(cfg).build()
+    for mod in modules:
+        model = mod.build(cfg).links(dashboard_links(mod.UID, titles)).build()
         _number_panels(model)
         out.append(model)
     return out

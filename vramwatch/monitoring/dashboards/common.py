@@ -25,6 +25,7 @@ with warnings.catch_warnings():
     from grafana_foundation_sdk.models.common import DataSourceRef
     from grafana_foundation_sdk.models.dashboard import (
         DashboardCursorSync,
+        DashboardLinkType,
         DataTransformerConfig,
         DynamicConfigValue,
         Threshold,
@@ -52,16 +53,31 @@ __all__ = [
     "units",
     "dashboard",
     "base_dashboard",
+    "dashboard_links",
     "xid_annotation",
     "JSONEncoder",
 ]
 
 PROM = DataSourceRef(type_val="prometheus", uid="${datasource}")
 
-# Variables every dashboard has, in order: name -> label. The values are regexes (multi-select,
-# "All" = ".*"), so every matcher uses =~.
-VARIABLES = {"datasource": "Data source", "job": "Job", "host": "Host", "gpu": "GPU (UUID)", "rank": "Rank"}
+# Display names of the variables; a variable for a label not named here is titled with the label.
+# The values are regexes (multi-select, "All" = ".*"), so every matcher uses =~, and `=~".*"` also
+# matches a series without the label: a variable whose label a setup lacks offers only All and
+# narrows nothing.
+TITLES = {
+    "datasource": "Data source",
+    "job": "Scrape job",
+    "namespace": "Namespace",
+    "batch_kubernetes_io_job_name": "Job",
+    "training_kubeflow_org_job_name": "Kubeflow job",
+    "job_name": "Job (annotation)",
+    "node": "Node",
+    "host": "Target",
+    "gpu": "GPU (UUID)",
+    "rank": "Rank",
+}
 ALL = ".*"
+HOST, GPU, RANK = "host", "gpu", "rank"  # variables of vramwatch's own labels (instance, uuid, rank)
 
 
 def m(name: str) -> str:
@@ -69,28 +85,46 @@ def m(name: str) -> str:
     return contract.spec(name).name
 
 
+def target_variables(cfg: MonitoringConfig) -> list[tuple[str, str]]:
+    """(variable, label) for the labels a target carries, in order: the job labels, the node, the target.
+
+    Label names come from the config (``job_labels``, ``node_label``); each variable is named after
+    its label, except ``host`` (instance).
+    """
+    out: list[tuple[str, str]] = []
+    for label in (*cfg.job_labels, cfg.node_label):
+        if label and label != "instance" and label not in (lab for _, lab in out):
+            out.append(("node" if label == cfg.node_label else label, label))
+    return [*out, (HOST, "instance")]
+
+
 class Scope:
     """Label matchers for the dashboard variables, optionally narrowed by the config's selector.
 
     ``node`` for per-target series, ``gpu`` for NVML series (uuid), ``rank`` for heartbeat
-    series, ``device`` for allocator series (uuid and rank).
+    series, ``device`` for allocator series (uuid and rank). ``alerts`` for ALERTS, whose labels
+    are the alert's own: a firing alert without one of the labels still shows.
     """
 
     def __init__(self, cfg: MonitoringConfig) -> None:
         base = [cfg.selector] if cfg.selector else []
-        node = base + ['job=~"$job"', 'instance=~"$host"']
-        self.job = "{" + ", ".join(base + ['job=~"$job"']) + "}"
+        targets = target_variables(cfg)
+        node = base + [f'{label}=~"${var}"' for var, label in targets]
         self.node = "{" + ", ".join(node) + "}"
-        self.gpu = "{" + ", ".join(node + ['uuid=~"$gpu"']) + "}"
-        self.rank = "{" + ", ".join(node + ['rank=~"$rank"']) + "}"
-        self.device = "{" + ", ".join(node + ['uuid=~"$gpu"', 'rank=~"$rank"']) + "}"
-        self.base = "{" + ", ".join(base) + "}" if base else ""
+        self.gpu = "{" + ", ".join(node + [f'uuid=~"${GPU}"']) + "}"
+        self.rank = "{" + ", ".join(node + [f'rank=~"${RANK}"']) + "}"
+        self.device = "{" + ", ".join(node + [f'uuid=~"${GPU}"', f'rank=~"${RANK}"']) + "}"
+        self.alerts = ", ".join(f'{label}=~"${var}|"' for var, label in targets if var != HOST)
+        # the selector of each target variable's own query: the variables before it
+        self.before: dict[str, str] = {}
+        for i, (var, _label) in enumerate(targets):
+            self.before[var] = "{" + ", ".join(base + node[len(base) : len(base) + i]) + "}"
 
 
 def _query_variable(name: str, query: str) -> dashboard.QueryVariable:
     return (
         dashboard.QueryVariable(name)
-        .label(VARIABLES[name])
+        .label(TITLES.get(name, name))
         .datasource(PROM)
         .query(query)
         .definition(query)
@@ -103,16 +137,36 @@ def _query_variable(name: str, query: str) -> dashboard.QueryVariable:
     )
 
 
+def _label_values(selector: str, label: str) -> str:
+    return f"label_values({selector}, {label})"
+
+
 def variables(cfg: MonitoringConfig) -> list:
-    """datasource, job, host, gpu, rank: each query narrowed by the ones before it."""
+    """datasource, the target's labels (job labels, node, host), gpu, rank: each narrowed by those before it."""
     s = Scope(cfg)
     build_info = m("vramwatch_build_info")
+    out: list = [dashboard.DatasourceVariable("datasource").label(TITLES["datasource"]).type("prometheus")]
+    for var, label in target_variables(cfg):
+        selector = s.before[var] if s.before[var] != "{}" else ""
+        out.append(_query_variable(var, _label_values(f"{build_info}{selector}", label)))
+    out.append(_query_variable(GPU, _label_values(f"{m('gpu_info')}{s.node}", "uuid")))
+    out.append(_query_variable(RANK, _label_values(f"{m('vramwatch_rank_info')}{s.node}", "rank")))
+    return out
+
+
+def dashboard_links(uid: str, titles: dict[str, str]) -> list[dashboard.DashboardLink]:
+    """A link to each other dashboard of ``titles`` (uid -> title), keeping the time range and every variable."""
     return [
-        dashboard.DatasourceVariable("datasource").label(VARIABLES["datasource"]).type("prometheus"),
-        _query_variable("job", f"label_values({build_info}{s.base}, job)"),
-        _query_variable("host", f"label_values({build_info}{s.job}, instance)"),
-        _query_variable("gpu", f"label_values({m('gpu_info')}{s.node}, uuid)"),
-        _query_variable("rank", f"label_values({m('vramwatch_rank_info')}{s.node}, rank)"),
+        dashboard.DashboardLink(title.removeprefix("vramwatch / "))
+        .type(DashboardLinkType.LINK)
+        .url(f"/d/{other}")
+        .icon("dashboard")
+        .tooltip(f"{title}: the same time range and selection")
+        .include_vars(True)
+        .keep_time(True)
+        .target_blank(False)
+        for other, title in titles.items()
+        if other != uid
     ]
 
 

@@ -36,7 +36,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     used, total = m("gpu_memory_used_bytes"), m("gpu_memory_total_bytes")
     reserved, limit = m("torch_cuda_memory_reserved_bytes"), m("torch_cuda_memory_limit_bytes")
     stalled = f"({heartbeat_age(s)}) > ({stall_bound(cfg, s)})"
-    firing = f'{ALERTS}{{alertstate="firing", job=~"$job|"}}'
+    firing = f'{ALERTS}{{alertstate="firing", {s.alerts}}}'
     d = base_dashboard(
         UID,
         TITLE,
@@ -62,7 +62,8 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     d = d.with_panel(
         stat_panel(
             "Firing alerts",
-            "Alerts firing now in this Prometheus (for the selected jobs, or without a job label).",
+            "Alerts firing now in this Prometheus, for the selected jobs, namespaces and nodes "
+            "(an alert without one of those labels counts).",
             qt(f"count({firing}) or vector(0)"),
             limits=thresholds((1, "red")),
         )
@@ -136,7 +137,8 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     d = d.with_panel(
         table_panel(
             "Firing alerts",
-            'ALERTS{alertstate="firing"}: the alerts firing now, for the selected jobs or without a job label.',
+            'ALERTS{alertstate="firing"}: the alerts firing now, for the selected jobs, namespaces and nodes '
+            "(an alert without one of those labels shows).",
             [qt(firing)],
             hide=("Value", "alertstate"),
             sort_by="severity",

@@ -21,6 +21,11 @@ class Target:
     legend: str
     instant: bool
 
+    @property
+    def projection(self) -> bool:
+        """A forecast (predict_linear), not data: it may run far beyond the data's range."""
+        return "predict_linear(" in self.expr
+
 
 @dataclass(frozen=True)
 class Axis:
