@@ -517,11 +517,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "",
         ("reason",),
-        "1 (reason empty) on a node with NVML and GPUs (whether it answers now: vramwatch_collector_up, "
-        "gpu_up); 0 on a node without, reason one of "
+        "1 on a node with NVML and GPUs (reason empty); 0 on one without, reason one of "
         + ", ".join(NVML_ABSENT_REASONS)
-        + ". No NVML is a state, not a failure: the nvml, xid and processes collectors keep "
-        "vramwatch_collector_up 1. NVML failing on a node where it has answered is a failure (up 0).",
+        + ": a state, not a failure (the NVML collectors stay up).",
         "nvml",
         "the NVML collector is off, or NVML's init fails for another reason (then its up is 0)",
     ),

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from vramwatch.monitoring import helm
 from vramwatch.monitoring.alerts.render import DEFAULT_RELEASE, prometheus_rule, rule_file, to_yaml
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
 
@@ -47,6 +48,8 @@ def generated(
 def run(args: argparse.Namespace) -> int:
     cfg = DEFAULT if args.selector is None else MonitoringConfig(selector=args.selector)
     files = generated(cfg, args.release, args.namespace)
+    if args.write or args.check:  # and the Helm chart's generated parts, where the directory has the chart
+        files.update(helm.generated(cfg, Path(args.write or args.check)))
     if args.write:
         for rel, text in files.items():
             path = Path(args.write) / rel
