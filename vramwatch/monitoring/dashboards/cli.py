@@ -73,6 +73,14 @@ def shipped_dashboard_files() -> list[str]:
 
 def run_shipped(args: argparse.Namespace) -> int:
     """List, print or write the shipped dashboards (no SDK needed)."""
+    try:
+        return _run_shipped(args)
+    except FileNotFoundError as e:
+        print(f"vramwatch dashboards: {e}; rebuilding them needs {NEEDS}", file=sys.stderr)
+        return 2
+
+
+def _run_shipped(args: argparse.Namespace) -> int:
     if args.write:
         for rel in shipped_dashboard_files():
             path = Path(args.write) / rel
