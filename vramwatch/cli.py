@@ -47,8 +47,32 @@ def settings_from_args(args: argparse.Namespace, **fixed: Any) -> tuple[Settings
     return config.load(kwargs)
 
 
+def version() -> str:
+    """The installed distribution's version; a source tree without one reports the package's own."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vramwatch")
+    except metadata.PackageNotFoundError:
+        from vramwatch._version import __version__
+
+        return f"{__version__} (source tree)"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, looked up only when asked (every command line, the server's too, builds the parser)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"vramwatch {version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vramwatch", description="PyTorch GPU memory telemetry for Prometheus.")
+    p.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the node's scrape server")

@@ -413,6 +413,6 @@ def check_web_config(path: str) -> WebConfig:
             import bcrypt  # noqa: F401
         except ImportError:
             raise _error(
-                path, "basic_auth_users", None, "needs the bcrypt package (pip install bcrypt)", show=False
+                path, "basic_auth_users", None, "needs the bcrypt package (pip install 'vramwatch[auth]')", show=False
             ) from None
     return cfg

@@ -16,16 +16,10 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
-from deploy_files import K8S, run, yaml_docs
+from deploy_files import K8S, operator_validators, run, validate_object, yaml_docs
 
 from harness import ROOT, free_port, http_get, parse_metrics, tool, wait_port_closed, wait_until
 from vramwatch import config
-
-CRDS = ROOT / "tests" / "data" / "schemas" / "prometheus-operator"
-# the oldest Kubernetes with native sidecars on by default (beta in 1.29; 1.27 predates the field), and the
-# release where they went GA
-K8S_VERSIONS = ("1.29.0", "1.33.0")
 
 
 @pytest.fixture(scope="module")
@@ -100,46 +94,13 @@ def test_every_manifest_file_is_checked():
     } <= names, names
 
 
-def _strict(schema: Any) -> Any:
-    """Reject unknown fields, as `kubectl apply --validate=strict` does: CRD schemas only prune them."""
-    if isinstance(schema, dict):
-        schema = {k: _strict(v) for k, v in schema.items()}
-        if (
-            "properties" in schema
-            and "additionalProperties" not in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields")
-        ):
-            schema["additionalProperties"] = False
-        return schema
-    if isinstance(schema, list):
-        return [_strict(s) for s in schema]
-    return schema
-
-
 @pytest.fixture(scope="module")
 def crd_validators() -> dict[tuple[str, str], jsonschema.protocols.Validator]:
-    out = {}
-    for f in sorted(CRDS.glob("*.yaml")):
-        crd = yaml.safe_load(f.read_text())
-        for v in crd["spec"]["versions"]:
-            schema = _strict(v["schema"]["openAPIV3Schema"])
-            # metadata is the apiserver's ObjectMeta, not described by the CRD
-            schema["properties"]["metadata"] = {"type": "object"}
-            cls = jsonschema.validators.validator_for(schema)
-            out[(f"{crd['spec']['group']}/{v['name']}", crd["spec"]["names"]["kind"])] = cls(schema)
-    assert len(out) == 3
-    return out
+    return operator_validators()
 
 
 def _validate(obj: dict, crd_validators) -> None:
-    key = (obj["apiVersion"], obj["kind"])
-    if key in crd_validators:
-        errors = sorted(crd_validators[key].iter_errors(obj), key=lambda e: list(e.path))
-        assert not errors, "; ".join(f"{list(e.path)}: {e.message}" for e in errors)
-    else:
-        assert obj["apiVersion"].split("/")[0] != "monitoring.coreos.com", f"no CRD schema for {key}"
-        for version in K8S_VERSIONS:
-            kubernetes_validate.validate(obj, version, strict=True)
+    validate_object(obj, crd_validators)
 
 
 @pytest.mark.parametrize("path", _manifest_files(), ids=lambda p: str(p.relative_to(K8S)))

@@ -95,6 +95,37 @@ def test_free_memory_and_power_from_the_server_readings(tmp_path, sim_devices):
     assert "power" not in out[1][0] and "headroom" in out[1][0]
 
 
+@pytest.mark.parametrize(
+    ("reason", "said"),
+    [
+        ("library_not_found", "the NVML library (libnvidia-ml.so.1) is not found"),
+        ("driver_not_loaded", "the NVIDIA driver is not loaded"),
+        ("no_devices", "NVML sees no GPU"),
+    ],
+)
+def test_one_line_says_what_is_missing_on_a_node_without_nvml(tmp_path, reason, said):
+    write_node_readings(str(tmp_path), [], nvml_absent=reason)  # what the server writes on such a node
+    hb, line, out = _status(tmp_path, every=1)
+    line.on_sample([])  # a CPU-only rank
+    for _ in range(3):
+        hb.step()
+        line.on_step()
+    notices = [text for lines in out for text in lines if "NVML" in text]
+    assert notices == [
+        f"vramwatch: no NVML on this node ({said}): no free memory or power readings; allocator metrics go on"
+    ]  # once, not on every line
+    assert out[0][0].startswith("vramwatch: step 1") and len(out[1]) == 1
+
+
+def test_no_notice_where_the_node_has_nvml(tmp_path, sim_devices):
+    _, _, devices = sim_devices
+    hb, line, out = _status(tmp_path, every=1)
+    line.on_sample(devices)
+    hb.step()
+    line.on_step()
+    assert len(out[0]) == 1 and "NVML" not in out[0][0]
+
+
 def test_power_is_left_out_without_readings(tmp_path, sim_devices):
     _, _, devices = sim_devices
     text = status.format_device(devices[0], {})

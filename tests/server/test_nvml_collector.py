@@ -316,7 +316,7 @@ def test_init_failure_is_logged_once_and_retried_with_backoff(tmp_path, caplog, 
     caplog.set_level(logging.INFO, "vramwatch")
     rig = Rig(tmp_path)
     if code == E.NVML_ERROR_LIBRARY_NOT_FOUND:
-        rig.node.nvml_missing = True
+        rig.node.nvml_absent = "library_not_found"
     else:
         rig.node.inject_error("nvmlInit", code)
     attempts = []
@@ -325,13 +325,19 @@ def test_init_failure_is_logged_once_and_retried_with_backoff(tmp_path, caplog, 
         rig.poll(1.0)
         if rig.session.init_failures > before:
             attempts.append(rig.clock.t)
-    assert rig.nvml.health.up == 0 and rig.procs.health.up == 0
-    assert rig.nvml.collect(rig.ctx()) == ()  # never worked: no device series at all
+    if code in (E.NVML_ERROR_LIBRARY_NOT_FOUND, E.NVML_ERROR_DRIVER_NOT_LOADED):  # a node without NVML
+        assert rig.nvml.health.up == 1 and rig.procs.health.up == 1
+        assert [f.name for f in rig.nvml.collect(rig.ctx()) if f.samples] == ["vramwatch_nvml_available"]
+    else:  # a fault
+        assert rig.nvml.health.up == 0 and rig.procs.health.up == 0
+        assert rig.nvml.collect(rig.ctx()) == ()  # never worked: no device series at all
     gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
     assert gaps[:5] == [1.0, 2.0, 4.0, 8.0, 16.0]  # exponential back-off
     warned = [r for r in caplog.records if "NVML unavailable" in r.getMessage()]
     assert len(warned) == 1
-    rig.node.nvml_missing = False
+    absent = code in (E.NVML_ERROR_LIBRARY_NOT_FOUND, E.NVML_ERROR_DRIVER_NOT_LOADED)
+    assert warned[0].levelno == (logging.INFO if absent else logging.WARNING)
+    rig.node.nvml_absent = ""
     rig.node.clear_error()
     for _ in range(61):
         rig.poll(1.0)
@@ -480,3 +486,71 @@ def test_each_read_publishes_power_and_free_memory_for_the_status_lines(tmp_path
     assert list(readings) == [r.node.gpu(0).uuid]  # a lost GPU publishes nothing
     (g,) = readings.values()
     assert g.power_watts == 212.0 and g.memory_free_bytes == r.value("gpu_memory_free_bytes")
+
+
+# --- a node without NVML: a state, not a fault ---
+ABSENT_MODES = {
+    "library_not_found": E.NVML_ERROR_LIBRARY_NOT_FOUND,
+    "driver_not_loaded": E.NVML_ERROR_DRIVER_NOT_LOADED,
+    "no_devices": None,
+}
+
+
+@pytest.mark.parametrize("mode", sorted(ABSENT_MODES))
+def test_a_node_without_nvml_says_why_and_keeps_every_collector_up(tmp_path, mode):
+    rig = Rig(tmp_path)
+    rig.node.nvml_absent = mode
+    watcher = XidWatcher(rig.session, XidLedger(), rig.settings)
+    for _ in range(3):
+        rig.poll(1.0)
+        watcher.step()
+    assert rig.nvml.health.up == 1 and rig.procs.health.up == 1 and watcher.health.up == 1
+    assert rig.nvml.health.errors == 0 and rig.procs.health.errors == 0
+    m = rig.metrics()
+    assert m["vramwatch_nvml_available"] == [({"reason": mode}, 0.0)]
+    assert not m.get("gpu_info") and not m.get("gpu_up")  # no device series
+    node = spool.read_node(str(tmp_path))
+    assert node.nvml_absent == mode and node.gpus == {}  # the ranks' status line learns it
+    # the driver arrives: init is retried with back-off and the node has NVML from then on
+    rig.node.nvml_absent = ""
+    for _ in range(70):
+        rig.poll(1.0)
+    assert rig.session.ready and rig.nvml.health.up == 1
+    assert rig.metrics()["vramwatch_nvml_available"] == [({"reason": ""}, 1.0)]
+    assert spool.read_node(str(tmp_path)).nvml_absent == ""
+
+
+def test_nvml_that_answered_and_then_went_away_is_a_fault(tmp_path):
+    """Once NVML showed GPUs, losing the library or driver is trouble (up 0), never 'absent'."""
+    rig = Rig(tmp_path)
+    rig.poll(0)
+    rig.node.inject_error("nvmlDeviceGetPowerUsage", E.NVML_ERROR_DRIVER_NOT_LOADED)
+    rig.poll(1.0)
+    rig.node.clear_error()
+    rig.node.nvml_absent = "driver_not_loaded"  # and re-init keeps failing that way
+    for _ in range(5):
+        rig.poll(1.0)
+    assert not rig.session.ready and rig.session.absent_reason() == ""
+    assert rig.nvml.health.up == 0 and rig.procs.health.up == 0
+    assert rig.metrics()["vramwatch_nvml_available"] == [({"reason": ""}, 1.0)]  # the node has NVML
+    assert rig.value("gpu_up", gpu=0) == 0.0  # the GPUs it knew read lost
+
+
+def test_the_nvml_available_series_with_gpus(rig):
+    assert rig.metrics()["vramwatch_nvml_available"] == [({"reason": ""}, 1.0)]
+
+
+def test_the_real_nvml_on_a_machine_without_it_is_absent_not_failing(tmp_path):
+    """nvidia-ml-py's own pynvml on this machine: it imports, and nvmlInit fails LIBRARY_NOT_FOUND."""
+    settings = Settings(simulate=False, spool_dir=str(tmp_path))
+    session = nb.NvmlSession(settings)
+    c = Runner(NvmlCollector(settings, session), settings)
+    c.poll_once()
+    if session.ready:
+        pytest.skip("this machine has NVML")
+    assert session.absent_reason() == "library_not_found", session.last_error
+    assert c.health.up == 1 and c.health.errors == 0
+    (fam,) = [f for f in c.collect(ScrapeContext((), time.time(), "h")) if f.samples]
+    assert [(s.name, s.labels, s.value) for s in fam.samples] == [
+        ("vramwatch_nvml_available", {"reason": "library_not_found"}, 0.0)
+    ]

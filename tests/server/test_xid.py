@@ -192,9 +192,16 @@ def test_lost_gpu_leaves_the_set_and_rejoins_when_back(tmp_path):
     assert len(w.registered) == 2
 
 
-def test_library_missing_keeps_the_watcher_down_without_raising(tmp_path):
+def test_a_node_without_nvml_keeps_the_watcher_up_with_nothing_to_watch(tmp_path):
     node, session, ledger, w = make(tmp_path)
-    node.nvml_missing = True
+    node.nvml_absent = "library_not_found"
+    assert w.step() >= 0.5 and w.health.up == 1 and w.health.errors == 0
+    assert ledger.counts() == ()
+
+
+def test_nvml_failing_its_init_keeps_the_watcher_down_without_raising(tmp_path):
+    node, session, ledger, w = make(tmp_path)
+    node.inject_error("nvmlInit", pynvml.NVML_ERROR_NO_PERMISSION)
     assert w.step() >= 0.5 and w.health.up == 0
     assert ledger.counts() == ()
 

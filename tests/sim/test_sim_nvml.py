@@ -152,10 +152,10 @@ def test_library_missing_and_uninitialised(node):
     nv = SimNvml.from_node(node)
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         nv.nvmlDeviceGetCount()  # before nvmlInit
-    node.nvml_missing = True
+    node.nvml_absent = "library_not_found"
     with pytest.raises(pynvml.NVMLError_LibraryNotFound):
         nv.nvmlInit()
-    node.nvml_missing = False
+    node.nvml_absent = ""
     node.inject_error("nvmlInit", pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
     with pytest.raises(pynvml.NVMLError_DriverNotLoaded):
         nv.nvmlInit()

@@ -79,26 +79,27 @@ def test_device_series_join_the_ranks_and_follow_the_simulated_gpu(exporter, pro
     prom.wait_for('increase(vramwatch_collector_errors_total{collector="nvml"}[1m]) > 0')
 
 
-def test_missing_nvml_keeps_the_exporter_serving_and_recovers(exporter, sim_rank):
+def test_a_node_without_nvml_serves_says_why_and_finds_the_driver_later(exporter, sim_rank):
     exp = exporter()
     node = exp.node()
-    node.nvml_missing = True
+    node.nvml_absent = "library_not_found"
     exp.save_node(node)
     exp.start()
     sim_rank(exp, 0, "--duration", "60")
 
-    def down():
+    def absent():
         m = exp.metrics()
-        up = {lab["collector"]: v for lab, v in m.get("vramwatch_collector_up", [])}
-        return m if m.get("torch_cuda_memory_reserved_bytes") and up.get("nvml") == 0 else None
+        return m if m.get("torch_cuda_memory_reserved_bytes") and m.get("vramwatch_nvml_available") else None
 
-    m = wait_until(down, 15, "allocator series with the NVML collector down")
+    m = wait_until(absent, 15, "allocator series and the NVML state")
+    assert m["vramwatch_nvml_available"] == [({"reason": "library_not_found"}, 0.0)]
     up = {lab["collector"]: v for lab, v in m["vramwatch_collector_up"]}
-    assert up["xid"] == 0 and up["processes"] == 0 and up["spool"] == 1
-    assert not m.get("gpu_info") and not m.get("gpu_up")  # never worked: no device series
+    assert up["nvml"] == 1 and up["xid"] == 1 and up["processes"] == 1 and up["spool"] == 1  # a state, no fault
+    assert not m.get("gpu_info") and not m.get("gpu_up")  # no device series
     with edit(exp.spool) as n:
-        n.nvml_missing = False  # the driver arrives: init is retried with back-off
+        n.nvml_absent = ""  # the driver arrives: init is retried with back-off
     wait_until(lambda: exp.metrics().get("gpu_up", [({}, 0)])[0][1] == 1.0, 30, "NVML to come up")
     m = exp.metrics()
     assert {lab["collector"]: v for lab, v in m["vramwatch_collector_up"]}["nvml"] == 1
+    assert m["vramwatch_nvml_available"] == [({"reason": ""}, 1.0)]
     assert m["gpu_non_torch_memory_bytes"]

@@ -31,6 +31,10 @@ COLLECTOR = ("collector", "rank")
 XID_CRITICAL: tuple[int, ...] = (48, 62, 64, 74, 79, 95, 119, 120, 46, 109, 140)
 XID_WARNING: tuple[int, ...] = (13, 31, 43, 45, 61, 63, 92, 94)
 
+# Why a node has no NVML, the `reason` of vramwatch_nvml_available 0: no libnvidia-ml (a CPU-only pod or
+# host), the library without its kernel driver, or NVML answering with no GPU. A state, not a failure.
+NVML_ABSENT_REASONS: tuple[str, ...] = ("library_not_found", "driver_not_loaded", "no_devices")
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -509,11 +513,23 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     # --- self-health ---
     _m(
+        "vramwatch_nvml_available",
+        "gauge",
+        "",
+        ("reason",),
+        "1 on a node with NVML and GPUs (reason empty); 0 on one without, reason one of "
+        + ", ".join(NVML_ABSENT_REASONS)
+        + ": a state, not a failure (the NVML collectors stay up).",
+        "nvml",
+        "the NVML collector is off, or NVML's init fails for another reason (then its up is 0)",
+    ),
+    _m(
         "vramwatch_collector_up",
         "gauge",
         "",
         COLLECTOR,
-        "1 if the collector's last read worked (an unsupported field keeps it 1), else 0. "
+        "1 if the collector's last read worked (an unsupported field, or a node without NVML, keeps it 1), "
+        "else 0. "
         "rank is empty for the server's own collectors.",
         "self",
     ),

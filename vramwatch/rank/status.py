@@ -14,6 +14,8 @@ compares one counter and formats a line only on every N-th step.
   publishes them alike) and is left out when there are none. The training process never calls
   NVML for it.
 - ``reclaims`` appears when allocator hygiene is on, ``ooms`` once one happened.
+- On a node without NVML (the server says so in the same readings: no library, no driver, no
+  GPU) one extra line, once, says what is missing.
 
 Where it goes: with ``mode="auto"`` a postfix on the active tqdm bar if there is one (the
 Trainer's or Lightning's progress bar), else the ``vramwatch.status`` logger at INFO (printed to
@@ -27,7 +29,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from vramwatch.spool import DeviceSample, GpuReadings, read_node_readings
+from vramwatch.spool import DeviceSample, GpuReadings, read_node
 
 if TYPE_CHECKING:
     from vramwatch.rank.plugin_api import RankContext
@@ -38,6 +40,18 @@ status_log = logging.getLogger("vramwatch.status")
 
 
 _NO_READINGS = GpuReadings("")
+
+# vramwatch_nvml_available's reasons, said on the console
+NVML_ABSENT_TEXT = {
+    "library_not_found": "the NVML library (libnvidia-ml.so.1) is not found",
+    "driver_not_loaded": "the NVIDIA driver is not loaded",
+    "no_devices": "NVML sees no GPU",
+}
+
+
+def nvml_absent_line(reason: str) -> str:
+    what = NVML_ABSENT_TEXT.get(reason, reason)
+    return f"vramwatch: no NVML on this node ({what}): no free memory or power readings; allocator metrics go on"
 
 
 def _gib(v: float) -> str:
@@ -119,6 +133,8 @@ class StatusLine:
         self._next = self.every
         self._devices: list[DeviceSample] = []
         self._readings: dict[str, GpuReadings] = {}
+        self._nvml_absent = ""
+        self._told_absent = False
         self._sum0 = 0.0
         self._steps0 = 1  # the first step has no duration
         self._failed = False
@@ -136,7 +152,8 @@ class StatusLine:
         """Sampler thread: keep the newest device values and NVML readings for the next line (adds nothing)."""
         self._devices = list(devices)
         if self.spool_dir:
-            self._readings = read_node_readings(self.spool_dir)
+            node = read_node(self.spool_dir)
+            self._readings, self._nvml_absent = node.gpus, node.nvml_absent
 
     def close(self) -> None:
         pass
@@ -165,6 +182,11 @@ class StatusLine:
         devices = self._devices
         bodies = [format_device(d, self._readings) for d in devices] or ["no CUDA device in use yet"]
         lines = [f"vramwatch: {head}, {b}" for b in bodies]
+        notice = ""
+        if self._nvml_absent and not self._told_absent:
+            self._told_absent = True
+            notice = nvml_absent_line(self._nvml_absent)
+            lines.append(notice)
         self.lines += 1
         if self.emit is not None:
             self.emit(lines, head)
@@ -172,6 +194,8 @@ class StatusLine:
         bar = active_tqdm() if self.mode in ("auto", "postfix") else None
         if bar is not None:
             bar.set_postfix_str(" | ".join(bodies), refresh=False)
+            if notice:
+                type(bar).write(notice)  # tqdm's own print, above the bars
         elif self.mode != "postfix":
             for line in lines:
                 status_log.info(line)

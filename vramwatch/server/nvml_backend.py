@@ -8,6 +8,11 @@ the library or the driver is missing; every problem is logged once per kind.
 It never calls ``nvmlShutdown`` (NVML is refcounted and torch never shuts it
 down either) and never touches CUDA, so the server creates no CUDA context.
 
+A node without NVML (no library: a CPU-only pod or host; the library without its driver; NVML with no
+GPU) is a state, not a fault: :meth:`NvmlSession.absent_reason` names it (the reasons of
+``vramwatch_nvml_available``) as long as NVML has never shown a GPU since the server started, and
+its readers keep their ``up`` 1. Once GPUs were seen, NVML going away is a failure.
+
 Error handling follows the reference notes (torch-nvml.md B3/B4): an error is
 *unsupported* (remember it per GPU and field, skip it, ``up`` stays 1),
 *lost* (the GPU fell off the bus or needs a reset), *session* (NVML itself is
@@ -26,6 +31,7 @@ from typing import Any
 
 from vramwatch._once import OnceLog
 from vramwatch.config import Settings
+from vramwatch.monitoring.contract import NVML_ABSENT_REASONS
 
 log = logging.getLogger("vramwatch")
 
@@ -73,6 +79,11 @@ QUIET_CODES = frozenset({NO_DATA, NOT_READY})
 
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 60.0
+
+# the reasons a node has no NVML (the contract's), and the init failures that mean one; others are faults,
+# nvidia-ml-py not importable too (a dependency: a broken install, not a node without GPUs)
+NO_LIBRARY, NO_DRIVER, NO_DEVICES = NVML_ABSENT_REASONS
+ABSENT_AT_INIT = {"LIBRARY_NOT_FOUND": NO_LIBRARY, "DRIVER_NOT_LOADED": NO_DRIVER}
 
 
 def error_code(e: BaseException) -> int | None:
@@ -156,6 +167,8 @@ class NvmlSession:
         self.driver_version = ""
         self.init_failures = 0
         self.last_error = ""
+        self._init_failure = ""  # kind of the newest failed init (NVML error name, or "import")
+        self.seen_gpus = False  # NVML has shown a GPU since the server started: its absence is a fault now
         self.lost: frozenset[str] = frozenset()  # uuids currently lost (kept by the NVML collector)
         self._on_lost: list[Callable[[Device], None]] = []
         self.once = OnceLog(log)
@@ -189,6 +202,7 @@ class NvmlSession:
             self.generation += 1
             self._backoff = BACKOFF_FIRST
             self.last_error = ""
+            self._init_failure = ""
             log.info(
                 "vramwatch: NVML ready (driver %s): %d GPU(s) %s",
                 self.driver_version or "?",
@@ -200,16 +214,27 @@ class NvmlSession:
     def _init_failed(self, now: float, kind: str, detail: str) -> None:
         self.init_failures += 1
         self.last_error = detail
+        self._init_failure = kind
         self._next_try = now + self._backoff
+        absent = self.absent_reason()
         self.once(
             ("init", kind),
-            "vramwatch: NVML unavailable (%s); device metrics are off, allocator metrics go on; "
+            "vramwatch: NVML unavailable (%s)%s; device metrics are off, allocator metrics go on; "
             "retrying with back-off up to %.0f s",
             detail,
+            f": no NVML on this node ({absent}), not a failure" if absent else "",
             BACKOFF_MAX,
-            level=logging.WARNING,
+            level=logging.INFO if absent else logging.WARNING,
         )
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+
+    def absent_reason(self) -> str:
+        """Why this node has no NVML (one of contract.NVML_ABSENT_REASONS), or "" when it has, or fails."""
+        if self.seen_gpus:
+            return ""
+        if self.ready:
+            return "" if self.devices else NO_DEVICES
+        return ABSENT_AT_INIT.get(self._init_failure, "")
 
     def mark_down(self, e: BaseException) -> None:
         """NVML itself failed under a reader (uninitialised, driver gone): re-init on the next ensure()."""
@@ -267,6 +292,7 @@ class NvmlSession:
                 )
             )
         self.devices = tuple(devices)
+        self.seen_gpus = self.seen_gpus or bool(devices)
         # an identity getter that failed for real (not "not supported") leaves a label empty: that is
         # trouble, so `up` says 0 until a slow-cadence re-enumeration reads it
         self.incomplete = incomplete or self._identity_failed

@@ -5,7 +5,8 @@ come from the node's state file (:mod:`vramwatch.sim.state`), converted to
 NVML's units (mW, mJ, %, MHz, bytes); errors are real ``pynvml.NVMLError``
 instances (so ``NVMLError_GpuIsLost`` and friends match), raised for the calls
 named in ``SimNode.errors``, for every call on a ``lost`` GPU, and at
-``nvmlInit`` when ``nvml_missing`` is set. Constants (``NVML_CLOCK_SM``,
+``nvmlInit`` on a node without NVML (``nvml_absent``; with ``no_devices`` NVML
+answers and counts no GPU). Constants (``NVML_CLOCK_SM``,
 ``nvmlMemory_v2``, ``NVML_ERROR_*``, ...) are nvidia-ml-py's own.
 
 The ranks' compute processes come from their spool samples: each rank pid
@@ -37,6 +38,13 @@ _CANON = {
     "nvmlDeviceGetComputeRunningProcesses_v3": "nvmlDeviceGetComputeRunningProcesses",
     "nvmlDeviceGetPciInfo_v3": "nvmlDeviceGetPciInfo",
     "nvmlInitWithFlags": "nvmlInit",
+}
+
+
+# SimNode.nvml_absent -> what nvmlInit raises
+_ABSENT_AT_INIT = {
+    "library_not_found": pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+    "driver_not_loaded": pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
 }
 
 
@@ -125,8 +133,8 @@ class SimNvml:
     # --- library ---
     def nvmlInit(self) -> None:
         node = self._node()
-        if node.nvml_missing:
-            raise _err(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        if node.nvml_absent in _ABSENT_AT_INIT:
+            raise _err(_ABSENT_AT_INIT[node.nvml_absent])
         code = node.error_for("nvmlInit", None)
         if code is not None:
             raise _err(code)
@@ -147,7 +155,7 @@ class SimNvml:
 
     def nvmlDeviceGetCount(self) -> int:
         node, _ = self._call("nvmlDeviceGetCount")
-        return len(node.gpus)
+        return 0 if node.nvml_absent == "no_devices" else len(node.gpus)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> SimHandle:
         self._call("nvmlDeviceGetHandleByIndex", SimHandle(int(index)))

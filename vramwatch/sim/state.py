@@ -19,7 +19,8 @@ Driving it from a test or the demo::
         node.inject_error("nvmlDeviceGetPowerUsage", 3)     # NVML_ERROR_NOT_SUPPORTED, every GPU
         node.inject_error("*", 15, gpu=1)          # GPU_IS_LOST on every device call of GPU 1
         g.lost = True                              # the same, the short way
-        node.nvml_missing = True                   # libnvidia-ml.so.1 "not found" at nvmlInit
+        node.nvml_absent = "library_not_found"     # a node without NVML: libnvidia-ml.so.1 "not found"
+                                                   # at nvmlInit; or "driver_not_loaded", "no_devices"
 
 What each field means:
 
@@ -92,7 +93,9 @@ class SimNode:
     foreign: list[dict[str, Any]] = field(default_factory=list)  # {"gpu": i, "pid": p, "used_bytes": n}
     xids: list[dict[str, Any]] = field(default_factory=list)  # {"seq", "gpu", "xid", "time"}
     errors: dict[str, int] = field(default_factory=dict)  # NVML function name (or "*") -> NVML error code
-    nvml_missing: bool = False  # libnvidia-ml "not found"
+    # a node without NVML, one of contract.NVML_ABSENT_REASONS: library_not_found (nvmlInit: LIBRARY_NOT_FOUND),
+    # driver_not_loaded (nvmlInit: DRIVER_NOT_LOADED), no_devices (NVML answers, with no GPU)
+    nvml_absent: str = ""
     context_bytes: int = 527 * MIB  # what a CUDA context costs a rank (measured on an H200)
     xid_seq: int = 0  # sequence number of the newest injected Xid (survives the queue's trimming)
 

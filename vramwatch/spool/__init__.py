@@ -21,7 +21,7 @@ from vramwatch.spool.files import (
 )
 from vramwatch.spool.publisher import RankPublisher
 from vramwatch.spool.reader import Rejected, any_rank_files, read_samples, sample_age
-from vramwatch.spool.readings import GpuReadings, read_node_readings, write_node_readings
+from vramwatch.spool.readings import GpuReadings, NodeReadings, read_node, read_node_readings, write_node_readings
 from vramwatch.spool.schema import (
     SCHEMA_VERSION,
     AllocatorInfo,
@@ -42,6 +42,7 @@ __all__ = [
     "DeviceSample",
     "GpuReadings",
     "HeartbeatSnapshot",
+    "NodeReadings",
     "OomSnapshot",
     "RankPublisher",
     "RankSample",
@@ -53,6 +54,7 @@ __all__ = [
     "ensure_dir",
     "hold_lock",
     "hold_spawn_lock",
+    "read_node",
     "read_node_readings",
     "read_samples",
     "sample_age",

@@ -3,8 +3,9 @@
 The server writes them after each NVML read (the real library or the simulated GPU alike); a rank
 reads them on its sampler thread, so the training process never calls NVML itself. Plain JSON,
 replaced atomically: ``{"time": <unix seconds>, "gpus": [{"uuid": "GPU-...", "power_watts":
-212.0, "memory_free_bytes": 2.9e9}, ...]}``. Readings older than :data:`STALE_AFTER` seconds are
-ignored (a server that stopped).
+212.0, "memory_free_bytes": 2.9e9}, ...]}``, plus ``"nvml_absent": "<reason>"`` on a node without
+NVML (the reasons of ``vramwatch_nvml_available``), so the status line can say what is missing.
+Readings older than :data:`STALE_AFTER` seconds are ignored (a server that stopped).
 """
 
 from __future__ import annotations
@@ -33,10 +34,22 @@ class GpuReadings:
     memory_free_bytes: float | None = None
 
 
-def write_node_readings(spool_dir: str, gpus: Iterable[GpuReadings], now: float | None = None) -> None:
+@dataclass(frozen=True, slots=True)
+class NodeReadings:
+    """The whole readings file: uuid -> readings, and why the node has no NVML ("" when it has)."""
+
+    gpus: dict[str, GpuReadings]
+    nvml_absent: str = ""
+
+
+def write_node_readings(
+    spool_dir: str, gpus: Iterable[GpuReadings], now: float | None = None, nvml_absent: str = ""
+) -> None:
     """Replace the readings file atomically; never raises (the status line is a convenience)."""
     try:
         doc: dict[str, Any] = {"time": time.time() if now is None else now, "gpus": []}
+        if nvml_absent:
+            doc["nvml_absent"] = nvml_absent
         for g in gpus:
             entry: dict[str, Any] = {"uuid": g.uuid}
             if g.power_watts is not None:
@@ -53,22 +66,29 @@ def write_node_readings(spool_dir: str, gpus: Iterable[GpuReadings], now: float 
         log.debug("vramwatch: writing %s failed: %r", NODE_READINGS, e)
 
 
-def read_node_readings(spool_dir: str, now: float | None = None) -> dict[str, GpuReadings]:
-    """uuid -> readings, from a fresh readings file; empty when there is none."""
+def read_node(spool_dir: str, now: float | None = None) -> NodeReadings:
+    """A fresh readings file; nothing (no GPUs, NVML not said absent) when there is none."""
     now = time.time() if now is None else now
     out: dict[str, GpuReadings] = {}
     try:
         with open(os.path.join(spool_dir, NODE_READINGS), encoding="utf-8") as fh:
             doc = json.load(fh)
         if now - float(doc.get("time", 0)) > STALE_AFTER:
-            return out
+            return NodeReadings(out)
         for g in doc.get("gpus") or []:
             if g.get("uuid"):
                 uuid = str(g["uuid"])
                 out[uuid] = GpuReadings(uuid, _number(g.get("power_watts")), _number(g.get("memory_free_bytes")))
+        absent = doc.get("nvml_absent")
+        # a word of the contract's small set, never free text (it is printed to the console)
+        return NodeReadings(out, absent if isinstance(absent, str) and absent.isidentifier() else "")
     except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    return out
+        return NodeReadings(out)
+
+
+def read_node_readings(spool_dir: str, now: float | None = None) -> dict[str, GpuReadings]:
+    """uuid -> readings, from a fresh readings file; empty when there is none."""
+    return read_node(spool_dir, now).gpus
 
 
 def _number(v: Any) -> float | None:

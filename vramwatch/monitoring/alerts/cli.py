@@ -14,6 +14,7 @@ from pathlib import Path
 
 from vramwatch.errors import ConfigError
 from vramwatch.monitoring import config_file
+from vramwatch.monitoring import helm
 from vramwatch.monitoring.alerts.render import DEFAULT_RELEASE, prometheus_rule, rule_file, to_yaml
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, validate
 
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"vramwatch alerts: {e}", file=sys.stderr)
         return 2
     files = generated(cfg, args.release, args.namespace)
+    if args.write or args.check:  # and the Helm chart's generated parts, where the directory has the chart
+        files.update(helm.generated(cfg, Path(args.write or args.check)))
     if args.write:
         for rel, text in files.items():
             path = Path(args.write) / rel

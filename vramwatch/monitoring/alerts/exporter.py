@@ -23,6 +23,22 @@ def target_down(cfg: MonitoringConfig) -> str:
     return f"{up(cfg)} == 0\nor {recent}" if cfg.target_selector else recent
 
 
+def nvml_absent_for_gpu_job(cfg: MonitoringConfig) -> dict:
+    """No NVML is a state (a CPU-only target stays quiet) unless ranks of that target use CUDA devices:
+    then the device readings and every alert on them are missing, and the collectors cannot say so."""
+    return alert(
+        "VramwatchNvmlAbsent",
+        f"{metric(cfg, 'vramwatch_nvml_available')} == 0\n"
+        f"and on(job, instance)\ncount by(job, instance) ({metric(cfg, 'torch_cuda_memory_reserved_bytes')})",
+        WARNING,
+        "A GPU job's exporter has no NVML: no device readings.",
+        f"The ranks on {label('instance')} use CUDA devices, but its exporter has no NVML "
+        f"({label('reason')}) for more than {cfg.collector_down_for}: GPU memory, power, throttling and Xid "
+        "series are missing and none of their alerts can fire.",
+        cfg.collector_down_for,
+    )
+
+
 def rules(cfg: MonitoringConfig) -> list[dict]:
     out = [
         alert(
@@ -56,6 +72,7 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             cfg.collector_down_for,
         ),
     ]
+    out.append(nvml_absent_for_gpu_job(cfg))
     if cfg.target_absent_for:
         out.append(
             alert(

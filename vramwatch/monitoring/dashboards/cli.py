@@ -2,12 +2,18 @@
 
 The SDK is imported only when the command runs: every ``vramwatch`` command line (the
 scrape server's too) builds this parser, and the server needs neither the SDK nor its import time.
+Without the SDK the command lists, prints and writes the dashboards the package ships
+(:mod:`vramwatch.shipped`); only ``--check`` (rebuilding them) needs it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+
+from vramwatch import shipped
 
 NEEDS = "grafana-foundation-sdk==0.0.21 (pip install 'vramwatch[dashboards]')"
 
@@ -38,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from vramwatch.monitoring.dashboards import build_all, render
     except ImportError as e:
-        print(f"vramwatch dashboards: needs {NEEDS}: {e}", file=sys.stderr)
-        return 2
+        if args.check:
+            print(f"vramwatch dashboards: --check rebuilds the dashboards and needs {NEEDS}: {e}", file=sys.stderr)
+            return 2
+        return run_shipped(args)
     if args.write:
         for path in render.write(args.write, cfg):
             print(path)
@@ -59,4 +67,47 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for m in models:
         print(f"{m.uid:28} {m.title}")
+    return 0
+
+
+# the files `--write` writes (render.generated_files), as globs over the shipped tree
+SHIPPED = ("grafana/dashboards/*.json", "kubernetes/dashboards-configmap.yaml", "helm/vramwatch/dashboards/*.json")
+
+
+def shipped_dashboard_files() -> list[str]:
+    out: list[str] = []
+    for pattern in SHIPPED:
+        under, _, glob = pattern.rpartition("/")
+        out += shipped.shipped_files(under, glob)
+    return out
+
+
+def run_shipped(args: argparse.Namespace) -> int:
+    """List, print or write the shipped dashboards (no SDK needed)."""
+    try:
+        return _run_shipped(args)
+    except FileNotFoundError as e:
+        print(f"vramwatch dashboards: {e}; rebuilding them needs {NEEDS}", file=sys.stderr)
+        return 2
+
+
+def _run_shipped(args: argparse.Namespace) -> int:
+    if args.write:
+        for rel in shipped_dashboard_files():
+            path = Path(args.write) / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(shipped.shipped_text(rel), encoding="utf-8")
+            print(path)
+        return 0
+    texts = {rel: shipped.shipped_text(rel) for rel in shipped.shipped_files("grafana/dashboards", "*.json")}
+    models = [json.loads(t) for t in texts.values()]
+    if args.uid:
+        for rel, model in zip(texts, models, strict=True):
+            if model.get("uid") == args.uid:
+                sys.stdout.write(texts[rel])
+                return 0
+        print(f"no dashboard {args.uid!r}; known: {', '.join(str(m.get('uid')) for m in models)}", file=sys.stderr)
+        return 2
+    for m in models:
+        print(f"{m.get('uid')!s:28} {m.get('title')}")
     return 0

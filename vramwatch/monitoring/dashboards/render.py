@@ -65,6 +65,7 @@ def generated_files(cfg: MonitoringConfig = DEFAULT) -> dict[str, str]:
     """Relative path under the deploy directory -> file content."""
     dashboards = {f"{m.uid}.json": dashboard_json(m) for m in build_all(cfg)}
     out = {f"grafana/dashboards/{k}": v for k, v in dashboards.items()}
+    out |= {f"helm/vramwatch/dashboards/{k}": v for k, v in dashboards.items()}  # the chart's own copy
     out["kubernetes/dashboards-configmap.yaml"] = configmap_yaml(dashboards)
     return out
 

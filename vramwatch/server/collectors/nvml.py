@@ -10,8 +10,13 @@ support is dropped for that GPU after the first try, logged once, and keeps
 ``up`` 1; a lost GPU reads ``gpu_up`` 0 (its identity stays, its readings go),
 is probed again on the slow cadence, turns the collector's ``up`` to 0 and is
 counted once as Xid 79 (by the Xid watcher, told through the session); NVML
-missing or gone makes ``up`` 0 with init retried under back-off, while the
-rest of the exporter keeps serving.
+gone, or failing its init for a reason other than absence, makes ``up`` 0 with
+init retried under back-off, while the rest of the exporter keeps serving.
+
+A node without NVML (see :meth:`~vramwatch.server.nvml_backend.NvmlSession.absent_reason`:
+no library, no driver, no GPU) is a state: ``up`` stays 1, no device series,
+``vramwatch_nvml_available{reason}`` 0 says why, and the ranks' status line is told
+through the node readings file. Init is still retried, so a driver loaded later is found.
 """
 
 from __future__ import annotations
@@ -166,7 +171,8 @@ FIELDS: tuple[Field, ...] = (
 VALUE_FAMILIES = tuple(
     m.name
     for m in contract.METRICS
-    if m.collector == "nvml" and m.name not in ("gpu_info", "gpu_up", "gpu_non_torch_memory_bytes")
+    if m.collector == "nvml"
+    and m.name not in ("gpu_info", "gpu_up", "gpu_non_torch_memory_bytes", "vramwatch_nvml_available")
 )
 
 
@@ -186,6 +192,7 @@ class NvmlSnapshot:
     gpus: tuple[GpuReading, ...]
     driver_version: str
     time: float
+    absent: str = ""  # why the node has no NVML (contract.NVML_ABSENT_REASONS); "" when it has
 
 
 class _SessionDown(Exception):
@@ -208,8 +215,9 @@ class NvmlCollector(Collector[NvmlSnapshot]):
     def read(self, tick: Tick) -> NvmlSnapshot | None:
         snap, ok = self._read(tick)
         if snap is not None:
-            # power / free memory for the ranks' console status line (never raises)
-            spool.write_node_readings(self.settings.resolved_spool_dir(), status_readings(snap))
+            # power / free memory (or why there is no NVML) for the ranks' console status line (never raises)
+            spool_dir = self.settings.resolved_spool_dir()
+            spool.write_node_readings(spool_dir, status_readings(snap), nvml_absent=snap.absent)
         if not ok:
             raise ReadFailed(snap)
         return snap
@@ -217,6 +225,9 @@ class NvmlCollector(Collector[NvmlSnapshot]):
     def _read(self, tick: Tick) -> tuple[NvmlSnapshot | None, bool]:
         s = self.session
         if not s.ensure():
+            absent = s.absent_reason()
+            if absent:  # no NVML on this node: a state, not a failed read
+                return NvmlSnapshot((), "", time.time(), absent), True
             return self._down_snapshot(), False
         slow = tick.slow
         if self._generation != s.generation:  # (re)initialised: re-check everything we remembered
@@ -228,7 +239,7 @@ class NvmlCollector(Collector[NvmlSnapshot]):
             for d in s.devices:
                 s.set_lost(d.uuid, False)
             slow = True  # the slow values were just forgotten: read them now
-        if slow and s.incomplete:
+        if slow and (s.incomplete or not s.devices):  # no GPU yet: one may appear (cheap: a count)
             s.reenumerate()
         self._known = s.devices
         ok = True
@@ -240,7 +251,7 @@ class NvmlCollector(Collector[NvmlSnapshot]):
                 ok = ok and gpu_ok
         except _SessionDown:
             return self._down_snapshot(), False
-        return NvmlSnapshot(tuple(gpus), s.driver_version, time.time()), ok and not s.incomplete
+        return NvmlSnapshot(tuple(gpus), s.driver_version, time.time(), s.absent_reason()), ok and not s.incomplete
 
     def _down_snapshot(self) -> NvmlSnapshot | None:
         """NVML is not answering: the GPUs we knew read gpu_up 0; never initialised, no device series."""
@@ -394,6 +405,8 @@ def nvml_families(snap: NvmlSnapshot, ctx: ScrapeContext, job_only: bool = False
     fams = {name: contract.family(name) for name in VALUE_FAMILIES}
     job = job_uuids(ctx) if job_only else None
     reserved = reserved_by_uuid(ctx)
+    available = contract.family("vramwatch_nvml_available")
+    available.add_metric([snap.absent], 0.0 if snap.absent else 1.0)
     for g in snap.gpus:
         if job is not None and g.uuid not in job:
             continue
@@ -410,4 +423,4 @@ def nvml_families(snap: NvmlSnapshot, ctx: ScrapeContext, job_only: bool = False
         if used is not None:
             # sampled at other moments than NVML: clamp the small negative a fresh allocation can leave
             non_torch.add_metric(labels, max(0.0, used - reserved.get(g.uuid, 0.0)))
-    return (info, up, non_torch, *fams.values())
+    return (available, info, up, non_torch, *fams.values())

@@ -51,7 +51,7 @@ class ProcessesCollector(Collector[tuple[GpuProcesses, ...]]):
     def _read(self) -> tuple[tuple[GpuProcesses, ...] | None, bool]:
         s = self.session
         if not s.ensure():
-            return None, False
+            return None, bool(s.absent_reason())  # no NVML on this node: nothing to count, not a failure
         if self._generation != s.generation:
             self._generation = s.generation
             self._unsupported.clear()

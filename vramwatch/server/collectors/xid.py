@@ -178,7 +178,10 @@ class XidWatcher:
         """One wait (or one recovery attempt); returns how long to pause before the next."""
         s = self.session
         if not s.ensure():
-            self.health.down()
+            if s.absent_reason():
+                self.health.ok()  # no NVML on this node: no events to watch, nothing wrong
+            else:
+                self.health.down()
             return max(0.5, min(s.next_try_in(), 5.0))
         if self._es is None or self._key != s.watch_key():
             try:

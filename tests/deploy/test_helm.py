@@ -1,0 +1,201 @@
+"""deploy/helm/vramwatch: `helm lint`, and `helm template` in its variants against the Kubernetes and
+Prometheus Operator schemas (strict, as for the kustomize base); the rules it renders equal the Python
+rules for the same thresholds (defaults and others), the objects equal the kustomize base's, and the
+generated parts are covered by `vramwatch alerts --check`. helm comes from `make tools`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from deploy_files import DEPLOY, K8S, operator_validators, run, validate_object, yaml_docs
+
+from harness import ROOT, tool
+from vramwatch import _version
+from vramwatch.monitoring import helm
+from vramwatch.monitoring.alerts.render import rule_file
+from vramwatch.monitoring.config import DEFAULT, GIB
+
+CHART = DEPLOY / "helm" / "vramwatch"
+
+
+def template(*args: str, chart: Path = CHART) -> subprocess.CompletedProcess:
+    return run(tool("helm"), "template", "vw", str(chart), "--namespace", "training", *args)
+
+
+def objects(*args: str) -> list[dict]:
+    r = template(*args)
+    assert r.returncode == 0, r.stderr
+    return yaml_docs(r.stdout)
+
+
+def kinds(objs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for o in objs:
+        out.setdefault(o["kind"], []).append(o)
+    return out
+
+
+VARIANTS = {
+    "defaults": (),
+    "example in-process": ("--set", "example.enabled=true", "--set", "example.mode=in-process"),
+    "example sidecar": ("--set", "example.enabled=true"),
+    "servicemonitor": ("--set", "serviceMonitor.enabled=true", "--set", "podMonitor.enabled=false"),
+    "labels": ("--set", "release=prometheus", "--set", "commonLabels.team=ml", "--set", "dashboards.namespace=grafana"),
+}
+
+
+@pytest.fixture(scope="module")
+def crd_validators():
+    return operator_validators()
+
+
+def test_helm_lint_strict():
+    r = run(tool("helm"), "lint", "--strict", str(CHART))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_rendered_object_validates(variant, crd_validators):
+    objs = objects(*VARIANTS[variant])
+    assert objs
+    for obj in objs:
+        try:
+            validate_object(obj, crd_validators)
+        except Exception as e:
+            raise AssertionError(f"{variant}: {obj['kind']}/{obj['metadata']['name']}: {e}") from e
+
+
+def test_the_defaults_render_the_monitoring_objects():
+    k = kinds(objects())
+    assert sorted(k) == ["ConfigMap", "NetworkPolicy", "PodMonitor", "PrometheusRule"]
+    assert {o["metadata"]["namespace"] for objs in k.values() for o in objs} == {"training"}
+    for kind in ("PodMonitor", "PrometheusRule"):  # what kube-prometheus-stack selects by
+        assert k[kind][0]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert "release" not in k["NetworkPolicy"][0]["metadata"]["labels"]
+
+
+def test_labels_and_namespace_come_from_values():
+    k = kinds(objects(*VARIANTS["labels"]))
+    for kind in ("PodMonitor", "PrometheusRule"):
+        assert k[kind][0]["metadata"]["labels"]["release"] == "prometheus"
+    assert all(o["metadata"]["labels"]["team"] == "ml" for objs in k.values() for o in objs)
+    (cm,) = k["ConfigMap"]
+    assert cm["metadata"]["namespace"] == "grafana" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_the_rules_are_the_python_rules_with_the_defaults():
+    (rule,) = kinds(objects())["PrometheusRule"]
+    assert rule["spec"] == rule_file(DEFAULT)
+    assert rule["spec"] == yaml_docs(K8S / "prometheusrule.yaml")[0]["spec"]
+
+
+def _other_thresholds() -> dict[str, object]:
+    """A value for every templated field that differs from its default."""
+    out: dict[str, object] = {}
+    for field in helm.TEMPLATED:
+        v = getattr(DEFAULT, field)
+        if isinstance(v, str):
+            out[field] = "7m" if v != "7m" else "9m"
+        elif field == "rank_skew_min_bytes":
+            out[field] = float(8 * GIB)
+        else:
+            out[field] = round(v * 0.9 + 0.0125, 4)
+    return out
+
+
+def test_every_threshold_value_reaches_the_rules(tmp_path):
+    """helm template with other thresholds == the Python rules of a MonitoringConfig with them; promtool
+    accepts the result."""
+    other = _other_thresholds()
+    values = {"monitoring": {helm.value_key(f): v for f, v in other.items()}}
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    (rule,) = kinds(objects("-f", str(tmp_path / "values.yaml")))["PrometheusRule"]
+    want = rule_file(dataclasses.replace(DEFAULT, **other))
+    assert rule["spec"] == want
+    assert rule["spec"] != rule_file(DEFAULT)
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule["spec"]))
+    r = run(tool("promtool"), "check", "rules", str(tmp_path / "rules.yml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_values_hold_the_monitoring_config_defaults():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["monitoring"] == {helm.value_key(f): getattr(DEFAULT, f) for f in helm.TEMPLATED}
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("monitoring.memoryWarningRatio=high", "memoryWarningRatio"),
+        ("monitoring.memoryWarningFor=5 minutes", "memoryWarningFor"),
+        ("monitoring.memoryWarningRatioo=0.8", "memoryWarningRatioo"),
+    ],
+)
+def test_the_schema_rejects_a_bad_threshold(setting, message):
+    r = template("--set-string" if "Ratio=high" in setting or "minutes" in setting else "--set", setting)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+def test_monitor_and_servicemonitor_together_fail():
+    r = template("--set", "serviceMonitor.enabled=true")
+    assert r.returncode != 0 and "choose one" in r.stderr
+
+
+def test_the_objects_are_the_kustomize_bases():
+    k = kinds(objects())
+    base = {d["kind"]: d for p in ("podmonitor.yaml", "networkpolicy.yaml") for d in yaml_docs(K8S / p)}
+    assert k["PodMonitor"][0]["spec"] == base["PodMonitor"]["spec"]
+    assert k["NetworkPolicy"][0]["spec"] == base["NetworkPolicy"]["spec"]
+    (cm,) = k["ConfigMap"]
+    shipped = {p.name: p.read_text() for p in (DEPLOY / "grafana" / "dashboards").glob("*.json")}
+    assert cm["data"] == shipped
+
+
+@pytest.mark.parametrize(
+    ("mode", "path"), [("in-process", K8S / "job.yaml"), ("sidecar", K8S / "sidecar" / "job.yaml")]
+)
+def test_the_example_job_is_the_kustomize_one(mode, path):
+    objs = kinds(objects("--set", "example.enabled=true", "--set", f"example.mode={mode}"))
+    (job,) = objs["Job"]
+    want = yaml_docs(path)[0]
+    got_pod, want_pod = job["spec"]["template"], want["spec"]["template"]
+    # names differ (the release's), and kustomize hashes the script ConfigMap's name
+    want_pod["metadata"]["labels"]["app.kubernetes.io/name"] = got_pod["metadata"]["labels"]["app.kubernetes.io/name"]
+    script = next(v for v in got_pod["spec"]["volumes"] if v["name"] == "script")["configMap"]["name"]
+    next(v for v in want_pod["spec"]["volumes"] if v["name"] == "script")["configMap"]["name"] = script
+    assert got_pod == want_pod
+    (cm,) = [c for c in objs["ConfigMap"] if c["metadata"]["name"] == script]
+    assert cm["data"]["train.py"] == (K8S / "train.py").read_text()
+
+
+def test_chart_metadata():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == _version.__version__
+    assert (
+        json.loads((CHART / "values.schema.json").read_text())["properties"]["monitoring"]["additionalProperties"]
+        is False
+    )
+
+
+def test_alerts_check_covers_the_chart(tmp_path):
+    """A hand edit of a generated part of the chart fails `vramwatch alerts --check`."""
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy, symlinks=True)
+    env_cmd = [sys.executable, "-m", "vramwatch", "alerts", "--check", str(copy)]
+    assert subprocess.run(env_cmd, capture_output=True, cwd=ROOT, timeout=60).returncode == 0
+    values = copy / "helm" / "vramwatch" / "values.yaml"
+    values.write_text(values.read_text().replace("memoryWarningRatio: 0.85", "memoryWarningRatio: 0.8"))
+    r = subprocess.run(env_cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 1 and "values.yaml" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "vramwatch", "alerts", "--write", str(copy)], capture_output=True, cwd=ROOT, timeout=60
+    )
+    assert r.returncode == 0 and "memoryWarningRatio: 0.85" in values.read_text()
+    assert "# the example training Job" in values.read_text(), "the hand-written head is kept"
