@@ -7,7 +7,7 @@ per spool, and it never imports torch, so it can never create a CUDA context.
 
 from __future__ import annotations
 
-import json
+import errno
 import logging
 import os
 import signal
@@ -26,6 +26,15 @@ log = logging.getLogger("vramwatch")
 _FIRST_RANK_GRACE = 60.0
 
 
+class StartupError(Exception):
+    """The server cannot start; the message is the true cause, in one line."""
+
+
+def _cause(e: OSError) -> str:
+    code = errno.errorcode.get(e.errno or 0, "")
+    return f"{e.strerror or e}" + (f" ({code})" if code else "")
+
+
 class Server:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -34,10 +43,13 @@ class Server:
         self.exporter: ExporterCollector | None = None
         self.http: ExporterHTTPServer | None = None
         self._lock_fd: int | None = None
+        self._serving: threading.Thread | None = None  # serve_forever's thread, once started
         self._stop = threading.Event()
 
     def open(self) -> bool:
-        """Take the spool's server lock and bind; False if another server already owns the spool."""
+        """Take the spool's server lock, bind, say where in ``server.json``; False if another server owns the
+        spool. Raises :class:`StartupError` (or OSError naming a file) when it cannot; :meth:`close` then
+        releases what was taken."""
         spool.ensure_dir(self.spool_dir)
         self._lock_fd = spool.hold_lock(os.path.join(self.spool_dir, spool.SERVER_LOCK))
         if self._lock_fd is None:
@@ -50,19 +62,31 @@ class Server:
         self.collectors = enabled_collectors(self.settings)
         self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors)
         registry = build_registry(self.exporter)
-        self.http = ExporterHTTPServer(
-            (self.settings.host, self.settings.port),
-            registry,
-            max_connections=self.settings.max_connections,
-            ssl_context=ssl_context,
-            authorize=authorize,
-            headers=headers,
-        )
+        try:
+            self.http = ExporterHTTPServer(
+                (self.settings.host, self.settings.port),
+                registry,
+                max_connections=self.settings.max_connections,
+                ssl_context=ssl_context,
+                authorize=authorize,
+                headers=headers,
+            )
+        except OSError as e:
+            raise StartupError(f"cannot listen on {self.settings.host}:{self.settings.port}: {_cause(e)}") from None
         for c in self.collectors:
             c.start()
-        with open(os.path.join(self.spool_dir, spool.SERVER_INFO), "w", encoding="utf-8") as fh:
-            json.dump({"pid": os.getpid(), "host": self.settings.host, "port": self.http.server_address[1]}, fh)
+        try:
+            spool.write_server_info(self.spool_dir, self._server_info())
+        except OSError as e:
+            # a full spool tmpfs (ENOSPC): ranks could not publish into it either, so refuse to run blind
+            raise StartupError(
+                f"cannot write {e.filename}: {_cause(e)}; free space in the spool's filesystem or set spool_dir"
+            ) from None
         return True
+
+    def _server_info(self) -> dict[str, object]:
+        assert self.http is not None
+        return {"pid": os.getpid(), "host": self.settings.host, "port": self.http.server_address[1]}
 
     @property
     def port(self) -> int:
@@ -71,10 +95,10 @@ class Server:
 
     def run(self, exit_when_idle: bool = False) -> None:
         assert self.http is not None and self.exporter is not None
-        t = threading.Thread(
+        self._serving = threading.Thread(
             target=self.http.serve_forever, kwargs={"poll_interval": 0.2}, name="vramwatch-http", daemon=True
         )
-        t.start()
+        self._serving.start()
         started = time.monotonic()
         last_seen: float | None = None
         try:
@@ -103,7 +127,9 @@ class Server:
         for c in self.collectors:
             c.stop()
         if self.http is not None:
-            self.http.shutdown()
+            if self._serving is not None:  # shutdown() waits for serve_forever: never started, it never returns
+                self.http.shutdown()
+                self._serving = None
             self.http.server_close()
             self.http = None
         try:
@@ -129,12 +155,12 @@ def serve(settings: Settings, exit_when_idle: bool = False) -> int:
             return 0 if exit_when_idle else 1
     except ConfigError:
         raise
-    except OSError as e:
-        if e.filename:
-            log.error("vramwatch: cannot use %s: %s", e.filename, e.strerror or e)
+    except (StartupError, OSError) as e:
+        if isinstance(e, StartupError):
+            log.error("vramwatch: %s", e)
         else:
-            log.error("vramwatch: cannot listen on %s:%s: %s", settings.host, settings.port, e.strerror or e)
-        server.close()
+            log.error("vramwatch: cannot use %s: %s", e.filename or server.spool_dir, _cause(e))
+        server.close()  # port, lock and threads released: nothing of this server stays behind
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())

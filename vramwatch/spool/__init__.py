@@ -18,6 +18,7 @@ from vramwatch.spool.files import (
     hold_lock,
     hold_spawn_lock,
     server_running,
+    write_server_info,
 )
 from vramwatch.spool.publisher import RankPublisher
 from vramwatch.spool.reader import Rejected, any_rank_files, read_samples, sample_age
@@ -58,4 +59,5 @@ __all__ = [
     "sample_age",
     "server_running",
     "write_node_readings",
+    "write_server_info",
 ]
