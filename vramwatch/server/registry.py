@@ -55,10 +55,18 @@ class ExporterCollector:
 
     def collect(self) -> Iterable[Metric]:
         ctx = self.context()
-        yield from ranks.families(ctx)
+        yield from ranks.families(ctx, self._rank_failed)
         for c in self.collectors:
             yield from c.collect(ctx)  # a bad snapshot drops its families, never the scrape
         yield from self._self_health(ctx)
+
+    def _rank_failed(self, s: spool.RankSample, e: Exception) -> None:
+        self.spool_health.failed(
+            f"families:{s.rank}:{type(e).__name__}",
+            "vramwatch: rank %d's sample cannot be rendered (%r); its series are left out",
+            s.rank,
+            e,
+        )
 
     def _self_health(self, ctx: ScrapeContext) -> Iterable[Metric]:
         up = contract.family("vramwatch_collector_up")
