@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import Metric
 
@@ -51,12 +52,12 @@ _RANK_FAMILIES = (
 )
 
 
-def _empty() -> dict[str, Metric]:
+def _empty() -> dict[str, Any]:
     """The families, in exposition order: the device ones, then the rank ones."""
     return {name: contract.family(name) for name in _DEVICE_FAMILIES + _RANK_FAMILIES}
 
 
-def _rank_families(s: RankSample, now: float) -> dict[str, Metric]:
+def _rank_families(s: RankSample, now: float) -> dict[str, Any]:
     fams = _empty()
     rl = _rank_labels(s)
     for dev in s.devices:
