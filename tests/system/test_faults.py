@@ -446,3 +446,19 @@ def test_a_broken_snapshot_directory_leaves_training_untouched(server, baseline,
         assert why in caplog.text
     finally:
         vramwatch.stop()
+
+
+def test_a_gpu_lost_before_the_server_starts_reads_gpu_up_0(tmp_path):
+    """A server (re)started on a node whose GPU is already lost: the GPU keeps its series, at gpu_up 0, so
+    GPULost keeps firing instead of resolving on the missing series."""
+    exp = Exporter(tmp_path, gpus=2, **FAST)
+    node = exp.node()
+    node.gpu(1).lost = True
+    exp.save_node(node)
+    exp.start()
+    try:
+        want = {"0": 1.0, "1": 0.0}
+        wait_until(lambda: {lab["gpu"]: v for lab, v in exp.metrics().get("gpu_up", [])} == want, 15, f"gpu_up {want}")
+        assert _ups(exp)[("nvml", "")] == 0
+    finally:
+        exp.stop()

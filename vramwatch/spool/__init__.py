@@ -22,7 +22,13 @@ from vramwatch.spool.files import (
 )
 from vramwatch.spool.publisher import RankPublisher
 from vramwatch.spool.reader import Rejected, any_rank_files, read_samples, sample_age
-from vramwatch.spool.readings import GpuReadings, read_node_readings, write_node_readings
+from vramwatch.spool.readings import (
+    GpuIdentity,
+    GpuReadings,
+    read_gpu_identities,
+    read_node_readings,
+    write_node_readings,
+)
 from vramwatch.spool.schema import (
     SCHEMA_VERSION,
     AllocatorInfo,
@@ -41,6 +47,7 @@ __all__ = [
     "AllocatorInfo",
     "CollectorHealth",
     "DeviceSample",
+    "GpuIdentity",
     "GpuReadings",
     "HeartbeatSnapshot",
     "OomSnapshot",
@@ -54,6 +61,7 @@ __all__ = [
     "ensure_dir",
     "hold_lock",
     "hold_spawn_lock",
+    "read_gpu_identities",
     "read_node_readings",
     "read_samples",
     "sample_age",
