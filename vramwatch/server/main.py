@@ -19,6 +19,7 @@ from vramwatch.config import ConfigError, Settings
 from vramwatch.server.collectors import Runner, enabled_collectors
 from vramwatch.server.http import ExporterHTTPServer
 from vramwatch.server.registry import ExporterCollector, build_registry
+from vramwatch.server.spool_guard import SpoolGuard
 
 log = logging.getLogger("vramwatch")
 
@@ -42,7 +43,7 @@ class Server:
         self.collectors: list[Runner] = []
         self.exporter: ExporterCollector | None = None
         self.http: ExporterHTTPServer | None = None
-        self._lock_fd: int | None = None
+        self.guard = SpoolGuard(self.spool_dir)
         self._serving: threading.Thread | None = None  # serve_forever's thread, once started
         self._stop = threading.Event()
 
@@ -50,9 +51,7 @@ class Server:
         """Take the spool's server lock, bind, say where in ``server.json``; False if another server owns the
         spool. Raises :class:`StartupError` (or OSError naming a file) when it cannot; :meth:`close` then
         releases what was taken."""
-        spool.ensure_dir(self.spool_dir)
-        self._lock_fd = spool.hold_lock(os.path.join(self.spool_dir, spool.SERVER_LOCK))
-        if self._lock_fd is None:
+        if not self.guard.take():
             return False
         ssl_context = authorize = headers = None
         if self.settings.web_config_file:
@@ -76,7 +75,7 @@ class Server:
         for c in self.collectors:
             c.start()
         try:
-            spool.write_server_info(self.spool_dir, self._server_info())
+            self.guard.write_info(self._server_info())
         except OSError as e:
             # a full spool tmpfs (ENOSPC): ranks could not publish into it either, so refuse to run blind
             raise StartupError(
@@ -103,6 +102,8 @@ class Server:
         last_seen: float | None = None
         try:
             while not self._stop.wait(1.0):
+                self.guard.check(self.exporter.spool_health)
+                self.exporter.spool_trouble = self.guard.trouble
                 if not exit_when_idle:
                     continue
                 now = time.monotonic()
@@ -132,13 +133,7 @@ class Server:
                 self._serving = None
             self.http.server_close()
             self.http = None
-        try:
-            os.unlink(os.path.join(self.spool_dir, spool.SERVER_INFO))
-        except OSError:
-            pass
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.guard.release()
 
 
 def serve(settings: Settings, exit_when_idle: bool = False) -> int:

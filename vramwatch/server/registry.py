@@ -22,6 +22,7 @@ class ExporterCollector:
         self.collectors = collectors
         self.hostname = settings.resolved_hostname()
         self.spool_health = Health()
+        self.spool_trouble = ""  # why the spool directory is unusable (it vanished and cannot be made again)
         self._served_at: float | None = None
 
     def served_ranks_since(self, t: float) -> bool:
@@ -42,7 +43,7 @@ class ExporterCollector:
             # gone by the second scrape after its death
             live = {s.rank for s in samples}
             samples += [s for s in reaped if s.rank not in live]
-            self.spool_health.up = 1
+            self.spool_health.up = 0 if self.spool_trouble else 1
             for r in rejected:  # a rank whose series are missing: up 0 while it lasts, logged once per file
                 self.spool_health.failed(f"rejected:{r.file}:{r.reason}:{r.version}", "vramwatch: %s", r.describe())
         except Exception as e:  # noqa: BLE001
