@@ -467,6 +467,21 @@ def test_a_gpu_lost_before_the_server_starts_reads_gpu_up_0(tmp_path):
 
 
 # --- the spool removed under a running job ---
+def _remove(path: str, then_file: bool = False) -> None:
+    """rm -rf under writers (as RemoveIPC does it): a file made while it runs makes rmtree fail, so again;
+    with ``then_file`` a file takes the directory's place."""
+    for _ in range(50):
+        try:
+            shutil.rmtree(path)
+            if then_file:
+                with open(path, "x"):
+                    pass
+            return
+        except OSError:
+            continue
+    raise AssertionError(f"could not remove {path}")
+
+
 def _rank_steps(exp: Exporter) -> dict[str, float]:
     return {lab["rank"]: v for lab, v in exp.metrics().get("vramwatch_training_steps_total", [])}
 
@@ -481,16 +496,14 @@ def test_a_spool_removed_under_a_running_job_is_made_again_and_the_rank_seen_aga
     errors_before = _spool_errors(exp)
     for _ in range(2):  # the second time, the spool the first recovery made
         steps = _rank_steps(exp)["0"]
-        shutil.rmtree(exp.spool)
+        _remove(exp.spool)
         wait_until(lambda s=steps: _rank_steps(exp).get("0", 0) > s + 10, 15, "rank 0 seen again, training on")
         info = os.path.join(exp.spool, spool.SERVER_INFO)
         wait_until(lambda i=info: spool.server_running(exp.spool) and os.path.exists(i), 5, "the server's lock, again")
         assert os.stat(exp.spool).st_mode & 0o777 == 0o700
     assert _spool_errors(exp) >= errors_before + 2, "each vanishing counted"
     # a spool that cannot be made again: an alertable series, then recovery once it can
-    shutil.rmtree(exp.spool)
-    with open(exp.spool, "w"):
-        pass
+    _remove(exp.spool, then_file=True)
     wait_until(lambda: _ups(exp)[("spool", "")] == 0, 10, "spool up 0 while it cannot be made again")
     assert "0" not in _rank_steps(exp)
     os.unlink(exp.spool)
