@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from vramwatch import config
-from vramwatch.config import ConfigError, Settings
+from vramwatch.config import FIELDS, ConfigError, Settings, Within
 
 
 def test_defaults():
@@ -30,7 +30,7 @@ def test_precedence_argument_over_env_over_file_over_default(tmp_path):
     [
         ({}, {"VRAMWATCH_PORT": "70000"}, "invalid setting port='70000' (from VRAMWATCH_PORT): must be 1-65535"),
         ({"port": 0}, {}, "invalid setting port=0 (from argument): must be 1-65535"),
-        ({"interval": -1}, {}, "interval=-1 (from argument): must be > 0"),
+        ({"interval": -1}, {}, "interval=-1 (from argument): must be 0.01-3600 s"),
         ({"interval": "fast"}, {}, "interval='fast' (from argument): must be a number"),
         ({"nvml": "maybe"}, {}, "nvml='maybe' (from argument): must be true or false"),
         ({"serve": "sometimes"}, {}, "must be one of auto, external, off"),
@@ -76,3 +76,45 @@ def test_to_env_round_trips():
 def test_spool_dir_default_is_per_port(monkeypatch):
     s, _ = config.load({"port": 9123}, {})
     assert s.resolved_spool_dir().endswith("vramwatch-9123")
+
+
+NUMERIC = sorted(name for name, f in FIELDS.items() if type(f.default) in (int, float))
+
+
+def test_every_numeric_setting_has_a_range_stated_in_its_doc():
+    for name in NUMERIC:
+        check = FIELDS[name].metadata["check"]
+        assert isinstance(check, Within), name
+        assert f"Allowed: {check.describe()}." in FIELDS[name].metadata["doc"], name
+        check(FIELDS[name].default)  # the default is inside its own range
+
+
+def _outside(check: Within, kind: type) -> tuple[float, float]:
+    """One value just below the range (skipping its "off" value) and one above it."""
+    step = 1 if kind is int else max(check.lo * 0.5, 0.001)
+    below = check.lo - step
+    if below == check.off:
+        below -= step
+    return below, (check.hi + 1 if kind is int else check.hi * 2)
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_each_numeric_setting_refuses_below_and_above_its_range(name):
+    check = FIELDS[name].metadata["check"]
+    kind = type(FIELDS[name].default)
+    for ok in (check.lo, check.hi) + (() if check.off is None else (check.off,)):
+        s, _ = config.load({name: kind(ok)}, {})
+        assert getattr(s, name) == ok
+    for bad in _outside(check, kind):
+        with pytest.raises(ConfigError) as e:
+            config.load({}, {"VRAMWATCH_" + name.upper(): str(kind(bad))})
+        msg = str(e.value)
+        assert msg.startswith(f"invalid setting {name}=") and f"(from VRAMWATCH_{name.upper()})" in msg, msg
+        assert f"must be {check.describe()}" in msg, msg
+        assert repr(str(kind(bad))) in msg, msg
+
+
+@pytest.mark.parametrize(("name", "value"), [("interval", 1e10), ("interval", 1e-9)])  # killed / spun the sampler
+def test_the_intervals_that_killed_or_spun_the_sampler_are_refused(name, value):
+    with pytest.raises(ConfigError, match=rf"invalid setting {name}={value!r} \(from argument\): must be 0.01-3600 s"):
+        config.load({name: value}, {})

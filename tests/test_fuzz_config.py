@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import yaml
@@ -212,7 +213,17 @@ def test_web_config_file_paths():
     ("args", "env", "expect"),
     [
         (["--port", "70000"], {}, "invalid setting port='70000' (from argument): must be 1-65535"),
-        ([], {"VRAMWATCH_INTERVAL": "-1"}, "invalid setting interval='-1' (from VRAMWATCH_INTERVAL): must be > 0"),
+        (
+            [],
+            {"VRAMWATCH_INTERVAL": "-1"},
+            "interval='-1' (from VRAMWATCH_INTERVAL): must be 0.01-3600 s",
+        ),
+        (
+            [],
+            {"VRAMWATCH_INTERVAL": "1e10"},
+            "interval='1e10' (from VRAMWATCH_INTERVAL): must be 0.01-3600 s",
+        ),
+        (["--max-ranks", "100000"], {}, "invalid setting max_ranks='100000' (from argument): must be 1-1024"),
         ([], {"VRAMWATCH_NOPE": "1"}, "unknown setting 'nope' (from VRAMWATCH_NOPE)"),
         (["--host", "not a host!"], {}, "invalid setting host='not a host!' (from argument)"),
         (["--config-file", "{yaml}"], {}, "not YAML"),
@@ -247,3 +258,67 @@ def test_start_raises_config_error_before_the_job_and_nothing_after(tmp_path):
     with pytest.raises(ConfigError, match="invalid setting interval"):
         vramwatch.start(interval="soon")
     assert vramwatch.current() is None
+
+
+# alias expansion under one known key: each anchor nine times the one before, 9**8 strings from 302 bytes
+# (safe_load shares them, but the error message's repr of the value walks every one)
+LAUGHS = (
+    "hostname: [&a ["
+    + ",".join(['"lol"'] * 9)
+    + "], "
+    + ", ".join(f"&{k} [" + ",".join([f"*{p}"] * 9) + "]" for p, k in zip("abcdefg", "bcdefgh", strict=True))
+    + "]\n"
+)
+
+
+def test_an_alias_bomb_is_refused_at_once_with_exit_2(tmp_path):
+    """A few hundred bytes that expand to gigabytes: a clean exit 2 naming the file and why, in bounded
+    time and memory (an address-space cap turns any expansion into a failure of this test)."""
+    import resource
+
+    bomb = tmp_path / "bomb.yml"
+    bomb.write_text(LAUGHS)
+    assert len(LAUGHS) < 400
+
+    def cap_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
+    env.update(VRAMWATCH_SPOOL_DIR=str(tmp_path / "spool"), VRAMWATCH_PORT=str(free_port()))
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "vramwatch", "serve", "--config-file", str(bomb)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        preexec_fn=cap_memory,
+    )
+    took = time.monotonic() - t0
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "MemoryError" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr[-2000:]
+    assert f"invalid setting config_file='{bomb}'" in lines[0] and "aliases" in lines[0], lines[0]
+    assert took < 20, f"{took:.1f} s"
+
+
+def test_an_oversized_config_file_is_refused_unread(tmp_path):
+    from vramwatch.yaml_bounded import MAX_YAML_BYTES
+
+    big = tmp_path / "big.yml"
+    big.write_text("# padding\n" * (MAX_YAML_BYTES // 10 + 1) + "port: 9001\n")
+    with pytest.raises(
+        ConfigError, match=rf"config_file='.*big.yml' \(from argument\): refused: larger than {MAX_YAML_BYTES}"
+    ):
+        config.load({"config_file": str(big)}, env={})
+    ok = tmp_path / "ok.yml"
+    ok.write_text("# padding\n" * (MAX_YAML_BYTES // 20) + "port: 9001\n")
+    assert config.load({"config_file": str(ok)}, env={})[0].port == 9001
+
+
+def test_a_number_too_long_to_convert_is_a_config_error(tmp_path):
+    r = _load_file(_yaml_file("port: " + "9" * 5000 + "\n"))
+    assert isinstance(r, ConfigError)
+    _one_clear_line(r, "config_file")

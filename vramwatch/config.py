@@ -25,19 +25,32 @@ ENV_PREFIX = "VRAMWATCH_"
 DEFAULT_PORT = 9488
 
 
-def _port(v: int) -> None:
-    if not 1 <= v <= 65535:
-        raise ValueError("must be 1-65535")
+class Within:
+    """A numeric setting's allowed range, ``lo``-``hi``, plus one ``off`` value outside it (0: turned off).
+
+    Every number has one: a value the code cannot live with (an interval of 1e10 s overflows the sampler's
+    wait and kills it silently, 1e-9 s spins a core) is refused at start, naming the range.
+    """
+
+    def __init__(self, lo: float, hi: float, off: float | None = None, unit: str = "") -> None:
+        self.lo, self.hi, self.off, self.unit = lo, hi, off, unit
+
+    def describe(self) -> str:
+        span = f"{_num(self.lo)}-{_num(self.hi)}{self.unit}"
+        return span if self.off is None else f"{_num(self.off)} or {span}"
+
+    def __call__(self, v: float) -> None:
+        if v != self.off and not self.lo <= v <= self.hi:
+            raise ValueError(f"must be {self.describe()}")
 
 
-def _positive(v: float) -> None:
-    if not v > 0:
-        raise ValueError("must be > 0")
+def _num(v: float) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def _non_negative(v: float) -> None:
-    if v < 0:
-        raise ValueError("must be >= 0")
+MAX_INT32 = 2**31 - 1
+_port = Within(1, 65535)
+_seconds = Within(0.01, 3600.0, unit=" s")  # sampling and reading cadences
 
 
 # RFC 1123 host name label: letters, digits and inner hyphens, 1-63 characters
@@ -76,6 +89,8 @@ def _web_config(v: str) -> None:
 
 
 def _opt(default: Any, doc: str, check: Callable[[Any], None] | None = None) -> Any:
+    if isinstance(check, Within):  # the range is stated once, here, for the docs, --help and the error
+        doc = f"{doc} Allowed: {check.describe()}."
     return field(default=default, metadata={"doc": doc, "check": check})
 
 
@@ -99,41 +114,45 @@ class Settings:
         "Where ranks publish samples for the server (default "
         "/dev/shm/vramwatch-<port>, a tmpfs shared by the node's ranks).",
     )
-    interval: float = _opt(1.0, "Seconds between allocator samples in each rank.", _positive)
+    interval: float = _opt(1.0, "Seconds between allocator samples in each rank.", _seconds)
     largest_block_interval: float = _opt(
         30.0,
         "Seconds between allocator snapshots for the largest free block (they walk every block; 0 turns them off).",
-        _non_negative,
+        Within(0.01, 86400.0, off=0, unit=" s"),
     )
     nvml: bool = _opt(True, "Collect NVML device readings in the server.")
-    nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _positive)
+    nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _seconds)
     nvml_slow_interval: float = _opt(
-        10.0, "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes).", _positive
+        10.0, "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes).", _seconds
     )
     gpus: str = _opt("all", "all: every GPU of the node; job: only GPUs a rank uses.", _choice("all", "job"))
     xid: bool = _opt(True, "Watch Xid events on every GPU.")
     processes: bool = _opt(True, "Count foreign compute processes on the job's GPUs.")
     simulate: bool = _opt(False, "Use the simulated GPU instead of torch and NVML (tests, demo).")
     hostname: str = _opt("", "hostname label (default: this host's name).", _label_value)
-    rank: int = _opt(-1, "Global rank (default: from RANK, SLURM_PROCID, ...).", None)
-    local_rank: int = _opt(-1, "Local rank (default: from LOCAL_RANK, SLURM_LOCALID, ...).", None)
-    world_size: int = _opt(-1, "World size (default: from WORLD_SIZE, SLURM_NTASKS, ...).", None)
-    max_ranks: int = _opt(64, "Most ranks one target serves; more are dropped (bounded cardinality).", _positive)
-    linger: float = _opt(10.0, "Seconds a rank-started server stays up after the last rank left.", _non_negative)
-    max_connections: int = _opt(8, "Concurrent HTTP requests served; more get 503.", _positive)
+    rank: int = _opt(-1, "Global rank (-1: from RANK, SLURM_PROCID, ...).", Within(0, MAX_INT32, off=-1))
+    local_rank: int = _opt(-1, "Local rank (-1: from LOCAL_RANK, SLURM_LOCALID, ...).", Within(0, MAX_INT32, off=-1))
+    world_size: int = _opt(-1, "World size (-1: from WORLD_SIZE, SLURM_NTASKS, ...).", Within(1, MAX_INT32, off=-1))
+    max_ranks: int = _opt(64, "Most ranks one target serves; more are dropped (bounded cardinality).", Within(1, 1024))
+    linger: float = _opt(
+        10.0, "Seconds a rank-started server stays up after the last rank left.", Within(0.0, 86400.0, unit=" s")
+    )
+    max_connections: int = _opt(8, "Concurrent HTTP requests served; more get 503.", Within(1, 256))
     web_config_file: str = _opt("", "exporter-toolkit web config (TLS, basic auth): see docs/security.md.", _web_config)
-    status_every: int = _opt(0, "Print a status line every N steps (0: off).", _non_negative)
+    status_every: int = _opt(0, "Print a status line every N steps (0: off).", Within(0, 10**9))
     status_all_ranks: bool = _opt(False, "Status line on every rank, not only rank 0.")
     oom_snapshot_dir: str = _opt("", "Write a memory snapshot on OOM into this directory (empty: off).")
     oom_history_entries: int = _opt(
-        0, "Allocator history entries to keep for OOM snapshots (0: no history, it costs).", _non_negative
+        0, "Allocator history entries to keep for OOM snapshots (0: no history, it costs).", Within(0, 10**7)
     )
-    oom_snapshot_max_files: int = _opt(5, "Most OOM snapshots kept in the directory.", _positive)
-    oom_snapshot_max_bytes: int = _opt(1 << 30, "Most bytes of OOM snapshots kept in the directory.", _positive)
+    oom_snapshot_max_files: int = _opt(5, "Most OOM snapshots kept in the directory.", Within(1, 10000))
+    oom_snapshot_max_bytes: int = _opt(
+        1 << 30, "Most bytes of OOM snapshots kept in the directory.", Within(1, 1 << 40)
+    )
     reclaim_threshold: float = _opt(
         0.0,
         "Empty the cache between steps when reserved passes this share of the memory limit (0: off).",
-        _non_negative,
+        Within(0.0, 1.0),
     )
     log_level: str = _opt(
         "WARNING", "Logging level of the vramwatch logger.", _choice("DEBUG", "INFO", "WARNING", "ERROR")
@@ -222,19 +241,17 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
 
 
 def _from_file(path: str, source: str) -> dict[str, Any]:
-    import yaml  # lazily: only when a file is named
+    from vramwatch.yaml_bounded import UnsafeYaml, load_bounded_yaml  # lazily: only when a file is named
+
+    def fail(why: str) -> ConfigError:
+        return ConfigError(f"invalid setting config_file={_shown(path)} (from {source}): {why}")
 
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+        data = load_bounded_yaml(path)
     except OSError as e:
-        raise ConfigError(f"invalid setting config_file={_shown(path)} (from {source}): {e.strerror or e}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        why = " ".join(str(e).split())  # one line
-        raise ConfigError(f"invalid setting config_file={_shown(path)} (from {source}): not YAML: {why}") from None
-    except RecursionError:
-        why = "nested too deeply"
-        raise ConfigError(f"invalid setting config_file={_shown(path)} (from {source}): not YAML: {why}") from None
+        raise fail(str(e.strerror or e)) from None
+    except UnsafeYaml as e:  # too large, an alias, too deep, not UTF-8, not YAML: one line each
+        raise fail(f"refused: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -554,3 +554,58 @@ def test_the_real_nvml_on_a_machine_without_it_is_absent_not_failing(tmp_path):
     assert [(s.name, s.labels, s.value) for s in fam.samples] == [
         ("vramwatch_nvml_available", {"reason": "library_not_found"}, 0.0)
     ]
+
+
+# --- a GPU already lost when the server (re)starts ---
+def _up_series(rig: Rig) -> dict[str, tuple[str, float]]:
+    return {lab["gpu"]: (lab["uuid"], v) for lab, v in rig.metrics()["gpu_up"]}
+
+
+def test_a_gpu_lost_before_a_restart_keeps_its_series_at_gpu_up_0(tmp_path):
+    before = Rig(tmp_path)  # the previous server: it wrote who each GPU is into the spool
+    before.poll(0)
+    uuid1 = before.node.gpu(1).uuid
+    for restart in range(2):  # and a restart of the restarted one, still lost, keeps it too
+        rig = Rig(tmp_path)
+        rig.node.gpu(1).lost = True  # every call on it, nvmlDeviceGetHandleByIndex included: GPU_IS_LOST
+        rig.poll(0)
+        assert _up_series(rig) == {"0": (rig.node.gpu(0).uuid, 1.0), "1": (uuid1, 0.0)}, restart
+        info = {lab["gpu"]: lab for lab, _ in rig.metrics()["gpu_info"]}
+        assert info["1"]["uuid"] == uuid1 and info["1"]["pci_bus_id"] == rig.node.gpu(1).pci_bus_id
+        assert rig.value("gpu_power_watts", gpu=1) is None and rig.value("gpu_power_watts", gpu=0) is not None
+        assert rig.nvml.health.up == 0  # a lost GPU is trouble
+        assert uuid1 in rig.session.lost
+        assert not [r for r in rig.ledger.counts() if r.xid == "79" and r.events > 0]  # lost before us
+    rig.node.gpu(1).lost = False
+    rig.poll(10.0)  # slow cadence: re-enumerated, found, read
+    rig.poll(1.0)
+    assert _up_series(rig) == {"0": (rig.node.gpu(0).uuid, 1.0), "1": (uuid1, 1.0)}
+    assert rig.value("gpu_power_watts", gpu=1) is not None and rig.nvml.health.up == 1
+
+
+def test_a_gpu_lost_at_first_start_is_shown_without_a_uuid(tmp_path):
+    rig = Rig(tmp_path)
+    rig.node.gpu(1).lost = True
+    rig.poll(0)
+    assert _up_series(rig) == {"0": (rig.node.gpu(0).uuid, 1.0), "1": ("", 0.0)}
+
+
+def test_a_handle_that_answers_while_its_uuid_is_lost(tmp_path):
+    """nvmlDeviceGetHandleByIndex succeeds, nvmlDeviceGetUUID says GPU_IS_LOST: the index and the PCI bus id
+    the handle still gives, and the last known uuid."""
+    Rig(tmp_path).poll(0)
+    rig = Rig(tmp_path)
+    rig.node.inject_error("nvmlDeviceGetUUID", E.NVML_ERROR_GPU_IS_LOST, gpu=1)
+    rig.poll(0)
+    assert _up_series(rig)["1"] == (rig.node.gpu(1).uuid, 0.0)
+    info = {lab["gpu"]: lab for lab, _ in rig.metrics()["gpu_info"]}
+    assert info["1"]["pci_bus_id"] == rig.node.gpu(1).pci_bus_id
+
+
+def test_a_different_card_at_the_index_does_not_inherit_the_old_uuid(tmp_path):
+    Rig(tmp_path).poll(0)
+    rig = Rig(tmp_path)
+    rig.node.gpu(1).pci_bus_id = "00000000:99:00.0"  # not the card the readings file knew at index 1
+    rig.node.inject_error("nvmlDeviceGetUUID", E.NVML_ERROR_GPU_IS_LOST, gpu=1)
+    rig.poll(0)
+    assert _up_series(rig)["1"] == ("", 0.0)

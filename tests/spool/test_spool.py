@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import time
+
+import pytest
 
 from vramwatch import spool
 from vramwatch.spool import files
@@ -120,3 +123,48 @@ def test_only_the_scrape_path_reaps_and_it_keeps_the_last_sample(tmp_path):
     assert spool.read_samples(str(tmp_path), 64, reaped) == []
     assert [s.rank for s in reaped] == [2] and reaped[0].hostname == "node-a"
     assert os.listdir(tmp_path) == []
+
+
+def test_a_spool_removed_under_a_publishing_rank_is_made_again(tmp_path, caplog):
+    d = str(tmp_path / "spool")
+    pub = spool.RankPublisher(d, 2)
+    try:
+        pub.publish(sample(2, 1.0))
+        for removed_at in (2.0, 3.0):  # twice: the new file and lock are watched like the first ones
+            shutil.rmtree(d)
+            pub.publish(sample(2, removed_at))
+            (s,) = spool.read_samples(d, 64)
+            assert s.time == removed_at
+            assert os.stat(d).st_mode & 0o777 == 0o700
+            assert not files.lock_is_free(files.lock_path_of(pub.path)), "the rank's new lock is held"
+        assert caplog.text.count("vanished under this rank") == 2
+        pub.publish(sample(2, 4.0))  # and in place again from then on
+        assert spool.read_samples(d, 64)[0].time == 4.0
+    finally:
+        pub.close()
+    assert not os.listdir(d)
+
+
+def test_a_spool_removed_before_the_first_publish_is_made_again(tmp_path):
+    d = str(tmp_path / "spool")
+    pub = spool.RankPublisher(d, 0)
+    shutil.rmtree(d)
+    pub.publish(sample(0, 1.0))
+    assert [s.time for s in spool.read_samples(d, 64)] == [1.0]
+    pub.close()
+
+
+def test_a_spool_that_cannot_be_made_again_raises_and_recovers_later(tmp_path):
+    d = str(tmp_path / "spool")
+    pub = spool.RankPublisher(d, 0)
+    pub.publish(sample(0, 1.0))
+    shutil.rmtree(d)
+    with open(d, "w"):  # a file where the directory was
+        pass
+    for _ in range(2):  # the rank's handle logs it once; every publish tries again
+        with pytest.raises(OSError):
+            pub.publish(sample(0, 2.0))
+    os.unlink(d)
+    pub.publish(sample(0, 3.0))
+    assert [s.time for s in spool.read_samples(d, 64)] == [3.0]
+    pub.close()

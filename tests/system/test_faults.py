@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import pytest
 
 import vramwatch
 from harness import Exporter, free_port, http_get, parse_metrics, start_sim_rank, stop_proc, vramwatch_env, wait_until
+from vramwatch import spool
 from vramwatch.sim.state import SimNode, state_path
 
 torch = pytest.importorskip("torch")
@@ -446,3 +448,72 @@ def test_a_broken_snapshot_directory_leaves_training_untouched(server, baseline,
         assert why in caplog.text
     finally:
         vramwatch.stop()
+
+
+def test_a_gpu_lost_before_the_server_starts_reads_gpu_up_0(tmp_path):
+    """A server (re)started on a node whose GPU is already lost: the GPU keeps its series, at gpu_up 0, so
+    GPULost keeps firing instead of resolving on the missing series."""
+    exp = Exporter(tmp_path, gpus=2, **FAST)
+    node = exp.node()
+    node.gpu(1).lost = True
+    exp.save_node(node)
+    exp.start()
+    try:
+        want = {"0": 1.0, "1": 0.0}
+        wait_until(lambda: {lab["gpu"]: v for lab, v in exp.metrics().get("gpu_up", [])} == want, 15, f"gpu_up {want}")
+        assert _ups(exp)[("nvml", "")] == 0
+    finally:
+        exp.stop()
+
+
+# --- the spool removed under a running job ---
+def _remove(path: str, then_file: bool = False) -> None:
+    """rm -rf under writers (as RemoveIPC does it): a file made while it runs makes rmtree fail, so again;
+    with ``then_file`` a file takes the directory's place."""
+    for _ in range(50):
+        try:
+            shutil.rmtree(path)
+            if then_file:
+                with open(path, "x"):
+                    pass
+            return
+        except OSError:
+            continue
+    raise AssertionError(f"could not remove {path}")
+
+
+def _rank_steps(exp: Exporter) -> dict[str, float]:
+    return {lab["rank"]: v for lab, v in exp.metrics().get("vramwatch_training_steps_total", [])}
+
+
+def test_a_spool_removed_under_a_running_job_is_made_again_and_the_rank_seen_again(exporter, sim_rank):
+    """systemd-logind's RemoveIPC empties /dev/shm at logout: rank and server both make the spool again; while
+    neither can (a file where it was), the spool collector reads up 0, which the collector-down alert sees."""
+
+    exp = exporter(**FAST).start()
+    sim_rank(exp, 0, "--duration", "90", "--steps-per-second", "50")
+    wait_until(lambda: _rank_steps(exp).get("0", 0) > 0, 20, "rank 0 publishing")
+    errors_before = _spool_errors(exp)
+    for _ in range(2):  # the second time, the spool the first recovery made
+        steps = _rank_steps(exp)["0"]
+        _remove(exp.spool)
+        wait_until(lambda s=steps: _rank_steps(exp).get("0", 0) > s + 10, 15, "rank 0 seen again, training on")
+        info = os.path.join(exp.spool, spool.SERVER_INFO)
+        wait_until(lambda i=info: spool.server_running(exp.spool) and os.path.exists(i), 5, "the server's lock, again")
+        assert os.stat(exp.spool).st_mode & 0o777 == 0o700
+    assert _spool_errors(exp) >= errors_before + 2, "each vanishing counted"
+    # a spool that cannot be made again: an alertable series, then recovery once it can
+    _remove(exp.spool, then_file=True)
+    wait_until(lambda: _ups(exp)[("spool", "")] == 0, 10, "spool up 0 while it cannot be made again")
+    assert "0" not in _rank_steps(exp)
+    os.unlink(exp.spool)
+    wait_until(lambda: _ups(exp)[("spool", "")] == 1 and "0" in _rank_steps(exp), 15, "spool back, rank back")
+    with open(exp.log.name, encoding="utf-8", errors="replace") as fh:
+        text = fh.read()
+    assert "vanished under this rank" in text and "vanished (removed at logout" in text
+    assert "cannot be made again" in text
+
+
+def _spool_errors(exp: Exporter) -> float:
+    m = exp.metrics()
+    return next(v for lab, v in m["vramwatch_collector_errors_total"] if lab["collector"] == "spool")

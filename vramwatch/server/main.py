@@ -7,7 +7,7 @@ per spool, and it never imports torch, so it can never create a CUDA context.
 
 from __future__ import annotations
 
-import json
+import errno
 import logging
 import os
 import signal
@@ -19,11 +19,21 @@ from vramwatch.config import ConfigError, Settings
 from vramwatch.server.collectors import Runner, enabled_collectors
 from vramwatch.server.http import ExporterHTTPServer
 from vramwatch.server.registry import ExporterCollector, build_registry
+from vramwatch.server.spool_guard import SpoolGuard
 
 log = logging.getLogger("vramwatch")
 
 # A rank-started server gives up if no rank shows up this long after it started.
 _FIRST_RANK_GRACE = 60.0
+
+
+class StartupError(Exception):
+    """The server cannot start; the message is the true cause, in one line."""
+
+
+def _cause(e: OSError) -> str:
+    code = errno.errorcode.get(e.errno or 0, "")
+    return f"{e.strerror or e}" + (f" ({code})" if code else "")
 
 
 class Server:
@@ -33,14 +43,15 @@ class Server:
         self.collectors: list[Runner] = []
         self.exporter: ExporterCollector | None = None
         self.http: ExporterHTTPServer | None = None
-        self._lock_fd: int | None = None
+        self.guard = SpoolGuard(self.spool_dir)
+        self._serving: threading.Thread | None = None  # serve_forever's thread, once started
         self._stop = threading.Event()
 
     def open(self) -> bool:
-        """Take the spool's server lock and bind; False if another server already owns the spool."""
-        spool.ensure_dir(self.spool_dir)
-        self._lock_fd = spool.hold_lock(os.path.join(self.spool_dir, spool.SERVER_LOCK))
-        if self._lock_fd is None:
+        """Take the spool's server lock, bind, say where in ``server.json``; False if another server owns the
+        spool. Raises :class:`StartupError` (or OSError naming a file) when it cannot; :meth:`close` then
+        releases what was taken."""
+        if not self.guard.take():
             return False
         ssl_context = authorize = headers = None
         if self.settings.web_config_file:
@@ -50,19 +61,31 @@ class Server:
         self.collectors = enabled_collectors(self.settings)
         self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors)
         registry = build_registry(self.exporter)
-        self.http = ExporterHTTPServer(
-            (self.settings.host, self.settings.port),
-            registry,
-            max_connections=self.settings.max_connections,
-            ssl_context=ssl_context,
-            authorize=authorize,
-            headers=headers,
-        )
+        try:
+            self.http = ExporterHTTPServer(
+                (self.settings.host, self.settings.port),
+                registry,
+                max_connections=self.settings.max_connections,
+                ssl_context=ssl_context,
+                authorize=authorize,
+                headers=headers,
+            )
+        except OSError as e:
+            raise StartupError(f"cannot listen on {self.settings.host}:{self.settings.port}: {_cause(e)}") from None
         for c in self.collectors:
             c.start()
-        with open(os.path.join(self.spool_dir, spool.SERVER_INFO), "w", encoding="utf-8") as fh:
-            json.dump({"pid": os.getpid(), "host": self.settings.host, "port": self.http.server_address[1]}, fh)
+        try:
+            self.guard.write_info(self._server_info())
+        except OSError as e:
+            # a full spool tmpfs (ENOSPC): ranks could not publish into it either, so refuse to run blind
+            raise StartupError(
+                f"cannot write {e.filename}: {_cause(e)}; free space in the spool's filesystem or set spool_dir"
+            ) from None
         return True
+
+    def _server_info(self) -> dict[str, object]:
+        assert self.http is not None
+        return {"pid": os.getpid(), "host": self.settings.host, "port": self.http.server_address[1]}
 
     @property
     def port(self) -> int:
@@ -71,14 +94,16 @@ class Server:
 
     def run(self, exit_when_idle: bool = False) -> None:
         assert self.http is not None and self.exporter is not None
-        t = threading.Thread(
+        self._serving = threading.Thread(
             target=self.http.serve_forever, kwargs={"poll_interval": 0.2}, name="vramwatch-http", daemon=True
         )
-        t.start()
+        self._serving.start()
         started = time.monotonic()
         last_seen: float | None = None
         try:
             while not self._stop.wait(1.0):
+                self.guard.check(self.exporter.spool_health)
+                self.exporter.spool_trouble = self.guard.trouble
                 if not exit_when_idle:
                     continue
                 now = time.monotonic()
@@ -103,16 +128,12 @@ class Server:
         for c in self.collectors:
             c.stop()
         if self.http is not None:
-            self.http.shutdown()
+            if self._serving is not None:  # shutdown() waits for serve_forever: never started, it never returns
+                self.http.shutdown()
+                self._serving = None
             self.http.server_close()
             self.http = None
-        try:
-            os.unlink(os.path.join(self.spool_dir, spool.SERVER_INFO))
-        except OSError:
-            pass
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.guard.release()
 
 
 def serve(settings: Settings, exit_when_idle: bool = False) -> int:
@@ -129,12 +150,12 @@ def serve(settings: Settings, exit_when_idle: bool = False) -> int:
             return 0 if exit_when_idle else 1
     except ConfigError:
         raise
-    except OSError as e:
-        if e.filename:
-            log.error("vramwatch: cannot use %s: %s", e.filename, e.strerror or e)
+    except (StartupError, OSError) as e:
+        if isinstance(e, StartupError):
+            log.error("vramwatch: %s", e)
         else:
-            log.error("vramwatch: cannot listen on %s:%s: %s", settings.host, settings.port, e.strerror or e)
-        server.close()
+            log.error("vramwatch: cannot use %s: %s", e.filename or server.spool_dir, _cause(e))
+        server.close()  # port, lock and threads released: nothing of this server stays behind
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vramwatch import spool
 from vramwatch._once import OnceLog
 from vramwatch.config import Settings
 from vramwatch.monitoring.contract import NVML_ABSENT_REASONS
@@ -130,7 +131,8 @@ class Device:
     name: str
     pci_bus_id: str
     mig_mode: str  # enabled | disabled | unsupported
-    handle: Any
+    handle: Any  # None for a GPU lost before NVML could hand one out
+    lost: bool = False  # lost at enumeration: identity from the spool's last readings, found again by re-enumeration
 
 
 def load_module(settings: Settings) -> Any:
@@ -265,14 +267,22 @@ class NvmlSession:
         if not self.driver_version:
             self.driver_version = self._driver_version()
         incomplete = False
+        known: dict[int, spool.GpuIdentity] | None = None
         for i in range(int(nv.nvmlDeviceGetCount())):
+            h = None
             try:
                 h = nv.nvmlDeviceGetHandleByIndex(i)
                 uuid = text(nv.nvmlDeviceGetUUID(h))
             except Exception as e:
-                if classify(e) == "session":
+                kind = classify(e)
+                if kind == "session":
                     raise
                 incomplete = True
+                if kind == "lost":  # enumerated but lost: keep it visible, at gpu_up 0
+                    if known is None:
+                        known = spool.read_gpu_identities(self.settings.resolved_spool_dir())
+                    devices.append(self._lost_device(i, h, known.get(i), e))
+                    continue
                 self.once(
                     ("enumerate", i, error_name(e)),
                     "vramwatch: NVML GPU %d cannot be identified (%s); skipping it for now",
@@ -291,11 +301,34 @@ class NvmlSession:
                     h,
                 )
             )
+        # lost before they could be identified: lost from the start for every reader (no Xid 79 is counted:
+        # the loss came before this server)
+        with self._lock:
+            self.lost = self.lost | {d.uuid for d in devices if d.lost}
         self.devices = tuple(devices)
         self.seen_gpus = self.seen_gpus or bool(devices)
         # an identity getter that failed for real (not "not supported") leaves a label empty: that is
         # trouble, so `up` says 0 until a slow-cadence re-enumeration reads it
         self.incomplete = incomplete or self._identity_failed
+
+    def _lost_device(self, index: int, h: Any, last: spool.GpuIdentity | None, e: BaseException) -> Device:
+        """A GPU lost before this session could identify it. Its identity: the index, the PCI bus id if the
+        handle still gives it, and the UUID it had when it last answered (the spool's readings file), so its
+        series are the same as before a restart; an empty uuid when no reading ever named it."""
+        pci = self._soft(lambda d: text(self.nv.nvmlDeviceGetPciInfo(d).busId), h)[:32] if h is not None else ""
+        if last is not None and pci and last.pci_bus_id and last.pci_bus_id != pci:
+            last = None  # another card at this index now
+        uuid = last.uuid if last is not None else ""
+        self.once(
+            ("lost at init", index, uuid),
+            "vramwatch: NVML GPU %d is lost (%s) already at init; exported as gpu_up 0 with %s",
+            index,
+            error_name(e),
+            f"its last known uuid {uuid}" if uuid else "no uuid (none was ever read here)",
+            level=logging.ERROR,
+        )
+        name = last.name if last is not None else ""
+        return Device(index, uuid, name, pci or (last.pci_bus_id if last else ""), "unsupported", h, lost=True)
 
     def reenumerate(self) -> None:
         """Retry identifying GPUs that failed at init (slow cadence)."""

@@ -22,6 +22,7 @@ class ExporterCollector:
         self.collectors = collectors
         self.hostname = settings.resolved_hostname()
         self.spool_health = Health()
+        self.spool_trouble = ""  # why the spool directory is unusable (it vanished and cannot be made again)
         self._served_at: float | None = None
 
     def served_ranks_since(self, t: float) -> bool:
@@ -42,7 +43,7 @@ class ExporterCollector:
             # gone by the second scrape after its death
             live = {s.rank for s in samples}
             samples += [s for s in reaped if s.rank not in live]
-            self.spool_health.up = 1
+            self.spool_health.up = 0 if self.spool_trouble else 1
             for r in rejected:  # a rank whose series are missing: up 0 while it lasts, logged once per file
                 self.spool_health.failed(f"rejected:{r.file}:{r.reason}:{r.version}", "vramwatch: %s", r.describe())
         except Exception as e:  # noqa: BLE001
@@ -55,10 +56,18 @@ class ExporterCollector:
 
     def collect(self) -> Iterable[Metric]:
         ctx = self.context()
-        yield from ranks.families(ctx)
+        yield from ranks.families(ctx, self._rank_failed)
         for c in self.collectors:
             yield from c.collect(ctx)  # a bad snapshot drops its families, never the scrape
         yield from self._self_health(ctx)
+
+    def _rank_failed(self, s: spool.RankSample, e: Exception) -> None:
+        self.spool_health.failed(
+            f"families:{s.rank}:{type(e).__name__}",
+            "vramwatch: rank %d's sample cannot be rendered (%r); its series are left out",
+            s.rank,
+            e,
+        )
 
     def _self_health(self, ctx: ScrapeContext) -> Iterable[Metric]:
         up = contract.family("vramwatch_collector_up")

@@ -18,10 +18,19 @@ from vramwatch.spool.files import (
     hold_lock,
     hold_spawn_lock,
     server_running,
+    write_server_info,
 )
 from vramwatch.spool.publisher import RankPublisher
 from vramwatch.spool.reader import Rejected, any_rank_files, read_samples, sample_age
-from vramwatch.spool.readings import GpuReadings, NodeReadings, read_node, read_node_readings, write_node_readings
+from vramwatch.spool.readings import (
+    GpuIdentity,
+    GpuReadings,
+    NodeReadings,
+    read_gpu_identities,
+    read_node,
+    read_node_readings,
+    write_node_readings,
+)
 from vramwatch.spool.schema import (
     SCHEMA_VERSION,
     AllocatorInfo,
@@ -40,6 +49,7 @@ __all__ = [
     "AllocatorInfo",
     "CollectorHealth",
     "DeviceSample",
+    "GpuIdentity",
     "GpuReadings",
     "HeartbeatSnapshot",
     "NodeReadings",
@@ -54,10 +64,12 @@ __all__ = [
     "ensure_dir",
     "hold_lock",
     "hold_spawn_lock",
+    "read_gpu_identities",
     "read_node",
     "read_node_readings",
     "read_samples",
     "sample_age",
     "server_running",
     "write_node_readings",
+    "write_server_info",
 ]

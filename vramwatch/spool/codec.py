@@ -2,13 +2,17 @@
 
 The payload is compact JSON with the schema version under ``"v"``. Decoding never trusts the
 file: anything but a well-formed sample of this version raises :class:`SampleRejected`, whose
-``reason`` (``older_version``, ``newer_version``, ``malformed``) a reader logs and counts.
+``reason`` (``older_version``, ``newer_version``, ``malformed``) a reader logs and counts. Every
+field is checked for its type and range (the detail names the first bad one), so a sample either
+decodes into values the exposition can render, or is dropped alone.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
+from itertools import pairwise
 from typing import Any
 
 from vramwatch.spool.schema import (
@@ -92,8 +96,8 @@ def decode_sample(payload: bytes) -> RankSample:
     """The sample in ``payload``; raises :class:`SampleRejected` for anything else."""
     try:
         doc = json.loads(payload)
-    except ValueError as e:
-        raise SampleRejected("malformed", f"not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise SampleRejected("malformed", f"not JSON ({type(e).__name__})") from None
     if not isinstance(doc, dict):
         raise SampleRejected("malformed", "not a JSON object")
     version = doc.get("v")
@@ -104,60 +108,149 @@ def decode_sample(payload: bytes) -> RankSample:
         raise SampleRejected(reason, f"schema version {version}, this reader knows {SCHEMA_VERSION}", version)
     try:
         return _sample(doc)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise SampleRejected("malformed", f"bad field ({e!r})", version) from None
+    except _Bad as e:
+        raise SampleRejected("malformed", str(e), version) from None
+
+
+# --- validation: a well-formed but mis-shaped sample (a string for a number, a missing field, a negative
+# count) is refused here, whole and alone, so nothing downstream ever renders it ---
+_MAX_ID = 2**31 - 1
+
+
+class _Bad(Exception):
+    """What is wrong, and where: ``heartbeat.counts[2] must be an integer 0-..., not str``."""
+
+
+def _field(doc: Mapping[str, Any], key: str, where: str = "") -> Any:
+    if key not in doc:
+        raise _Bad(f"{where}{key} is missing")
+    return doc[key]
+
+
+def _object(v: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(v, dict):
+        raise _Bad(f"{where} must be an object, not {type(v).__name__}")
+    return v
+
+
+def _array(v: Any, where: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise _Bad(f"{where} must be an array, not {type(v).__name__}")
+    return v
+
+
+def _text(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        raise _Bad(f"{where} must be a string, not {type(v).__name__}")
+    return v
+
+
+def _int(v: Any, where: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _Bad(f"{where} must be an integer {lo}-{hi}, not {_kind(v)}")
+    return v
+
+
+def _float(v: Any, where: str, lo: float = -math.inf) -> float:
+    f = _finite(v)
+    if f is None or f < lo:
+        raise _Bad(f"{where} must be a finite number{'' if lo == -math.inf else f' >= {lo:g}'}, not {_kind(v)}")
+    return f
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:  # an integer beyond any float
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _kind(v: Any) -> str:
+    return type(v).__name__ if not isinstance(v, (int, float)) or isinstance(v, bool) else repr(v)[:32]
 
 
 def _sample(doc: Mapping[str, Any]) -> RankSample:
-    hb = doc.get("heartbeat") or {}
-    ai = doc.get("allocator_info")
+    hb = _object(_field(doc, "heartbeat"), "heartbeat")
+    ai = _field(doc, "allocator_info")
     oom = doc.get("oom_snapshot")
     return RankSample(
-        rank=_int(doc["rank"]),
-        local_rank=_int(doc["local_rank"]),
-        world_size=_int(doc["world_size"]),
-        hostname=str(doc["hostname"]),
-        pid=_int(doc["pid"]),
-        time=float(doc["time"]),
-        devices=tuple(
-            DeviceSample(_int(d["device"]), str(d["uuid"]), _numbers(d.get("values") or {}))
-            for d in doc.get("devices") or ()
-        ),
-        allocator_info=None
-        if not ai
-        else AllocatorInfo(
-            str(ai.get("backend", "")),
-            str(ai.get("expandable_segments", "")),
-            str(ai.get("garbage_collection_threshold", "")),
-            str(ai.get("max_split_size_mb", "")),
-        ),
-        heartbeat=HeartbeatSnapshot(
-            steps=_int(hb.get("steps", 0)),
-            last_step_time=float(hb.get("last") or 0.0),
-            buckets=tuple(float(b) for b in hb.get("buckets") or ()),
-            counts=tuple(_int(c) for c in hb.get("counts") or ()),
-            sum=float(hb.get("sum") or 0.0),
-            loss=_optional_float(hb.get("loss")),
-            grad_norm=_optional_float(hb.get("grad_norm")),
-        ),
+        rank=_int(_field(doc, "rank"), "rank", 0, _MAX_ID),
+        local_rank=_int(_field(doc, "local_rank"), "local_rank", 0, _MAX_ID),
+        world_size=_int(_field(doc, "world_size"), "world_size", 1, _MAX_ID),
+        hostname=_text(_field(doc, "hostname"), "hostname"),
+        pid=_int(_field(doc, "pid"), "pid", 1, _MAX_ID),
+        time=_float(_field(doc, "time"), "time", 0.0),
+        devices=tuple(_device(d, f"devices[{i}]") for i, d in enumerate(_array(_field(doc, "devices"), "devices"))),
+        allocator_info=None if ai is None else _allocator_info(_object(ai, "allocator_info")),
+        heartbeat=_heartbeat(hb),
         collectors={
-            str(name): CollectorHealth(_int(h.get("up", 0)), _int(h.get("errors", 0)), float(h.get("duration", 0.0)))
-            for name, h in (doc.get("collectors") or {}).items()
+            _text(name, "collectors key"): _health(_object(h, f"collectors.{name}"), f"collectors.{name}.")
+            for name, h in _object(_field(doc, "collectors"), "collectors").items()
         },
-        oom_snapshot=OomSnapshot(str(oom["path"]), float(oom.get("time", 0.0))) if oom and oom.get("path") else None,
+        oom_snapshot=None if oom is None else _oom(_object(oom, "oom_snapshot")),
     )
 
 
-def _int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"expected a number, got {type(v).__name__}")
-    return int(v)
+def _device(d: Any, where: str) -> DeviceSample:
+    d = _object(d, where)
+    values = _object(_field(d, "values", where + "."), where + ".values")
+    return DeviceSample(
+        _int(_field(d, "device", where + "."), where + ".device", 0, _MAX_ID),
+        _text(_field(d, "uuid", where + "."), where + ".uuid"),
+        _numbers(values),
+    )
 
 
-def _optional_float(v: Any) -> float | None:
-    return None if v is None else float(v)
+def _allocator_info(ai: Mapping[str, Any]) -> AllocatorInfo:
+    keys = ("backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb")
+    return AllocatorInfo(*(_text(_field(ai, k, "allocator_info."), "allocator_info." + k) for k in keys))
+
+
+def _heartbeat(hb: Mapping[str, Any]) -> HeartbeatSnapshot:
+    w = "heartbeat."
+    buckets = tuple(
+        _float(b, f"{w}buckets[{i}]") for i, b in enumerate(_array(_field(hb, "buckets", w), w + "buckets"))
+    )
+    counts = tuple(_int(c, f"{w}counts[{i}]") for i, c in enumerate(_array(_field(hb, "counts", w), w + "counts")))
+    if (buckets or counts) and len(counts) != len(buckets) + 1:
+        raise _Bad(f"{w}counts must hold one more entry than {w}buckets, not {len(counts)} for {len(buckets)}")
+    if any(b >= nxt for b, nxt in pairwise(buckets)):
+        raise _Bad(f"{w}buckets must increase")
+    loss, grad_norm = _field(hb, "loss", w), _field(hb, "grad_norm", w)
+    return HeartbeatSnapshot(
+        steps=_int(_field(hb, "steps", w), w + "steps"),
+        last_step_time=_float(_field(hb, "last", w), w + "last", 0.0),
+        buckets=buckets,
+        counts=counts,
+        sum=_float(_field(hb, "sum", w), w + "sum", 0.0),
+        loss=None if loss is None else _float(loss, w + "loss"),
+        grad_norm=None if grad_norm is None else _float(grad_norm, w + "grad_norm"),
+    )
+
+
+def _health(h: Mapping[str, Any], where: str) -> CollectorHealth:
+    return CollectorHealth(
+        _int(_field(h, "up", where), where + "up", 0, 1),
+        _int(_field(h, "errors", where), where + "errors"),
+        _float(_field(h, "duration", where), where + "duration", 0.0),
+    )
+
+
+def _oom(oom: Mapping[str, Any]) -> OomSnapshot:
+    return OomSnapshot(
+        _text(_field(oom, "path", "oom_snapshot."), "oom_snapshot.path"),
+        _float(_field(oom, "time", "oom_snapshot."), "oom_snapshot.time", 0.0),
+    )
 
 
 def _numbers(values: Mapping[str, Any]) -> dict[str, float]:
-    # a value that is not a number is dropped, not the whole sample: the rest of the device still counts
-    return {str(k): float(v) for k, v in values.items() if isinstance(v, (int, float))}
+    # a value that is not a finite number is dropped, not the whole sample: the rest of the device still counts
+    out = {}
+    for k, v in values.items():
+        f = _finite(v)
+        if f is not None:
+            out[k] = f
+    return out

@@ -17,6 +17,7 @@ Every file in the spool is named here and nowhere else:
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import struct
@@ -61,6 +62,20 @@ def ensure_dir(path: str) -> None:
             )
     elif st.st_mode & 0o077:
         os.chmod(path, 0o700)
+
+
+def write_server_info(spool_dir: str, info: dict[str, object]) -> None:
+    """Replace ``server.json`` whole (a reader never sees half of it). Raises OSError naming the file: on a
+    full tmpfs the write fails with ENOSPC, and a server that cannot say where it listens must say so."""
+    path = os.path.join(spool_dir, SERVER_INFO)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(info, fh)
+        os.replace(tmp, path)
+    except OSError as e:
+        remove_quietly(tmp)
+        raise OSError(e.errno, e.strerror or str(e), path) from None
 
 
 def lock_is_free(path: str) -> bool:

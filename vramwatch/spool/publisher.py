@@ -1,12 +1,22 @@
-"""The rank's side of the spool: one sample file, rewritten in place, and the lock beside it."""
+"""The rank's side of the spool: one sample file, rewritten in place, and the lock beside it.
+
+The spool may vanish under a running job (systemd-logind's RemoveIPC empties /dev/shm of a user who
+logs out; a clean-up script; a hand): the rank would go on writing into a deleted file, and the server
+would serve no rank at all, with no alert. So each publish asks the kernel whether the open sample file
+still has a name (one ``fstat``, well under a microsecond) and, when it has none, makes the directory
+again with the checks of the start, takes a new lock, and publishes into a new file.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 
 from vramwatch.spool import files
 from vramwatch.spool.codec import encode_sample
 from vramwatch.spool.schema import RankSample
+
+log = logging.getLogger("vramwatch")
 
 
 class RankPublisher:
@@ -35,18 +45,50 @@ class RankPublisher:
         self.path = self.lock_path = self._tmp = os.devnull  # the child publishes nothing
 
     def publish(self, sample: RankSample) -> None:
+        """Write ``sample``; raises OSError when the spool is unusable (the caller logs it once and calls again)."""
         if self._lock_fd is None:
             return
         record = files.frame(encode_sample(sample))
+        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+            self._recreate()  # the file, and most likely the whole spool, was removed
         # one pwrite into a file kept open: no open/rename per sample (a rename costs ~0.4 ms on
         # some filesystems). A reader may catch a write half-done, so the header carries the
         # length and a CRC, and the reader retries on a mismatch.
         if self._fd is None:
-            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.pwrite(self._fd, record, 0)
-            os.replace(self._tmp, self.path)  # appears complete, once
+            try:
+                self._create(record)
+            except FileNotFoundError:  # removed before the first publish, or while it failed to come back
+                self._recreate()
+                self._create(record)
         else:
             os.pwrite(self._fd, record, 0)
+
+    def _create(self, record: bytes) -> None:
+        fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.pwrite(fd, record, 0)
+            os.replace(self._tmp, self.path)  # appears complete, once
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def _recreate(self) -> None:
+        """Make the spool again (0700, refused if another user owns it) and take a new lock before the sample
+        file reappears, so the server never takes this rank for dead and reaps it."""
+        files.ensure_dir(self.dir)
+        lock_fd = files.hold_lock(self.lock_path)
+        if lock_fd is None:
+            raise BlockingIOError(f"{self.lock_path} is held by another process")
+        for fd in (self._lock_fd, self._fd):
+            if fd is not None:
+                os.close(fd)
+        self._lock_fd, self._fd = lock_fd, None
+        log.warning(
+            "vramwatch: the spool %s vanished under this rank (removed at logout by RemoveIPC, or by hand); "
+            "made it again and publishing there",
+            self.dir,
+        )
 
     def close(self) -> None:
         if self._lock_fd is None:

@@ -3,9 +3,13 @@
 The server writes them after each NVML read (the real library or the simulated GPU alike); a rank
 reads them on its sampler thread, so the training process never calls NVML itself. Plain JSON,
 replaced atomically: ``{"time": <unix seconds>, "gpus": [{"uuid": "GPU-...", "power_watts":
-212.0, "memory_free_bytes": 2.9e9}, ...]}``, plus ``"nvml_absent": "<reason>"`` on a node without
+212.0, "memory_free_bytes": 2.9e9}, ...], "identities": [{"index": 0, "uuid": "GPU-...",
+"pci_bus_id": "...", "name": "..."}, ...]}``, plus ``"nvml_absent": "<reason>"`` on a node without
 NVML (the reasons of ``vramwatch_nvml_available``), so the status line can say what is missing.
-Readings older than :data:`STALE_AFTER` seconds are ignored (a server that stopped).
+Readings older than :data:`STALE_AFTER` seconds are ignored (a server that stopped). The identities
+are never stale: a server that restarts while a GPU is already lost (it can no longer tell its UUID)
+takes that GPU's identity from here, so the GPU keeps its series, at ``gpu_up`` 0. The spool lives on
+a tmpfs: a reboot, which may renumber the GPUs, also empties it.
 """
 
 from __future__ import annotations
@@ -42,14 +46,31 @@ class NodeReadings:
     nvml_absent: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    """Who the GPU at an NVML index was when it last answered."""
+
+    index: int
+    uuid: str
+    pci_bus_id: str = ""
+    name: str = ""
+
+
 def write_node_readings(
-    spool_dir: str, gpus: Iterable[GpuReadings], now: float | None = None, nvml_absent: str = ""
+    spool_dir: str,
+    gpus: Iterable[GpuReadings],
+    now: float | None = None,
+    nvml_absent: str = "",
+    identities: Iterable[GpuIdentity] = (),
 ) -> None:
     """Replace the readings file atomically; never raises (the status line is a convenience)."""
     try:
         doc: dict[str, Any] = {"time": time.time() if now is None else now, "gpus": []}
         if nvml_absent:
             doc["nvml_absent"] = nvml_absent
+        doc["identities"] = [
+            {"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id, "name": g.name} for g in identities
+        ]
         for g in gpus:
             entry: dict[str, Any] = {"uuid": g.uuid}
             if g.power_watts is not None:
@@ -93,3 +114,24 @@ def read_node_readings(spool_dir: str, now: float | None = None) -> dict[str, Gp
 
 def _number(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def read_gpu_identities(spool_dir: str) -> dict[int, GpuIdentity]:
+    """NVML index -> the identity last written, however old; empty when there is none."""
+    out: dict[int, GpuIdentity] = {}
+    try:
+        with open(os.path.join(spool_dir, NODE_READINGS), encoding="utf-8") as fh:
+            doc = json.load(fh)
+        for g in doc.get("identities") or []:
+            index, uuid = g.get("index"), g.get("uuid")
+            if isinstance(index, int) and not isinstance(index, bool) and isinstance(uuid, str) and uuid:
+                pci, name = g.get("pci_bus_id"), g.get("name")
+                out[index] = GpuIdentity(
+                    index,
+                    uuid[:96],
+                    pci[:32] if isinstance(pci, str) else "",
+                    name[:96] if isinstance(name, str) else "",
+                )
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    return out

@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 from vramwatch.errors import ConfigError
-from vramwatch.monitoring import config_file
-from vramwatch.monitoring import helm
+from vramwatch.monitoring import config_file, helm
 from vramwatch.monitoring.alerts.render import DEFAULT_RELEASE, prometheus_rule, rule_file, to_yaml
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, validate
 

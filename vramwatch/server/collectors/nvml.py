@@ -215,12 +215,21 @@ class NvmlCollector(Collector[NvmlSnapshot]):
     def read(self, tick: Tick) -> NvmlSnapshot | None:
         snap, ok = self._read(tick)
         if snap is not None:
-            # power / free memory (or why there is no NVML) for the ranks' console status line (never raises)
-            spool_dir = self.settings.resolved_spool_dir()
-            spool.write_node_readings(spool_dir, status_readings(snap), nvml_absent=snap.absent)
+            # power / free memory (or why there is no NVML) for the ranks' console status line, and each
+            # GPU's identity for a server restarting while one is lost (never raises)
+            spool.write_node_readings(
+                self.settings.resolved_spool_dir(),
+                status_readings(snap),
+                nvml_absent=snap.absent,
+                identities=self._ids(),
+            )
         if not ok:
             raise ReadFailed(snap)
         return snap
+
+    def _ids(self) -> list[spool.GpuIdentity]:
+        """Who each GPU is, for a later server that finds one already lost."""
+        return [spool.GpuIdentity(d.index, d.uuid, d.pci_bus_id, d.name) for d in self._known if d.uuid]
 
     def _read(self, tick: Tick) -> tuple[NvmlSnapshot | None, bool]:
         s = self.session
@@ -237,7 +246,8 @@ class NvmlCollector(Collector[NvmlSnapshot]):
             self._lost.clear()
             self._handles.clear()
             for d in s.devices:
-                s.set_lost(d.uuid, False)
+                if not d.lost:
+                    s.set_lost(d.uuid, False)
             slow = True  # the slow values were just forgotten: read them now
         if slow and (s.incomplete or not s.devices):  # no GPU yet: one may appear (cheap: a count)
             s.reenumerate()
@@ -262,6 +272,9 @@ class NvmlCollector(Collector[NvmlSnapshot]):
         )
 
     def _read_gpu(self, d: nb.Device, now: float, slow: bool) -> tuple[GpuReading, bool]:
+        if d.lost:  # lost already at enumeration (the session logged it): re-enumeration finds it back
+            self._lost[d.uuid] = 0.0  # and then it is probed at once
+            return _reading(d, False, {}), False
         if d.uuid in self._lost:  # probed again on the slow cadence only
             if now < self._lost[d.uuid]:
                 return _reading(d, False, {}), False

@@ -1,0 +1,63 @@
+"""The server's spool removed under it: noticed, made again, counted, and alertable while it cannot be."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from vramwatch import spool
+from vramwatch.server.collectors import Health
+from vramwatch.server.spool_guard import SpoolGuard
+
+
+def test_a_removed_spool_is_made_again_with_lock_and_server_json(tmp_path, caplog):
+    d = str(tmp_path / "spool")
+    guard, health = SpoolGuard(d), Health()
+    assert guard.take()
+    guard.write_info({"pid": os.getpid(), "host": "127.0.0.1", "port": 9})
+    guard.check(health)
+    assert health.errors == 0 and guard.intact()
+    shutil.rmtree(d)
+    assert not guard.intact()
+    guard.check(health)
+    assert guard.intact() and guard.trouble == "" and health.errors == 1
+    assert spool.server_running(d), "the lock is held in the new spool"
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    with open(os.path.join(d, spool.SERVER_INFO)) as fh:
+        assert json.load(fh)["port"] == 9
+    assert "vanished" in caplog.text
+    guard.check(health)
+    assert health.errors == 1  # counted once
+    guard.release()
+    assert not spool.server_running(d) and not os.path.exists(os.path.join(d, spool.SERVER_INFO))
+
+
+def test_a_spool_replaced_by_another_directory_is_noticed(tmp_path):
+    """A rank made the spool again first: the inode changed, the server's lock is on the old one."""
+    d = str(tmp_path / "spool")
+    guard, health = SpoolGuard(d), Health()
+    assert guard.take()
+    shutil.rmtree(d)
+    os.makedirs(d, mode=0o700)
+    assert not guard.intact()
+    guard.check(health)
+    assert guard.intact() and spool.server_running(d) and health.errors == 1
+    guard.release()
+
+
+def test_a_spool_that_cannot_be_made_again_is_trouble_until_it_can(tmp_path, caplog):
+    d = str(tmp_path / "spool")
+    guard, health = SpoolGuard(d), Health()
+    assert guard.take()
+    shutil.rmtree(d)
+    with open(d, "w"):  # a file where the directory was
+        pass
+    for _ in range(3):
+        guard.check(health)
+    assert guard.trouble and d in guard.trouble
+    assert health.errors == 1 and caplog.text.count("cannot be made again") == 1
+    os.unlink(d)
+    guard.check(health)
+    assert guard.trouble == "" and guard.intact()
+    guard.release()
