@@ -40,6 +40,14 @@ def _non_negative(v: float) -> None:
         raise ValueError("must be >= 0")
 
 
+def _between(lo: float, hi: float) -> Callable[[float], None]:
+    def check(v: float) -> None:
+        if not lo <= v <= hi:
+            raise ValueError(f"must be {lo:g}-{hi:g}")
+
+    return check
+
+
 # RFC 1123 host name label: letters, digits and inner hyphens, 1-63 characters
 _HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
@@ -119,6 +127,12 @@ class Settings:
     local_rank: int = _opt(-1, "Local rank (default: from LOCAL_RANK, SLURM_LOCALID, ...).", None)
     world_size: int = _opt(-1, "World size (default: from WORLD_SIZE, SLURM_NTASKS, ...).", None)
     max_ranks: int = _opt(64, "Most ranks one target serves; more are dropped (bounded cardinality).", _positive)
+    dead_rank_grace_seconds: float = _opt(
+        90.0,
+        "Seconds a rank's final sample (the OOM that killed it) stays served after its last publish, so every "
+        "Prometheus scraping the target sees it: at least 2-3 scrape intervals (see docs/nothing-lost.md).",
+        _between(1, 3600),
+    )
     linger: float = _opt(10.0, "Seconds a rank-started server stays up after the last rank left.", _non_negative)
     max_connections: int = _opt(8, "Concurrent HTTP requests served; more get 503.", _positive)
     web_config_file: str = _opt("", "exporter-toolkit web config (TLS, basic auth): see docs/security.md.", _web_config)

@@ -20,7 +20,7 @@ from vramwatch.spool.files import (
     server_running,
 )
 from vramwatch.spool.publisher import RankPublisher
-from vramwatch.spool.reader import Rejected, any_rank_files, read_samples, sample_age
+from vramwatch.spool.reader import Rejected, SpoolRead, any_rank_files, read_samples, read_spool, sample_age
 from vramwatch.spool.readings import GpuReadings, read_node_readings, write_node_readings
 from vramwatch.spool.schema import (
     SCHEMA_VERSION,
@@ -46,6 +46,7 @@ __all__ = [
     "RankPublisher",
     "RankSample",
     "Rejected",
+    "SpoolRead",
     "SampleRejected",
     "any_rank_files",
     "decode_sample",
@@ -55,6 +56,7 @@ __all__ = [
     "hold_spawn_lock",
     "read_node_readings",
     "read_samples",
+    "read_spool",
     "sample_age",
     "server_running",
     "write_node_readings",
