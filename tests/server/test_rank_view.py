@@ -133,3 +133,17 @@ def test_dead_ranks_beyond_the_cap_are_dropped_first_oldest_first_and_counted(tm
     assert len(m["torch_cuda_memory_allocated_bytes"]) == 2
     for p in live:
         p.die()
+
+
+def test_the_same_process_publishing_again_is_not_counted_twice(tmp_path):
+    # stop() then start() in one process (a notebook): torch's counters go on by themselves
+    d = str(tmp_path)
+    view = RankView(d, 64, 30.0)
+    a = Proc(d, 0, 100).publish(100.0, ooms=1.0)
+    a.die()
+    assert _values(_scrape(view, 101.0), OOMS) == {"0": 1.0}
+    again = Proc(d, 0, 100).publish(102.0, ooms=1.0)
+    assert _values(_scrape(view, 102.0), OOMS) == {"0": 1.0}
+    again.publish(103.0, ooms=2.0)
+    again.die()
+    assert _values(_scrape(view, 104.0), OOMS) == {"0": 2.0}

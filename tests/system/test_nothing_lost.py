@@ -39,6 +39,14 @@ def _abs(p):
     p = os.fsdecode(p)
     return p if os.path.isabs(p) else os.path.join(os.getcwd(), p)
 
+# where a path given relative to a directory descriptor (os.rename(..., src_dir_fd=...)) lies
+_DIR_FDS = {"os.rename": (2, 3), "os.remove": (1,), "os.mkdir": (2,), "os.rmdir": (1,)}
+
+def _at(dir_fd):
+    if isinstance(dir_fd, int) and dir_fd >= 0:
+        return os.readlink(f"/proc/self/fd/{dir_fd}")
+    return None
+
 def _hook(event, args):
     paths = []
     if event == "open" and len(args) >= 3:
@@ -49,6 +57,10 @@ def _hook(event, args):
             paths = [path]
     elif event in _PATH_EVENTS:
         paths = list(args[: _PATH_EVENTS[event]])
+        for i, fd_at in enumerate(_DIR_FDS.get(event, ())):
+            base = _at(args[fd_at]) if len(args) > fd_at and i < len(paths) else None
+            if base is not None and not isinstance(paths[i], int):
+                paths[i] = os.path.join(base, os.fsdecode(paths[i]))
     for p in paths:
         p = _abs(p)
         if p is not None:

@@ -112,6 +112,22 @@ def open_owned_dir(path: str) -> int:
     return fd
 
 
+def _create_in(dir_fd: int, d: str, name: str) -> int:
+    """Create ``name`` exclusively in the directory open as ``dir_fd``, never through a link.
+
+    Opened by its full path (so audit hooks see where it goes), then checked to be the very file the
+    descriptor's directory holds: a directory swapped for another since it was checked fails here."""
+    fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        mine, there = os.fstat(fd), os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):
+            raise OSError(errno.EXDEV, f"{d} was replaced while the snapshot was created")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def snapshot_files(directory: str | int) -> list[tuple[float, int, str]]:
     """(mtime, size, name) of the OOM snapshots (regular files) in ``directory`` (a path or a
     descriptor), oldest first."""
@@ -328,7 +344,7 @@ class OomWatcher:
         name = f"{PREFIX}rank{self.rank}-{stamp}-{os.getpid()}-{self._seq}{SUFFIX}"
         tmp = f".{PREFIX}{secrets.token_hex(8)}.tmp"  # unpredictable, created only if absent, never a link
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+            fd = _create_in(dir_fd, d, tmp)
         except OSError as e:
             self._log_once("create:" + type(e).__name__, "vramwatch: cannot create an OOM snapshot in %s: %s", d, e)
             return None

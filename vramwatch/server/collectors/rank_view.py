@@ -43,7 +43,9 @@ class RankView:
         self.grace = grace
         self.dropped: Counter[str] = Counter(dict.fromkeys(DROP_REASONS, 0))
         self._carried: dict[DeviceKey, dict[str, float]] = {}
-        self._counted: set[tuple[int, int]] = set()  # (rank, pid) of the dead whose counters are carried
+        # what each dead process added to _carried, by (rank, pid): counted once, and taken back if that
+        # process publishes again (stop() then start() in one process: its own counters go on by themselves)
+        self._counted: dict[tuple[int, int], dict[DeviceKey, dict[str, float]]] = {}
         self._lock = threading.Lock()  # concurrent scrapes read in turn: a dead process is counted once
 
     def read(self, now: float | None = None) -> tuple[spool.SpoolRead, Mapping[DeviceKey, Mapping[str, float]]]:
@@ -54,18 +56,24 @@ class RankView:
     def _read(self, now: float) -> tuple[spool.SpoolRead, Mapping[DeviceKey, Mapping[str, float]]]:
         read = spool.read_spool(self.spool_dir, self.max_ranks, self.grace, now)
         self.dropped.update(read.dropped)
+        for s in read.live:
+            self._add(self._counted.pop((s.rank, s.pid), {}), -1.0)
         for s in (*read.final, *read.evicted):
             ident = (s.rank, s.pid)
-            if ident in self._counted:
-                continue
-            self._counted.add(ident)
-            for d in s.devices:
-                base = self._carried.setdefault(device_key(s, d), {})
-                for name, value in d.values.items():
-                    if name in CARRIED:
-                        base[name] = base.get(name, 0.0) + value
+            if ident not in self._counted:
+                contribution = {
+                    device_key(s, d): {n: v for n, v in d.values.items() if n in CARRIED} for d in s.devices
+                }
+                self._counted[ident] = contribution
+                self._add(contribution, 1.0)
         exported = {device_key(s, d) for s in (*read.live, *read.final) for d in s.devices}
         # a label set nobody exports any more ends its series: what was carried for it goes too
         self._carried = {k: v for k, v in self._carried.items() if k in exported}
-        self._counted &= {(s.rank, s.pid) for s in (*read.final, *read.evicted)}  # the rest left the spool
+        self._counted = {i: c for i, c in self._counted.items() if any(k in self._carried for k in c)}
         return read, {k: dict(v) for k, v in self._carried.items()}
+
+    def _add(self, contribution: Mapping[DeviceKey, Mapping[str, float]], sign: float) -> None:
+        for key, values in contribution.items():
+            base = self._carried.setdefault(key, {})
+            for name, value in values.items():
+                base[name] = base.get(name, 0.0) + sign * value
