@@ -464,7 +464,8 @@ def _job(exp, tmp: Path, rank: int, mode: str) -> tuple[subprocess.Popen, Path]:
     script = tmp / "death_job.py"
     script.write_text(DEATH_JOB)
     go = tmp / f"go-{rank}-{mode}-{time.monotonic_ns()}"
-    env = vramwatch_env(exp.spool, exp.port, simulate=True)
+    # no OOM log line: its write would hand the GIL to the sampler thread, a help a job cannot count on
+    env = vramwatch_env(exp.spool, exp.port, simulate=True, log_level="ERROR")
     env.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="64")
     proc = subprocess.Popen(
         [sys.executable, str(script), mode, str(go)],

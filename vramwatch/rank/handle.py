@@ -126,7 +126,8 @@ class Handle:
         self._thread.stop()
         self.step_hooks = ()
         if self._publisher is not None and os.getpid() == self._pid:
-            self.tick()  # the final sample, left in the spool for the server to serve after we are gone
+            with self._publish_lock:  # the final sample, left in the spool for the server to serve after us
+                self._publish(replace=False)
         self.plugins.close()
         self._spawner.release()
         if self._publisher is not None and os.getpid() == self._pid:
@@ -149,6 +150,8 @@ class Handle:
         process next. Waits at most ``_PUBLISH_WAIT`` s for a tick in progress; if that runs out
         the sampler thread publishes it instead. Never raises; True when published here.
         """
+        if os.getpid() != self._pid:  # a forked child publishes nothing (its copy of the lock may be held)
+            return False
         if self._publisher is None or not self._publish_lock.acquire(timeout=_PUBLISH_WAIT):
             self.wake()
             return False
