@@ -19,9 +19,10 @@ observer here:
 - logs it.
 
 Snapshots go only into a directory this user owns and nobody else may write (made 0700 when
-missing), opened once and used through its descriptor; each is written under a random name
-created exclusively (``O_EXCL | O_NOFOLLOW``) and renamed into place, so a link planted in the
-directory or a swapped directory never redirects the write (docs/security.md).
+missing), opened once: each snapshot is created under a random name, exclusively and never
+through a link (``O_EXCL | O_NOFOLLOW``), checked to be in that very directory, and renamed into
+place through its descriptor, so neither a planted link nor a swapped directory redirects the
+write (docs/security.md).
 
 It never raises: the allocator then raises its own ``OutOfMemoryError`` to the job, unchanged.
 With ``oom_history_entries`` > 0 the allocator also records a bounded history of alloc/free events
