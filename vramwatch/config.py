@@ -134,6 +134,12 @@ class Settings:
     local_rank: int = _opt(-1, "Local rank (-1: from LOCAL_RANK, SLURM_LOCALID, ...).", Within(0, MAX_INT32, off=-1))
     world_size: int = _opt(-1, "World size (-1: from WORLD_SIZE, SLURM_NTASKS, ...).", Within(1, MAX_INT32, off=-1))
     max_ranks: int = _opt(64, "Most ranks one target serves; more are dropped (bounded cardinality).", Within(1, 1024))
+    dead_rank_grace_seconds: float = _opt(
+        90.0,
+        "Seconds a rank's final sample (the OOM that killed it) stays served after its last publish, so every "
+        "Prometheus scraping the target sees it: at least 2-3 scrape intervals (see docs/nothing-lost.md).",
+        Within(1.0, 3600.0, unit=" s"),
+    )
     linger: float = _opt(
         10.0, "Seconds a rank-started server stays up after the last rank left.", Within(0.0, 86400.0, unit=" s")
     )

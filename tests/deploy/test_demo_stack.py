@@ -59,7 +59,11 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")},
+        # the rank's final sample is served for this window before the rank-started server leaves
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")},
+            "VRAMWATCH_DEAD_RANK_GRACE_SECONDS": "1",
+        },
     )
     prom = f"http://127.0.0.1:{prom_port}"
 
@@ -106,7 +110,7 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
     assert not _processes_mentioning(work), "a server outlived the stack"
     assert not _processes_mentioning(f"--port {exp_port}"), "the demo outlived the stack"
     try:
-        wait_port_closed(exp_port, 20)  # the rank-started exporter leaves after its linger (1 s)
+        wait_port_closed(exp_port, 20)  # the rank-started exporter leaves after its grace and linger (1 s each)
     except AssertionError:
         spool = tmp_path / "spool"
         raise AssertionError(

@@ -258,6 +258,7 @@ def test_example_train_script_runs_with_the_jobs_settings(tmp_path):
         VRAMWATCH_SPOOL_DIR=str(tmp_path / "spool"),
         VRAMWATCH_SIMULATE="true",
         VRAMWATCH_LINGER="0",
+        VRAMWATCH_DEAD_RANK_GRACE_SECONDS="1",  # the final sample's window, which the server serves before leaving
         VRAMWATCH_INTERVAL="0.2",
         TRAIN_STEPS="0",
         TRAIN_SECONDS="60",

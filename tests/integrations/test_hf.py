@@ -99,7 +99,17 @@ def test_trainer_drives_the_heartbeat_with_loss_and_labels(exporter, tmp_path):
     assert seen["hist_count"] == [5.0]  # six optimiser steps: five intervals (12 micro-batches would give 11)
     # the callback started the exporter, so it stopped it at the end: no heartbeat left to go stale
     assert vramwatch.current() is None
-    wait_until(lambda: series(exp, "vramwatch_training_steps_total") == [], 10, "the series to go")
+    # its heartbeat and sample age go at once (nothing left to go stale); its final counters stay for the
+    # dead-rank grace window (docs/nothing-lost.md)
+    wait_until(
+        lambda: (
+            series(exp, "vramwatch_training_last_step_timestamp_seconds") == []
+            and series(exp, "vramwatch_sample_age_seconds") == []
+        ),
+        10,
+        "the heartbeat to go",
+    )
+    assert series(exp, "vramwatch_training_steps_total"), "the final counters stay for the grace window"
 
 
 def test_the_callback_does_not_change_training(tmp_path):

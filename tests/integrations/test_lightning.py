@@ -79,7 +79,17 @@ def test_lightning_drives_the_heartbeat_per_optimiser_step(exporter):
     (info,) = probe.seen["rank_info"]
     assert info["rank"] == "0" and info["local_rank"] == "0" and info["world_size"] == "1"
     assert vramwatch.current() is None  # stopped at teardown: it started the exporter
-    wait_until(lambda: series(exp, "vramwatch_training_steps_total") == [], 10, "the series to go")
+    # its heartbeat and sample age go at once (nothing left to go stale); its final counters stay for the
+    # dead-rank grace window (docs/nothing-lost.md)
+    wait_until(
+        lambda: (
+            series(exp, "vramwatch_training_last_step_timestamp_seconds") == []
+            and series(exp, "vramwatch_sample_age_seconds") == []
+        ),
+        10,
+        "the heartbeat to go",
+    )
+    assert series(exp, "vramwatch_training_steps_total"), "the final counters stay for the grace window"
 
 
 def test_the_callback_does_not_change_training(tmp_path):

@@ -63,7 +63,17 @@ def test_loop_track_and_context_manager_through_a_scrape(rank_settings):
         (total,) = series(exp, "vramwatch_training_step_duration_seconds_sum", rank=2)
         assert count == 9 and 9 * 0.003 <= total < 60
     assert vramwatch.current() is None  # leaving the block stopped it and withdrew the series
-    wait_until(lambda: series(exp, "vramwatch_training_steps_total", rank=2) == [], 10, "the series to go")
+    # its heartbeat and sample age go at once (nothing left to go stale); its final counters stay for the
+    # dead-rank grace window (docs/nothing-lost.md)
+    wait_until(
+        lambda: (
+            series(exp, "vramwatch_training_last_step_timestamp_seconds", rank=2) == []
+            and series(exp, "vramwatch_sample_age_seconds", rank=2) == []
+        ),
+        10,
+        "the heartbeat to go",
+    )
+    assert series(exp, "vramwatch_training_steps_total", rank=2), "the final counters stay for the grace window"
 
 
 def test_track_counts_only_completed_items(rank_settings):

@@ -105,7 +105,8 @@ def test_rank_starts_the_server_and_it_leaves_after_the_ranks(tmp_path):
     port = free_port()
     code = (
         "import time, vramwatch\n"
-        f"h = vramwatch.start(port={port}, spool_dir={str(tmp_path / 's')!r}, simulate=True, interval=0.1, linger=1)\n"
+        f"h = vramwatch.start(port={port}, spool_dir={str(tmp_path / 's')!r}, simulate=True, interval=0.1, linger=1, "
+        "dead_rank_grace_seconds=1)\n"
         "h.sim.init(0); h.sim.allocate(1 << 30)\n"
         "for _ in range(60):\n    vramwatch.step(); time.sleep(0.05)\n"
     )
@@ -157,7 +158,8 @@ def test_a_rank_started_server_leaves_even_when_its_rank_died_at_once(tmp_path):
     port = free_port()
     spool_dir = str(tmp_path / "s")
     code = (
-        f"import os, vramwatch\nvramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, linger=1)\n"
+        f"import os, vramwatch\nvramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, linger=1, "
+        "dead_rank_grace_seconds=1)\n"
         "os._exit(0)\n"
     )  # gone before the server's idle loop ever sees it alive
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
@@ -174,7 +176,7 @@ def test_eight_ranks_starting_together_spawn_one_server(tmp_path):
     code = (
         "import sys, time, vramwatch\n"
         f"vramwatch.start(port={port}, spool_dir={spool_dir!r}, simulate=True, interval=0.1, linger=1, "
-        "rank=int(sys.argv[1]))\n"
+        "dead_rank_grace_seconds=1, rank=int(sys.argv[1]))\n"
         "for _ in range(80):\n    vramwatch.step(); time.sleep(0.05)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}

@@ -253,3 +253,100 @@ def test_values_land_in_the_device_sample(tmp_path):
     assert w.values[1][LAST_REQUESTED] == 3 * GIB and w.values[1][LAST_FREE] == 2 * GIB
     assert abs(w.values[1][LAST_TIME] - time.time()) < 5
     assert w.snapshots == 0  # no directory: no snapshot
+
+
+# --- snapshots never follow a planted link nor write into a directory others control ---------------------------
+
+
+def test_a_link_planted_at_the_temporary_name_is_never_followed(tmp_path, monkeypatch, caplog):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's file")
+    victim.chmod(0o600)
+    snaps = tmp_path / "snaps"
+    snaps.mkdir(mode=0o700)
+    monkeypatch.setattr(oom.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name the attacker guessed
+    (snaps / f".{oom.PREFIX}{'0' * 16}.tmp").symlink_to(victim)
+    w = _watcher(snaps)
+    w(0, GIB, 8 * GIB, 0)  # no exception
+    assert victim.read_bytes() == b"root's file"
+    assert w.count == 1 and w.snapshots == 0 and "cannot create an OOM snapshot" in caplog.text
+
+
+def test_a_link_planted_at_the_final_name_is_replaced_not_followed(tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's file")
+    snaps = tmp_path / "snaps"
+    snaps.mkdir(mode=0o700)
+    monkeypatch.setattr(oom.time, "strftime", lambda fmt, t: "20260101T000000")
+    final = snaps / f"{oom.PREFIX}rank0-20260101T000000-{os.getpid()}-1{oom.SUFFIX}"
+    final.symlink_to(victim)
+    w = _watcher(snaps)
+    w(0, GIB, 8 * GIB, 0)
+    assert victim.read_bytes() == b"root's file"
+    assert w.last_path == str(final) and not final.is_symlink() and pickle.loads(final.read_bytes())["pad"]
+
+
+def test_a_directory_others_may_write_into_gets_no_snapshot(tmp_path, caplog):
+    snaps = tmp_path / "shared"
+    snaps.mkdir()
+    snaps.chmod(0o777)  # anyone could plant links or swap files in it
+    w = _watcher(snaps)
+    w(0, GIB, 8 * GIB, 0)
+    assert os.listdir(snaps) == [] and w.count == 1
+    assert "writable by others (mode 777)" in caplog.text
+
+
+def test_a_directory_of_another_user_gets_no_snapshot(tmp_path, monkeypatch, caplog):
+    snaps = tmp_path / "theirs"
+    snaps.mkdir(mode=0o700)
+    real = os.geteuid()
+    monkeypatch.setattr(oom.os, "geteuid", lambda: real + 4242)  # as if the directory were someone else's
+    w = _watcher(snaps)
+    w(0, GIB, 8 * GIB, 0)
+    assert os.listdir(snaps) == [] and w.count == 1
+    assert f"belongs to uid {real}, not {real + 4242}" in caplog.text
+
+
+def test_a_missing_directory_is_made_private(tmp_path):
+    w = _watcher(tmp_path / "new" / "snaps")
+    w(0, GIB, 8 * GIB, 0)
+    assert (tmp_path / "new" / "snaps").stat().st_mode & 0o777 == 0o700 and w.snapshots == 1
+
+
+def test_a_full_disk_while_writing_is_one_clear_log_line_and_nothing_raised(tmp_path, monkeypatch, caplog):
+    import errno
+
+    real_write = os.write
+
+    def full(fd, data):
+        if fd > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(oom.os, "write", full)
+    w = _watcher(tmp_path)
+    for _ in range(3):
+        w(0, GIB, 8 * GIB, 0)  # no exception into the job
+    assert os.listdir(tmp_path) == [], "the partial file is removed"
+    assert w.count == 3 and w.snapshots == 0
+    lines = [r.getMessage() for r in caplog.records if "is full" in r.getMessage()]
+    assert len(lines) == 1 and str(tmp_path) in lines[0] and "No space left on device" in lines[0]
+
+
+def test_the_oom_is_in_the_spool_before_the_job_sees_the_exception(start_rank, monkeypatch):
+    from vramwatch import spool
+
+    h = start_rank(interval=30)
+    monkeypatch.setattr(h._thread, "wake", lambda: None)  # no help from the sampler thread
+    sim = h.sim
+    sim.init(0)
+    sim.set_memory_fraction(8 * GIB / sim._dev(0).total)
+    try:
+        sim.allocate(16 * GIB)
+    except SimOutOfMemoryError:
+        (s,) = spool.read_samples(h.spool_dir, 64, reap=False)
+        (dev,) = s.devices
+        assert dev.values["torch_cuda_memory_ooms_total"] == 1.0 and dev.values[LAST_REQUESTED] == 16 * GIB
+        assert not [n for n in os.listdir(h.spool_dir) if n.endswith(".tmp")], "renamed into place"
+    else:
+        raise AssertionError("no OOM")

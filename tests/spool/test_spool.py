@@ -30,6 +30,9 @@ def test_publish_is_atomic_and_readable(tmp_path):
     assert (s.rank, s.pid, s.time) == (3, os.getpid(), 1.0)
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     pub.close()
+    # the last sample stays as the rank's final one, its lock gone; a reader without grace reaps it
+    assert os.listdir(tmp_path) == [os.path.basename(pub.path)]
+    assert [s.time for s in spool.read_spool(str(tmp_path), 64, 60.0, now=2.0).final] == [1.0]
     assert spool.read_samples(str(tmp_path), 64) == []
     assert os.listdir(tmp_path) == []
 
@@ -109,7 +112,7 @@ def test_a_torn_record_is_never_parsed(tmp_path):
     pub.close()
 
 
-def test_only_the_scrape_path_reaps_and_it_keeps_the_last_sample(tmp_path):
+def test_a_dead_ranks_final_sample_is_served_for_its_grace_whoever_reads_then_removed(tmp_path):
     ctx = mp.get_context("fork")
     ready, done = ctx.Event(), ctx.Event()
     p = ctx.Process(target=_hold_and_wait, args=(str(tmp_path), 2, ready, done))
@@ -117,11 +120,14 @@ def test_only_the_scrape_path_reaps_and_it_keeps_the_last_sample(tmp_path):
     assert ready.wait(10)
     os.kill(p.pid, signal.SIGKILL)
     p.join(5)
-    assert spool.read_samples(str(tmp_path), 64, reap=False) == []
+    d, now = str(tmp_path), time.time()
+    assert spool.read_samples(d, 64, reap=False) == []
     assert os.listdir(tmp_path), "a reader that does not reap leaves the files"
-    reaped = []
-    assert spool.read_samples(str(tmp_path), 64, reaped) == []
-    assert [s.rank for s in reaped] == [2] and reaped[0].hostname == "node-a"
+    for _ in range(5):  # any number of reads, reaping or not: nothing uses the window up
+        read = spool.read_spool(d, 64, 30.0, now=now + 29)
+        assert read.live == [] and [(s.rank, s.hostname) for s in read.final] == [(2, "node-a")]
+        assert spool.read_spool(d, 64, 30.0, now=now, reap=False).final == read.final
+    assert spool.read_spool(d, 64, 30.0, now=now + 31).final == []  # the window is over: removed
     assert os.listdir(tmp_path) == []
 
 
@@ -168,3 +174,47 @@ def test_a_spool_that_cannot_be_made_again_raises_and_recovers_later(tmp_path):
     pub.publish(sample(0, 3.0))
     assert [s.time for s in spool.read_samples(d, 64)] == [3.0]
     pub.close()
+
+
+def test_a_final_sample_stamped_in_the_future_is_not_kept_for_ever(tmp_path):
+    pub = spool.RankPublisher(str(tmp_path), 0)
+    pub.publish(sample(0, 10_000.0))
+    pub.close()
+    assert spool.read_spool(str(tmp_path), 64, 30.0, now=9_980.0, reap=False).final
+    assert spool.read_spool(str(tmp_path), 64, 30.0, now=100.0).final == []
+    assert os.listdir(tmp_path) == []
+
+
+def _dead(d: str, rank: int, t: float) -> None:
+    pub = spool.RankPublisher(d, rank)
+    pub.publish(sample(rank, t))
+    pub.close()  # in this process: its lock is gone, the file stays as a final sample
+
+
+def test_dead_ranks_count_against_the_cap_oldest_dropped_first_and_counted(tmp_path):
+    d = str(tmp_path)
+    live = [spool.RankPublisher(d, r) for r in range(3)]
+    for r, p in enumerate(live):
+        p.publish(sample(r, 100.0))
+    for r in range(10, 5010):  # 5,000 fake dead ranks
+        with open(os.path.join(d, f"rank-{r}-{r}.json"), "wb") as fh:
+            fh.write(files.frame(spool.encode_sample(sample(r, 50.0 + r / 1000))))
+    read = spool.read_spool(d, 8, 3600.0, now=100.0)
+    assert [s.rank for s in read.live] == [0, 1, 2]
+    assert [s.rank for s in read.final] == [5009, 5008, 5007, 5006, 5005]  # the newest, up to the cap
+    assert read.dropped["dead_rank"] == 4995 and len(read.evicted) == 4995
+    assert len([n for n in os.listdir(d) if n.endswith(".json")]) == 8, "the dropped ones are removed"
+    assert spool.read_spool(d, 8, 3600.0, now=100.0).dropped["dead_rank"] == 0  # counted once
+    for p in live:
+        p.close()
+
+
+def test_live_ranks_beyond_the_cap_are_counted(tmp_path):
+    d = str(tmp_path)
+    pubs = [spool.RankPublisher(d, r) for r in range(5)]
+    for r, p in enumerate(pubs):
+        p.publish(sample(r, 1.0))
+    read = spool.read_spool(d, 3, 60.0)
+    assert [s.rank for s in read.live] == [0, 1, 2] and read.dropped["rank"] == 2
+    for p in pubs:
+        p.close()

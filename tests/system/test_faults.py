@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -77,7 +78,7 @@ NOT_ON_THE_READ_PATH = {
     "nvmlShutdown",
     "nvmlEventSetFree",
 }
-FAST = {"nvml_interval": 0.1, "nvml_slow_interval": 0.3}
+FAST = {"nvml_interval": 0.1, "nvml_slow_interval": 0.3, "dead_rank_grace_seconds": 2}
 
 
 def test_the_lists_cover_every_simulated_nvml_call():
@@ -363,11 +364,15 @@ def test_a_sigkilled_rank_leaves_no_series_behind(server):
         os.kill(ranks[4].pid, signal.SIGKILL)
         ranks[4].wait(5)
 
-        def rank4_gone():
-            text = server.scrape()
+        def rank4_gone(text: str) -> bool:
             return 'rank="4"' not in text and 'rank="3"' in text and 'rank="5"' in text
 
-        wait_until(rank4_gone, 3, "every rank=4 series to go")
+        # its memory and liveness series at once; its final counters after the grace window (2 s here)
+        def memory_ranks() -> set[str]:
+            return {lab["rank"] for lab, _ in server.metrics().get("torch_cuda_memory_allocated_bytes", [])}
+
+        wait_until(lambda: memory_ranks() == {"3", "5"}, 3, "rank 4's memory series to go")
+        wait_until(lambda: rank4_gone(server.scrape()), 2 + 3, "every rank=4 series to go")
         assert not [f for f in os.listdir(server.spool) if f.startswith("rank-4-")]
     finally:
         for p in ranks.values():
@@ -375,20 +380,24 @@ def test_a_sigkilled_rank_leaves_no_series_behind(server):
 
 
 # --- the OOM snapshot directory broken ---
-def _enospc_links(d: Path) -> None:
-    """Point the snapshot's next temporary names at /dev/full: the kernel itself answers ENOSPC."""
-    from vramwatch.rank import oom
+def _enospc_under(d: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every write into a file under ``d`` fails as on a full file system (links planted there are not followed)."""
+    real_write = os.write
 
-    d.mkdir()
-    now = time.time()
-    for dt in range(-2, 30):
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now + dt))
-        name = f"{oom.PREFIX}rank0-{stamp}-{os.getpid()}-1{oom.SUFFIX}"
-        os.symlink("/dev/full", d / f".{name}.tmp")
+    def write(fd: int, data: bytes) -> int:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target.startswith(str(d) + os.sep):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
 
 
 @pytest.mark.parametrize("case", ["unwritable", "reported-full", "enospc", "over-cap"])
-def test_a_broken_snapshot_directory_leaves_training_untouched(server, baseline, tmp_path, caplog, case):
+def test_a_broken_snapshot_directory_leaves_training_untouched(server, baseline, tmp_path, caplog, monkeypatch, case):
     from vramwatch.rank import oom
     from vramwatch.sim.allocator import SimOutOfMemoryError
 
@@ -398,7 +407,7 @@ def test_a_broken_snapshot_directory_leaves_training_untouched(server, baseline,
         (tmp_path / "a-file").write_text("")
         snaps = tmp_path / "a-file" / "snaps"  # root ignores permission bits; a file in the path stops anyone
     elif case == "enospc":
-        _enospc_links(snaps)
+        _enospc_under(snaps, monkeypatch)
     elif case == "over-cap":
         extra["oom_snapshot_max_bytes"] = 64
     h = vramwatch.start(

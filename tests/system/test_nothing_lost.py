@@ -39,6 +39,14 @@ def _abs(p):
     p = os.fsdecode(p)
     return p if os.path.isabs(p) else os.path.join(os.getcwd(), p)
 
+# where a path given relative to a directory descriptor (os.rename(..., src_dir_fd=...)) lies
+_DIR_FDS = {"os.rename": (2, 3), "os.remove": (1,), "os.mkdir": (2,), "os.rmdir": (1,)}
+
+def _at(dir_fd):
+    if isinstance(dir_fd, int) and dir_fd >= 0:
+        return os.readlink(f"/proc/self/fd/{dir_fd}")
+    return None
+
 def _hook(event, args):
     paths = []
     if event == "open" and len(args) >= 3:
@@ -49,6 +57,10 @@ def _hook(event, args):
             paths = [path]
     elif event in _PATH_EVENTS:
         paths = list(args[: _PATH_EVENTS[event]])
+        for i, fd_at in enumerate(_DIR_FDS.get(event, ())):
+            base = _at(args[fd_at]) if len(args) > fd_at and i < len(paths) else None
+            if base is not None and not isinstance(paths[i], int):
+                paths[i] = os.path.join(base, os.fsdecode(paths[i]))
     for p in paths:
         p = _abs(p)
         if p is not None:
@@ -124,6 +136,7 @@ def _run(tmp: Path, mode: str) -> dict:
             VRAMWATCH_PORT=str(port),
             VRAMWATCH_INTERVAL="0.1",
             VRAMWATCH_LINGER="0.5",
+            VRAMWATCH_DEAD_RANK_GRACE_SECONDS="1",
             VRAMWATCH_OOM_SNAPSHOT_DIR=str(dirs["snaps"]),
             VRAMWATCH_SERVE="auto",
         )
@@ -329,3 +342,213 @@ def test_a_spool_planted_by_another_user_in_a_shared_directory_is_refused(tmp_pa
     empty_dir.mkdir(mode=0o777)
     os.chown(empty_dir, 4242, 4242)
     spool.ensure_dir(str(empty_dir))
+
+
+# --- nothing lost on death: the OOM that ends a rank reaches every scraper -----------------------------------
+
+DEATH_JOB = r"""
+import os, signal, sys, time
+import vramwatch
+
+mode, go = sys.argv[1], sys.argv[2]
+h = vramwatch.start(simulate=True, serve="external", interval=30)  # no tick will come to the rescue
+sim = h.sim
+sim.init(0)
+sim.set_memory_fraction(0.1)
+sim.allocate(1 << 30)
+h.tick()  # the device is in the spool, its OOM counter at 0
+deadline = time.monotonic() + 60
+while not os.path.exists(go) and time.monotonic() < deadline:  # until every scraper has seen the 0
+    time.sleep(0.01)
+if mode == "run":  # a restarted job that trains on
+    time.sleep(60)
+    sys.exit(0)
+if mode == "uncaught":
+    sim.allocate(1 << 50)  # the OOM propagates: the interpreter prints it and exits 1
+try:
+    sim.allocate(1 << 50)
+except Exception:
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "os_exit":
+        os._exit(3)
+    if mode == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+raise SystemExit("unknown mode " + mode)
+"""
+
+TRIALS = 3  # per case; each trial is one rank number, so the trials of a case run side by side
+GRACE = 5.0  # the exporter's dead_rank_grace_seconds: 2.5 intervals of the slower Prometheus
+OOMS = "torch_cuda_memory_ooms_total"
+
+
+class Meddler:
+    """A third client with its own timing: full GETs (recording each rank's highest OOM count and any label set
+    repeated in one exposition), HEAD requests and scrapes aborted mid-request, between Prometheus' scrapes."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        self.port = port
+        self.seen: dict[str, float] = {}
+        self.duplicates: list[str] = []
+        self.requests = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import http.client
+        import socket
+
+        from harness import parse_metrics
+
+        while not self._stop.wait(0.05):
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                c.request("HEAD", "/metrics")
+                c.getresponse().read()
+                c.close()
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:  # aborted mid-request
+                    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:  # aborted mid-answer
+                    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                    s.recv(10)
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                c.request("GET", "/metrics")
+                text = c.getresponse().read().decode()
+                c.close()
+                self.requests += 4
+            except OSError:
+                continue
+            series = [line.rsplit(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")]
+            self.duplicates += sorted({s for s in series if series.count(s) > 1})
+            for labels, v in parse_metrics(text).get(OOMS, []):
+                self.seen[labels["rank"]] = max(v, self.seen.get(labels["rank"], 0.0))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def ha_pair(tmp_path_factory):
+    """One exporter, an HA pair of real Prometheus scraping it at different intervals with the shipped alert
+    rules, and the meddling client."""
+    from harness import Exporter, Prometheus
+    from vramwatch.monitoring.alerts.render import rule_file, to_yaml
+    from vramwatch.monitoring.config import DEFAULT
+
+    tmp = tmp_path_factory.mktemp("ha")
+    exp = Exporter(tmp / "node", dead_rank_grace_seconds=GRACE, nvml=False).start()
+    rules = tmp / "rules.yml"
+    rules.write_text(to_yaml(rule_file(DEFAULT)))
+    target = [f"127.0.0.1:{exp.port}"]
+    proms = [
+        Prometheus(tmp, target, scrape_interval=iv, evaluation_interval="1s", rule_files=[str(rules)]).start()
+        for iv in ("1s", "2s")
+    ]
+    meddler = Meddler(exp.port)
+    try:
+        yield exp, proms, meddler, tmp
+    finally:
+        meddler.stop()
+        for p in proms:
+            p.stop()
+        exp.stop()
+
+
+def _job(exp, tmp: Path, rank: int, mode: str) -> tuple[subprocess.Popen, Path]:
+    from harness.procs import vramwatch_env
+
+    script = tmp / "death_job.py"
+    script.write_text(DEATH_JOB)
+    go = tmp / f"go-{rank}-{mode}-{time.monotonic_ns()}"
+    # no OOM log line: its write would hand the GIL to the sampler thread, a help a job cannot count on
+    env = vramwatch_env(exp.spool, exp.port, simulate=True, log_level="ERROR")
+    env.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="64")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode, str(go)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    return proc, go
+
+
+def _everyone_saw(proms, meddler, rank: int, expr: str, value: float, timeout: float) -> None:
+    for p in proms:
+        p.wait_for(expr, timeout=timeout)
+    wait_until(lambda: meddler.seen.get(str(rank)) == value, timeout, f"the meddler to see rank {rank} at {value}")
+
+
+def _start_and_arm(ha_pair, ranks: list[int], mode: str) -> list[tuple[subprocess.Popen, Path]]:
+    exp, proms, meddler, tmp = ha_pair
+    jobs = [_job(exp, tmp, r, mode) for r in ranks]
+    for r in ranks:  # every scraper has the rank at 0 before its OOM: the increase is there to see
+        _everyone_saw(proms, meddler, r, f'{OOMS}{{rank="{r}"}} == 0', 0.0, 60)
+    return jobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["exit", "os_exit", "sigkill", "uncaught"])
+def test_the_oom_that_ends_a_rank_reaches_every_scraper_in_every_trial(ha_pair, mode):
+    exp, proms, meddler, tmp = ha_pair
+    base = {"exit": 0, "os_exit": 10, "sigkill": 20, "uncaught": 30}[mode]
+    ranks = [base + i for i in range(TRIALS)]
+    jobs = _start_and_arm(ha_pair, ranks, mode)
+    for _, go in jobs:
+        go.touch()
+    for proc, _ in jobs:
+        rc = proc.wait(timeout=30)
+        assert rc == {"exit": 3, "os_exit": 3, "sigkill": -9, "uncaught": 1}[mode], proc.stderr.read().decode()
+    for r in ranks:
+        _everyone_saw(proms, meddler, r, f'increase({OOMS}{{rank="{r}"}}[10m]) > 0', 1.0, 3 * GRACE)
+    assert meddler.requests > 0 and not meddler.duplicates
+
+
+@pytest.mark.slow
+def test_a_job_that_ooms_and_restarts_within_one_interval_alerts_on_every_prometheus(ha_pair):
+    exp, proms, meddler, tmp = ha_pair
+    ranks = [40 + i for i in range(TRIALS)]
+    dying = _start_and_arm(ha_pair, ranks, "exit")
+    restarted = []
+    try:
+        for (proc, go), r in zip(dying, ranks, strict=True):
+            go.touch()
+            assert proc.wait(timeout=30) == 3
+            nxt, nxt_go = _job(exp, tmp, r, "run")  # same rank number, new pid, started at once
+            nxt_go.touch()
+            restarted.append(nxt)
+        for r in ranks:
+            # the new process's series goes on from the dead one's count: Prometheus sees 0 -> 1, not a reset to 0
+            _everyone_saw(proms, meddler, r, f'increase({OOMS}{{rank="{r}"}}[10m]) > 0', 1.0, 3 * GRACE)
+            for p in proms:
+                p.wait_for(f'ALERTS{{alertname="TorchOutOfMemory",rank="{r}"}}', timeout=30)
+        time.sleep(GRACE + 1)  # past the dead one's window: its count stays carried in the live series
+        for r in ranks:
+            ((labels, v),) = [(lab, v) for lab, v in exp.metrics()[OOMS] if lab["rank"] == str(r)]
+            assert v == 1.0
+        # a crash loop: the restarted process OOMs and dies too, a third takes over; one label set, the sum
+        (proc, go), r = _job(exp, tmp, ranks[0], "exit"), ranks[0]
+        wait_until(lambda: os.path.exists(os.path.join(exp.spool, f"rank-{r}-{proc.pid}.json")), 30, "its sample")
+        restarted[0].kill()
+        restarted[0].wait(5)
+        go.touch()
+        assert proc.wait(timeout=30) == 3
+        third, third_go = _job(exp, tmp, r, "run")
+        third_go.touch()
+        restarted.append(third)
+        _everyone_saw(proms, meddler, r, f'{OOMS}{{rank="{r}"}} == 2', 2.0, 3 * GRACE)
+    finally:
+        for p in restarted:
+            p.kill()
+            p.wait(5)
+    from harness import http_get, parse_metrics
+
+    for p in proms:  # Prometheus' own count of samples it dropped as repeated label sets
+        own = parse_metrics(http_get(p.url + "/metrics")[1].decode())
+        (dup,) = own["prometheus_target_scrapes_sample_duplicate_timestamp_total"]
+        assert dup[1] == 0.0, "a label set repeated in one exposition"
+    assert not meddler.duplicates

@@ -543,6 +543,17 @@ METRICS: tuple[MetricSpec, ...] = (
         "self",
     ),
     _m("vramwatch_ranks", "gauge", "", (), "Ranks publishing into this target.", "self"),
+    _m(
+        "vramwatch_spool_dropped_total",
+        "counter",
+        "",
+        ("reason",),
+        "What the server left out of the ranks' samples to bound cardinality, by reason: dead_rank (a dead "
+        "rank's final sample, max_ranks reached), rank (a live rank beyond max_ranks, per read), oversized "
+        "(a sample file too large), device, collector, value (entries beyond the per-sample bounds), label "
+        "(an entry whose label value is too long).",
+        "self",
+    ),
     _m("vramwatch_build_info", "info", "", ("version", "hostname"), "vramwatch build (value 1).", "self"),
 )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 from vramwatch import spool
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from vramwatch.rank.status import StatusLine
 
 log = logging.getLogger("vramwatch")
+
+# the longest an OOM's publish waits for a tick in progress (a tick takes microseconds to milliseconds)
+_PUBLISH_WAIT = 1.0
 
 
 class Handle:
@@ -57,6 +61,9 @@ class Handle:
         self._spawner = ServerSpawner(settings, self.spool_dir, self._log_once)
         self._publisher: spool.RankPublisher | None = None
         self._pid = os.getpid()
+        # one sample assembled and published at a time: the sampler thread's ticks and an OOM's
+        # publish on the allocating thread never interleave (an older sample never lands last)
+        self._publish_lock = threading.Lock()
 
     # --- what tests, the demo and the status line's users reach for ---
     @property
@@ -105,7 +112,9 @@ class Handle:
             self._log_once("spool", "vramwatch: cannot publish into %s (%s); exporting nothing", self.spool_dir, e)
             return
         try:
-            ctx = RankContext(self.settings, self.identity, self.heartbeat, self.source, self.spool_dir, self.wake)
+            ctx = RankContext(
+                self.settings, self.identity, self.heartbeat, self.source, self.spool_dir, self.publish_now
+            )
             self.plugins = self._assembler.plugins = attach(ctx)
             self.step_hooks = self.plugins.step_hooks
         except Exception as e:  # noqa: BLE001 - the exporter still runs without them
@@ -116,6 +125,9 @@ class Handle:
     def stop(self) -> None:
         self._thread.stop()
         self.step_hooks = ()
+        if self._publisher is not None and os.getpid() == self._pid:
+            with self._publish_lock:  # the final sample, left in the spool for the server to serve after us
+                self._publish(replace=False)
         self.plugins.close()
         self._spawner.release()
         if self._publisher is not None and os.getpid() == self._pid:
@@ -128,8 +140,26 @@ class Handle:
             hook()
 
     def wake(self) -> None:
-        """Publish a sample now rather than at the next interval (safe from any thread)."""
+        """Publish a sample soon, on the sampler thread, rather than at the next interval (any thread)."""
         self._thread.wake()
+
+    def publish_now(self) -> bool:
+        """Publish a sample on this thread before returning: an OOM's, before the job sees the error.
+
+        The sample is renamed into place, so it is whole in the spool whatever happens to the
+        process next. Waits at most ``_PUBLISH_WAIT`` s for a tick in progress; if that runs out
+        the sampler thread publishes it instead. Never raises; True when published here.
+        """
+        if os.getpid() != self._pid:  # a forked child publishes nothing (its copy of the lock may be held)
+            return False
+        if self._publisher is None or not self._publish_lock.acquire(timeout=_PUBLISH_WAIT):
+            self.wake()
+            return False
+        try:
+            self._publish(replace=True)
+            return True
+        finally:
+            self._publish_lock.release()
 
     def __enter__(self) -> Handle:
         return self
@@ -142,15 +172,19 @@ class Handle:
         else:
             self.stop()
 
-    # --- on the sampler thread ---
-    def tick(self) -> None:
-        """One sample and publish. Never raises."""
+    def _publish(self, replace: bool) -> None:
         try:
             sample = self._assembler.assemble()
             if self._publisher is not None:
-                self._publisher.publish(sample)
+                self._publisher.publish(sample, replace)
         except Exception as e:  # noqa: BLE001 - nothing escapes into the job
             self._log_once("publish:" + type(e).__name__, "vramwatch: publishing failed: %r", e)
+
+    # --- on the sampler thread ---
+    def tick(self) -> None:
+        """One sample and publish. Never raises."""
+        with self._publish_lock:
+            self._publish(replace=False)
         try:
             self._spawner.ensure()
         except Exception as e:  # noqa: BLE001

@@ -8,12 +8,21 @@ observer here:
 - remembers the request size, the free memory the driver reported and the time, which the next
   sample carries in the device's values (``torch_cuda_memory_last_oom_*``; the count itself is the
   allocator's ``num_ooms``);
+- publishes a sample at once, on the allocating thread, renamed into the spool before the
+  exception reaches the job: a job that then exits, calls ``os._exit`` or is SIGKILLed still has
+  its OOM served (docs/nothing-lost.md);
 - when ``oom_snapshot_dir`` is set, writes a pickle of ``torch.cuda.memory._snapshot()`` (what
   ``_dump_snapshot`` writes, which pytorch.org/memory_viz opens), at most once per
   ``min_interval`` seconds, keeping at most ``oom_snapshot_max_files`` files and
   ``oom_snapshot_max_bytes`` bytes in the directory (oldest deleted first) and never writing
-  into the last few percent of the file system;
-- wakes the sampler so the OOM is published at once, and logs it.
+  into the last few percent of the file system; then publishes again, with the snapshot's path;
+- logs it.
+
+Snapshots go only into a directory this user owns and nobody else may write (made 0700 when
+missing), opened once: each snapshot is created under a random name, exclusively and never
+through a link (``O_EXCL | O_NOFOLLOW``), checked to be in that very directory, and renamed into
+place through its descriptor, so neither a planted link nor a swapped directory redirects the
+write (docs/security.md).
 
 It never raises: the allocator then raises its own ``OutOfMemoryError`` to the job, unchanged.
 With ``oom_history_entries`` > 0 the allocator also records a bounded history of alloc/free events
@@ -27,10 +36,13 @@ here but is still counted by the allocator.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pickle
+import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,44 +70,94 @@ class _CapExceeded(Exception):
     pass
 
 
-class _CappedFile:
-    """A write-only file that refuses to grow past ``cap`` bytes (so pickling stops early)."""
+class _UnsafeDirectory(Exception):
+    pass
 
-    def __init__(self, fh: Any, cap: int) -> None:
-        self.fh = fh
+
+class _CappedFile:
+    """A write-only file descriptor that refuses to grow past ``cap`` bytes (so pickling stops early)."""
+
+    def __init__(self, fd: int, cap: int) -> None:
+        self.fd = fd
         self.cap = cap
         self.written = 0
 
-    def write(self, data: bytes) -> int:
-        n = len(data)
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
         if self.written + n > self.cap:
             raise _CapExceeded
+        while view:
+            view = view[os.write(self.fd, view) :]
         self.written += n
-        return self.fh.write(data)
+        return n
 
 
-def snapshot_files(directory: str) -> list[tuple[float, int, str]]:
-    """(mtime, size, path) of the OOM snapshots in ``directory``, oldest first."""
+def open_owned_dir(path: str) -> int:
+    """A descriptor of ``path``, made 0700 when missing; raises _UnsafeDirectory unless this user owns
+    it and nobody else may write into it (anyone who can could plant links or swap files in it)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    lst = os.lstat(path)
+    if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (os.geteuid(), 0):
+        raise _UnsafeDirectory(f"{path} is a link owned by uid {lst.st_uid}")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise _UnsafeDirectory(f"{path} belongs to uid {st.st_uid}, not {os.geteuid()}")
+        if st.st_mode & 0o022:
+            raise _UnsafeDirectory(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _create_in(dir_fd: int, d: str, name: str) -> int:
+    """Create ``name`` exclusively in the directory open as ``dir_fd``, never through a link.
+
+    Opened by its full path (so audit hooks see where it goes), then checked to be the very file the
+    descriptor's directory holds: a directory swapped for another since it was checked fails here."""
+    fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        mine, there = os.fstat(fd), os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):
+            raise OSError(errno.EXDEV, f"{d} was replaced while the snapshot was created")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def snapshot_files(directory: str | int) -> list[tuple[float, int, str]]:
+    """(mtime, size, name) of the OOM snapshots (regular files) in ``directory`` (a path or a
+    descriptor), oldest first."""
     out = []
     try:
         names = os.listdir(directory)
     except OSError:
         return []
+    dir_fd = directory if isinstance(directory, int) else None
     for name in names:
         if name.startswith(PREFIX) and name.endswith(SUFFIX):
-            path = os.path.join(directory, name)
             try:
-                st = os.stat(path)
+                if dir_fd is None:
+                    st = os.stat(os.path.join(str(directory), name), follow_symlinks=False)
+                else:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except OSError:
                 continue
-            out.append((st.st_mtime, st.st_size, path))
+            if stat.S_ISREG(st.st_mode):
+                out.append(
+                    (st.st_mtime, st.st_size, name if dir_fd is not None else os.path.join(str(directory), name))
+                )
     out.sort()
     return out
 
 
-def _remove(path: str) -> None:
+def _remove(name: str, dir_fd: int) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
 
@@ -113,7 +175,7 @@ class OomWatcher:
         history_entries: int = 0,
         rank: int = 0,
         dump: Callable[[], Any] | None = None,
-        wake: Callable[[], None] | None = None,
+        publish: Callable[[], object] | None = None,
         min_interval: float = 30.0,
         disk_usage: Callable[[str], Any] = shutil.disk_usage,
     ) -> None:
@@ -124,7 +186,7 @@ class OomWatcher:
         self.history_entries = history_entries
         self.rank = rank
         self.dump = dump
-        self.wake = wake
+        self.publish = publish  # publishes a sample before returning (Handle.publish_now)
         self.min_interval = min_interval
         self.disk_usage = disk_usage
         self.values: dict[int, dict[str, float]] = {}  # device -> last OOM's values; the allocating thread writes
@@ -152,7 +214,7 @@ class OomWatcher:
             max_bytes=s.oom_snapshot_max_bytes,
             history_entries=s.oom_history_entries,
             rank=ctx.identity.rank,
-            wake=ctx.wake,
+            publish=ctx.publish_now,
         )
         w.try_attach()  # CUDA may already be initialised (a Trainer's model on the GPU)
         return w
@@ -212,13 +274,15 @@ class OomWatcher:
             values[LAST_REQUESTED] = float(alloc)
             values[LAST_FREE] = float(max(device_free, 0))
             values[LAST_TIME] = now
+            if self.publish is not None:
+                self.publish()  # the count and these values are in the spool before the job sees the error
             path = None
             if self.snapshot_dir and time.monotonic() - self._last_write >= self.min_interval:
                 self._last_write = time.monotonic()
                 path = self.write_snapshot(now)
+                if path is not None and self.publish is not None:
+                    self.publish()  # and where the snapshot is
             self._log_oom(now, device, alloc, device_free, path)
-            if self.wake is not None:
-                self.wake()
         except Exception as e:  # noqa: BLE001 - an observer that raises would replace the job's OOM
             self._log_once("observer:" + type(e).__name__, "vramwatch: OOM observer failed: %r", e)
 
@@ -247,7 +311,21 @@ class OomWatcher:
         if not d or self.dump is None:
             return None
         try:
-            os.makedirs(d, mode=0o700, exist_ok=True)  # snapshots hold stack frames and paths
+            dir_fd = open_owned_dir(d)  # snapshots hold stack frames and paths
+        except _UnsafeDirectory as e:
+            self._log_once("unsafe", "vramwatch: no OOM snapshots: %s (it must be yours and not writable by others)", e)
+            return None
+        except OSError as e:
+            self._log_once("dir:" + type(e).__name__, "vramwatch: cannot write OOM snapshots into %s: %s", d, e)
+            return None
+        try:
+            return self._write_into(dir_fd, d, now)
+        finally:
+            os.close(dir_fd)
+
+    def _write_into(self, dir_fd: int, d: str, now: float) -> str | None:
+        assert self.dump is not None
+        try:
             usage = self.disk_usage(d)
         except OSError as e:
             self._log_once("dir:" + type(e).__name__, "vramwatch: cannot write OOM snapshots into %s: %s", d, e)
@@ -265,40 +343,55 @@ class OomWatcher:
         self._seq += 1
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
         name = f"{PREFIX}rank{self.rank}-{stamp}-{os.getpid()}-{self._seq}{SUFFIX}"
-        path = os.path.join(d, name)
-        tmp = os.path.join(d, "." + name + ".tmp")
+        tmp = f".{PREFIX}{secrets.token_hex(8)}.tmp"  # unpredictable, created only if absent, never a link
         try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
-                capped = _CappedFile(fh, cap)
-                pickle.dump(data, capped)
+            fd = _create_in(dir_fd, d, tmp)
+        except OSError as e:
+            self._log_once("create:" + type(e).__name__, "vramwatch: cannot create an OOM snapshot in %s: %s", d, e)
+            return None
+        try:
+            capped = _CappedFile(fd, cap)
+            pickle.dump(data, capped)
             size = capped.written
         except _CapExceeded:
-            _remove(tmp)
+            _remove(tmp, dir_fd)
             self._log_once(
                 "cap",
                 "vramwatch: OOM snapshot larger than %s (oom_snapshot_max_bytes or free disk); not written",
                 _fmt(cap),
             )
             return None
-        except Exception as e:  # noqa: BLE001 - disk full, permissions, an unpicklable object
-            _remove(tmp)
+        except OSError as e:
+            _remove(tmp, dir_fd)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._log_once(
+                    "nospace", "vramwatch: no OOM snapshot: %s is full (%s); the partial file is removed", d, e.strerror
+                )
+            else:
+                self._log_once("write:" + str(e.errno), "vramwatch: writing the OOM snapshot into %s failed: %r", d, e)
+            return None
+        except Exception as e:  # noqa: BLE001 - an unpicklable object
+            _remove(tmp, dir_fd)
             self._log_once("write:" + type(e).__name__, "vramwatch: writing the OOM snapshot failed: %r", e)
             return None
+        finally:
+            os.close(fd)
         # caps: delete the oldest until the new one fits (count, then bytes)
-        existing = snapshot_files(d)
+        existing = snapshot_files(dir_fd)
         while existing and len(existing) >= self.max_files:
-            _remove(existing.pop(0)[2])
+            _remove(existing.pop(0)[2], dir_fd)
         total = sum(sz for _, sz, _ in existing)
         while existing and total + size > self.max_bytes:
             _, sz, old = existing.pop(0)
-            _remove(old)
+            _remove(old, dir_fd)
             total -= sz
         try:
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # replaces a planted link, never follows it
         except OSError as e:
-            _remove(tmp)
+            _remove(tmp, dir_fd)
             self._log_once("rename", "vramwatch: writing the OOM snapshot failed: %r", e)
             return None
+        path = os.path.join(d, name)
         self.snapshots += 1
         self.last_path = path
         self.last_snapshot = OomSnapshot(path, now)

@@ -34,7 +34,7 @@ class RankContext:
     heartbeat: Heartbeat
     source: AllocatorSource
     spool_dir: str
-    wake: Callable[[], None]  # publish a sample now (an OOM)
+    publish_now: Callable[[], bool]  # publish a sample on the calling thread before returning (an OOM)
 
 
 class Plugin(Protocol):

@@ -107,7 +107,10 @@ class Server:
                 if not exit_when_idle:
                     continue
                 now = time.monotonic()
-                if spool.read_samples(self.spool_dir, self.settings.max_ranks, reap=False):
+                read = spool.read_spool(
+                    self.spool_dir, self.settings.max_ranks, self.settings.dead_rank_grace_seconds, reap=False
+                )
+                if read.live or read.final:  # a dead rank's final sample keeps the server up for its grace
                     last_seen = now
                 elif last_seen is None and (
                     spool.any_rank_files(self.spool_dir) or self.exporter.served_ranks_since(started)

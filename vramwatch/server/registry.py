@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -13,6 +13,7 @@ from vramwatch._version import __version__
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server.collectors import Health, Runner, ScrapeContext, ranks
+from vramwatch.server.collectors.rank_view import DeviceKey, RankView
 
 
 class ExporterCollector:
@@ -23,6 +24,7 @@ class ExporterCollector:
         self.hostname = settings.resolved_hostname()
         self.spool_health = Health()
         self.spool_trouble = ""  # why the spool directory is unusable (it vanished and cannot be made again)
+        self.rank_view = RankView(spool_dir, settings.max_ranks, settings.dead_rank_grace_seconds)
         self._served_at: float | None = None
 
     def served_ranks_since(self, t: float) -> bool:
@@ -34,25 +36,21 @@ class ExporterCollector:
 
     def context(self) -> ScrapeContext:
         t0 = time.perf_counter()
+        now = time.time()
+        read = spool.SpoolRead()
+        carried: Mapping[DeviceKey, Mapping[str, float]] = {}
         try:
-            reaped: list[spool.RankSample] = []
-            rejected: list[spool.Rejected] = []
-            samples = spool.read_samples(self.spool_dir, self.settings.max_ranks, reaped, rejected=rejected)
-            # a rank that died since the last scrape is served by this scrape, then never again:
-            # its last counters (an OOM that killed it) reach Prometheus, and its series are
-            # gone by the second scrape after its death
-            live = {s.rank for s in samples}
-            samples += [s for s in reaped if s.rank not in live]
+            # live ranks, and dead ranks' final samples for their grace window (rank_view)
+            read, carried = self.rank_view.read(now)
             self.spool_health.up = 0 if self.spool_trouble else 1
-            for r in rejected:  # a rank whose series are missing: up 0 while it lasts, logged once per file
+            for r in read.rejected:  # a rank whose series are missing: up 0 while it lasts, logged once per file
                 self.spool_health.failed(f"rejected:{r.file}:{r.reason}:{r.version}", "vramwatch: %s", r.describe())
         except Exception as e:  # noqa: BLE001
-            samples = []
             self.spool_health.failed("spool", "vramwatch: reading the spool failed: %r", e)
         self.spool_health.duration = time.perf_counter() - t0
-        if samples:
+        if read.live or read.final:
             self._served_at = time.monotonic()
-        return ScrapeContext(tuple(samples), time.time(), self.hostname)
+        return ScrapeContext(tuple(read.live), now, self.hostname, tuple(read.final), carried)
 
     def collect(self) -> Iterable[Metric]:
         ctx = self.context()
@@ -82,9 +80,12 @@ class ExporterCollector:
             dur.add_metric([name, rank], float(h.duration))
         n = contract.family("vramwatch_ranks")
         n.add_metric([], float(len(ctx.samples)))
+        dropped = contract.family("vramwatch_spool_dropped_total")
+        for reason, count in self.rank_view.dropped.items():
+            dropped.add_metric([reason], float(count))
         build = contract.family("vramwatch_build_info")
         build.add_metric([__version__, self.hostname], 1.0)
-        yield from (up, err, dur, n, build)
+        yield from (up, err, dur, n, dropped, build)
 
 
 def build_registry(exporter: ExporterCollector) -> CollectorRegistry:

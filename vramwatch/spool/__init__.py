@@ -21,7 +21,7 @@ from vramwatch.spool.files import (
     write_server_info,
 )
 from vramwatch.spool.publisher import RankPublisher
-from vramwatch.spool.reader import Rejected, any_rank_files, read_samples, sample_age
+from vramwatch.spool.reader import Rejected, SpoolRead, any_rank_files, read_samples, read_spool, sample_age
 from vramwatch.spool.readings import (
     GpuIdentity,
     GpuReadings,
@@ -57,6 +57,7 @@ __all__ = [
     "RankPublisher",
     "RankSample",
     "Rejected",
+    "SpoolRead",
     "SampleRejected",
     "any_rank_files",
     "decode_sample",
@@ -68,6 +69,7 @@ __all__ = [
     "read_node",
     "read_node_readings",
     "read_samples",
+    "read_spool",
     "sample_age",
     "server_running",
     "write_node_readings",

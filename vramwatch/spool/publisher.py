@@ -44,17 +44,23 @@ class RankPublisher:
         self._lock_fd = self._fd = None
         self.path = self.lock_path = self._tmp = os.devnull  # the child publishes nothing
 
-    def publish(self, sample: RankSample) -> None:
-        """Write ``sample``; raises OSError when the spool is unusable (the caller logs it once and calls again)."""
+    def publish(self, sample: RankSample, replace: bool = False) -> None:
+        """Write ``sample``; with ``replace`` into a new file renamed over the old one (an OOM's sample).
+
+        Either way the record is in the kernel's page cache when this returns, so the server reads it
+        even if the process dies the next instant (SIGKILL included). In place, a process killed in the
+        middle of the write would leave a torn record; a rename never does, and costs ~0.4 ms on some
+        filesystems: that is paid for an OOM, not on every interval. Raises OSError when the spool is
+        unusable (the caller logs it once and calls again).
+        """
         if self._lock_fd is None:
             return
         record = files.frame(encode_sample(sample))
         if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
             self._recreate()  # the file, and most likely the whole spool, was removed
-        # one pwrite into a file kept open: no open/rename per sample (a rename costs ~0.4 ms on
-        # some filesystems). A reader may catch a write half-done, so the header carries the
-        # length and a CRC, and the reader retries on a mismatch.
-        if self._fd is None:
+        # one pwrite into a file kept open: no open/rename per sample. A reader may catch a write
+        # half-done, so the header carries the length and a CRC, and the reader retries on a mismatch.
+        if self._fd is None or replace:
             try:
                 self._create(record)
             except FileNotFoundError:  # removed before the first publish, or while it failed to come back
@@ -64,13 +70,15 @@ class RankPublisher:
             os.pwrite(self._fd, record, 0)
 
     def _create(self, record: bytes) -> None:
-        fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             os.pwrite(fd, record, 0)
-            os.replace(self._tmp, self.path)  # appears complete, once
-        except OSError:
+            os.replace(self._tmp, self.path)  # appears complete, at once
+        except BaseException:
             os.close(fd)
             raise
+        if self._fd is not None:
+            os.close(self._fd)
         self._fd = fd
 
     def _recreate(self) -> None:
@@ -91,12 +99,13 @@ class RankPublisher:
         )
 
     def close(self) -> None:
+        """Stop publishing. The last sample stays behind as this rank's final one: the server serves it
+        for ``dead_rank_grace_seconds`` once the lock is gone, then removes it."""
         if self._lock_fd is None:
             return
-        files.remove_quietly(self.path, self._tmp, self.lock_path)
+        files.remove_quietly(self._tmp, self.lock_path)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        os.close(self._lock_fd)
+        self._lock_fd = None

@@ -8,7 +8,8 @@ reads. :class:`ScrapeContext` is what every collector may use during one scrape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from vramwatch.server.collectors.framework import (
     REGISTRY,
@@ -41,8 +42,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ScrapeContext:
-    """What every collector may use during one scrape: the ranks' samples, read once."""
+    """What every collector may use during one scrape: the ranks' samples, read once.
+
+    ``samples`` are the live ranks'. ``final`` holds the final samples of dead ranks inside their grace
+    window (newest first) and ``carried`` the counters of dead processes, per (uuid, device, rank,
+    local_rank), that the series of that label set go on from: only the ranks' families use them.
+    """
 
     samples: tuple[RankSample, ...]
     now: float
     hostname: str
+    final: tuple[RankSample, ...] = ()
+    carried: Mapping[tuple[str, int, int, int], Mapping[str, float]] = field(default_factory=dict)

@@ -1,17 +1,29 @@
-"""Families from the ranks' published samples: allocator, heartbeat, staleness."""
+"""Families from the ranks' published samples: allocator, heartbeat, staleness.
+
+Live ranks export everything. A dead rank's final sample (inside its grace window, see
+:mod:`.rank_view`) exports only what describes how it ended: its counters (OOMs, retries, steps),
+the last OOM's values and its OOM snapshot; no memory gauges, heartbeat or sample age, which
+would page for memory no process holds or a stall of a job that is gone. Each label set appears
+once per exposition: a live rank wins over a dead one of the same rank, the newest dead one over
+older ones, and counters carry what the dead processes of that label set counted.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client.core import Metric
 
 from vramwatch.monitoring import contract
 from vramwatch.server.collectors import ScrapeContext
-from vramwatch.spool import CollectorHealth, RankSample
+from vramwatch.server.collectors.rank_view import CARRIED, DeviceKey, device_key
+from vramwatch.spool import CollectorHealth, OomSnapshot, RankSample
 
 DEVICE_METRICS = [m for m in contract.METRICS if m.collector == "allocator" and m.labels == contract.RANK_DEVICE]
+# what a dead rank's device exports besides its counters: the values of the OOM that ended it
+LAST_OOM = frozenset(m.name for m in DEVICE_METRICS if m.name.startswith("torch_cuda_memory_last_oom_"))
+FINAL_DEVICE = CARRIED | LAST_OOM
 _DEVICE_FAMILIES = tuple(m.name for m in DEVICE_METRICS)
 
 
@@ -20,23 +32,6 @@ def _rank_labels(s: RankSample) -> list[str]:
 
 
 RankFailed = Callable[[RankSample, Exception], None]
-
-
-def families(ctx: ScrapeContext, failed: RankFailed | None = None) -> Iterable[Metric]:
-    """Every rank's families. Each rank renders into families of its own first, so one that fails (the
-    codec refuses mis-shaped samples; this is the second line) is left out alone and told to ``failed``."""
-    merged = _empty()
-    for s in ctx.samples:
-        try:
-            own = _rank_families(s, ctx.now)
-        except Exception as e:  # noqa: BLE001 - one rank never fails the scrape of the others
-            if failed is not None:
-                failed(s, e)
-            continue
-        for name, fam in own.items():
-            merged[name].samples.extend(fam.samples)
-    return merged.values()
-
 
 _RANK_FAMILIES = (
     "torch_cuda_allocator_info",
@@ -57,19 +52,55 @@ def _empty() -> dict[str, Any]:
     return {name: contract.family(name) for name in _DEVICE_FAMILIES + _RANK_FAMILIES}
 
 
-def _rank_families(s: RankSample, now: float) -> dict[str, Any]:
-    fams = _empty()
+def families(ctx: ScrapeContext, failed: RankFailed | None = None) -> Iterable[Metric]:
+    """Every rank's families. Each rank (live, or dead with only its final sample left) renders into
+    families of its own first, so one that fails (the codec refuses mis-shaped samples; this is the
+    second line) is left out alone and told to ``failed``."""
+    finals = _FinalIndex(ctx.final) if ctx.final else None
+    merged = _empty()
+
+    def add(s: RankSample, render: Callable[..., None], *args: Any) -> None:
+        own = _empty()
+        try:
+            render(own, *args)
+        except Exception as e:  # noqa: BLE001 - one rank never fails the scrape of the others
+            if failed is not None:
+                failed(s, e)
+            return
+        for name, fam in own.items():
+            merged[name].samples.extend(fam.samples)
+
+    for s in ctx.samples:
+        add(s, _live_rank, s, ctx, finals)
+    if finals is not None:
+        live_devices = {device_key(s, d) for s in ctx.samples for d in s.devices}
+        live_ranks = {(s.rank, s.local_rank) for s in ctx.samples}
+        for rk, s in finals.rank.items():  # ranks with no live process now
+            if rk not in live_ranks:
+                add(s, _dead_rank, rk, s, finals)
+        for key, values in finals.devices.items():  # devices no live rank exports now
+            if key not in live_devices:
+                owner = finals.rank[(key[2], key[3])]
+                add(owner, _dead_device, key, values, ctx.carried)
+    return merged.values()
+
+
+def _live_rank(fams: dict[str, Any], s: RankSample, ctx: ScrapeContext, finals: _FinalIndex | None) -> None:
     rl = _rank_labels(s)
     for dev in s.devices:
         labels = [dev.uuid, str(dev.device)] + rl
-        for name, value in dev.values.items():
+        values: Mapping[str, float] = dev.values
+        if finals is not None or ctx.carried:
+            values = _continued(device_key(s, dev), values, ctx.carried, finals)
+        for name, value in values.items():
             if name in _DEVICE_FAMILIES:
                 fams[name].add_metric(labels, value)
     if s.allocator_info is not None:
         fams["torch_cuda_allocator_info"].add_metric(rl + list(s.allocator_info.labels()), 1.0)
-    if s.oom_snapshot is not None:
-        fams["vramwatch_oom_snapshot_info"].add_metric(rl + [s.oom_snapshot.path[:256]], 1.0)
-        fams["vramwatch_oom_snapshot_timestamp_seconds"].add_metric(rl, s.oom_snapshot.time)
+    snapshot = s.oom_snapshot
+    if finals is not None:
+        snapshot = _newer(snapshot, finals.snapshot.get((s.rank, s.local_rank)))
+    _snapshot(fams, rl, snapshot)
     hb = s.heartbeat
     fams["vramwatch_training_steps_total"].add_metric(rl, float(hb.steps))
     if hb.last_step_time:
@@ -84,9 +115,85 @@ def _rank_families(s: RankSample, now: float) -> dict[str, Any]:
         fams["vramwatch_training_loss"].add_metric(rl, hb.loss)
     if hb.grad_norm is not None:
         fams["vramwatch_training_grad_norm"].add_metric(rl, hb.grad_norm)
-    fams["vramwatch_sample_age_seconds"].add_metric(rl, s.age(now))
+    fams["vramwatch_sample_age_seconds"].add_metric(rl, s.age(ctx.now))
+    _rank_info(fams, rl, s)
+
+
+def _dead_rank(fams: dict[str, Any], rk: tuple[int, int], s: RankSample, finals: _FinalIndex) -> None:
+    rl = _rank_labels(s)
+    _snapshot(fams, rl, finals.snapshot.get(rk))
+    fams["vramwatch_training_steps_total"].add_metric(rl, float(s.heartbeat.steps))
+    _rank_info(fams, rl, s)
+
+
+def _dead_device(
+    fams: dict[str, Any], key: DeviceKey, values: Mapping[str, float], carried: Mapping[DeviceKey, Mapping[str, float]]
+) -> None:
+    labels = [key[0], str(key[1]), str(key[2]), str(key[3])]
+    for name, value in _continued(key, values, carried, None, live=False).items():
+        if name in FINAL_DEVICE and name in _DEVICE_FAMILIES:
+            fams[name].add_metric(labels, value)
+
+
+def _snapshot(fams: dict[str, Any], rl: list[str], snapshot: OomSnapshot | None) -> None:
+    if snapshot is not None:
+        fams["vramwatch_oom_snapshot_info"].add_metric(rl + [snapshot.path[:256]], 1.0)
+        fams["vramwatch_oom_snapshot_timestamp_seconds"].add_metric(rl, snapshot.time)
+
+
+def _rank_info(fams: dict[str, Any], rl: list[str], s: RankSample) -> None:
     fams["vramwatch_rank_info"].add_metric(rl + [str(s.world_size), s.hostname[:128]], 1.0)
-    return fams
+
+
+class _FinalIndex:
+    """The dead ranks' final samples by label set, the newest winning (``final`` comes newest first)."""
+
+    def __init__(self, final: Iterable[RankSample]) -> None:
+        self.devices: dict[DeviceKey, dict[str, float]] = {}  # the newest values, the last OOM's kept from older ones
+        self.rank: dict[tuple[int, int], RankSample] = {}
+        self.snapshot: dict[tuple[int, int], OomSnapshot] = {}
+        for s in final:
+            rk = (s.rank, s.local_rank)
+            self.rank.setdefault(rk, s)
+            newest = _newer(self.snapshot.get(rk), s.oom_snapshot)
+            if newest is not None:
+                self.snapshot[rk] = newest
+            for d in s.devices:
+                values = self.devices.setdefault(device_key(s, d), dict(d.values))
+                for name in LAST_OOM - values.keys():
+                    if name in d.values:
+                        values[name] = d.values[name]
+
+
+def _newer(a: OomSnapshot | None, b: OomSnapshot | None) -> OomSnapshot | None:
+    if a is None or (b is not None and b.time > a.time):
+        return b
+    return a
+
+
+def _continued(
+    key: DeviceKey,
+    values: Mapping[str, float],
+    carried: Mapping[DeviceKey, Mapping[str, float]],
+    finals: _FinalIndex | None,
+    live: bool = True,
+) -> Mapping[str, float]:
+    """A label set's values: its counters go on from what its dead processes counted (for a live
+    process, added to its own; with only dead ones left, their sum), and the last OOM's values stay
+    when the newest process has had none yet."""
+    base = carried.get(key)
+    dead = finals.devices.get(key) if finals is not None else None
+    if not base and not dead:
+        return values
+    out = dict(values)
+    if dead:
+        for name in LAST_OOM - out.keys():
+            if name in dead:
+                out[name] = dead[name]
+    if base:
+        for name, value in base.items():
+            out[name] = out.get(name, 0.0) + value if live else value
+    return out
 
 
 def _le(v: float) -> str:
@@ -94,7 +201,7 @@ def _le(v: float) -> str:
 
 
 def rank_collector_health(ctx: ScrapeContext) -> Iterable[tuple[str, str, CollectorHealth]]:
-    """(collector, rank, health) for the collectors that run inside ranks."""
+    """(collector, rank, health) for the collectors that run inside ranks (live ranks only)."""
     for s in ctx.samples:
         for name, h in s.collectors.items():
             yield name, str(s.rank), h
