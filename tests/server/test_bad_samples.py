@@ -184,14 +184,15 @@ def test_one_rank_failing_to_render_leaves_out_only_that_rank(tmp_path, caplog, 
     """Defence in depth: were a sample to pass the codec and still break rendering, only its rank goes."""
     from vramwatch.server.collectors import ranks
 
-    real = ranks._rank_families
+    real = ranks._live_rank
 
-    def flaky(s, now):
+    def flaky(fams, s, *args):
         if s.rank == 1:
+            fams["vramwatch_training_steps_total"].add_metric(["1", "1"], 1.0)  # half-rendered, then broken
             raise TypeError("boom")
-        return real(s, now)
+        return real(fams, s, *args)
 
-    monkeypatch.setattr(ranks, "_rank_families", flaky)
+    monkeypatch.setattr(ranks, "_live_rank", flaky)
     rig = Rig(str(tmp_path))
     rig.plant(VALID)
     m = rig.scrape()
