@@ -441,13 +441,32 @@ def test_foreign_processes_exclude_the_ranks(rig):
     assert rig.value("gpu_foreign_processes", gpu=1) == 0 and rig.procs.health.up == 1
 
 
+def test_a_stranger_sized_like_a_rank_is_still_foreign(rig):
+    # the rank's own process holds reserved + its context (527 MiB); the stranger is closer to the rank's
+    # reserved bytes than that, so only the pid tells them apart (a guess by size would drop the stranger)
+    rig.rank(0, 501, 0, 8 * GIB)
+    rig.node.add_foreign(0, 9999, 8 * GIB + 100 * 2**20)
+    rig.poll(10.0)
+    assert rig.value("gpu_foreign_processes", gpu=0) == 1
+    assert rig.value("gpu_foreign_process_memory_bytes", gpu=0) == 8 * GIB + 100 * 2**20
+
+
 def test_foreign_fallback_when_pid_namespaces_differ():
     # NVML reports host pids 70001/70002 for the ranks (container pids 11, 12) plus one real stranger
     procs = ((70001, 8 * GIB + 527 * 2**20), (70002, 4 * GIB + 527 * 2**20), (70003, 3 * GIB))
     others = foreign(procs, {11, 12}, [8 * GIB, 4 * GIB])
     assert others == [(70003, 3 * GIB)]
-    assert foreign(procs, {70001, 70002}, [8 * GIB, 4 * GIB]) == [(70003, 3 * GIB)]  # pids match: no guessing
-    assert foreign(procs, {1}, []) == list(procs)  # no rank on this GPU: all foreign
+    assert foreign(procs, {1}, []) == list(procs)  # no rank on this GPU, none of the pids a rank's: all foreign
+
+
+def test_foreign_by_pid_never_guesses_by_size():
+    procs = ((70001, 8 * GIB + 527 * 2**20), (70002, 4 * GIB + 527 * 2**20), (70003, 8 * GIB))
+    # both ranks found by pid: the stranger closest in size to a rank stays foreign
+    assert foreign(procs, {70001, 70002}, [8 * GIB, 4 * GIB]) == [(70003, 8 * GIB)]
+    # one rank found by pid, the other not (it is elsewhere): nothing else is taken for a rank
+    assert foreign(procs, {70001, 12}, [8 * GIB, 4 * GIB]) == [(70002, 4 * GIB + 527 * 2**20), (70003, 8 * GIB)]
+    # a rank's pid is the job's on any GPU, also where it published no device (a stray context)
+    assert foreign(procs, {70001}, []) == [(70002, 4 * GIB + 527 * 2**20), (70003, 8 * GIB)]
 
 
 @pytest.mark.parametrize(

@@ -123,16 +123,19 @@ class SimAllocator:
         self._fault("snapshot")
         segs = []
         for idx, d in self._devices.items():
-            free = d.v("reserved_bytes") - d.v("allocated_bytes")
+            pending = d.v("active_bytes") - d.v("allocated_bytes")
+            free = d.v("reserved_bytes") - d.v("active_bytes")
             split = min(d.v("inactive_split_bytes"), free)
             blocks = [{"size": d.v("allocated_bytes"), "state": "active_allocated"}]
+            if pending:
+                blocks.append({"size": pending, "state": "active_pending_free"})  # freed, awaiting its stream
             if split:
                 blocks.append({"size": split, "state": "inactive"})  # the largest of the split pieces
             if free - split:
                 segs.append(
                     {"device": idx, "total_size": free - split, "blocks": [{"size": free - split, "state": "inactive"}]}
                 )
-            segs.append({"device": idx, "total_size": d.v("allocated_bytes") + split, "blocks": blocks})
+            segs.append({"device": idx, "total_size": d.v("active_bytes") + split, "blocks": blocks})
         return segs
 
     # --- the rest of the protocol: OOM forensics and hygiene ---
@@ -202,7 +205,7 @@ class SimAllocator:
     def allocate(self, nbytes: int, device: int = 0) -> None:
         d = self._dev(device)
         nbytes = int(nbytes)
-        cached_free = d.v("reserved_bytes") - d.v("allocated_bytes") - d.v("inactive_split_bytes")
+        cached_free = d.v("reserved_bytes") - d.v("active_bytes") - d.v("inactive_split_bytes")
         if cached_free < nbytes:
             # no cached block fits: the allocator asks the driver for a new segment of the full size
             grow = _round_segment(nbytes)
@@ -238,6 +241,25 @@ class SimAllocator:
             d.stats["allocation"].add(-1)
             d.stats["active"].add(-1)
 
+    def free_pending(self, nbytes: int, device: int = 0) -> None:
+        """Free a tensor another stream still uses (``record_stream``): it stops counting as allocated now,
+        but its block stays active, neither reusable nor releasable, until :meth:`process_events`."""
+        d = self._dev(device)
+        nbytes = min(int(nbytes), d.v("allocated_bytes"))
+        d.stats["allocated_bytes"].add(-nbytes)
+        d.stats["requested_bytes"].add(-nbytes)
+        if d.v("allocation") > 0:
+            d.stats["allocation"].add(-1)
+
+    def process_events(self, device: int = 0) -> None:
+        """The other streams caught up: blocks freed while in use become cached free blocks."""
+        d = self._dev(device)
+        pending = d.v("active_bytes") - d.v("allocated_bytes")
+        if pending > 0:
+            d.stats["active_bytes"].add(-pending)
+            if d.v("active") > d.v("allocation"):
+                d.stats["active"].add(d.v("allocation") - d.v("active"))
+
     def fragment(self, nbytes: int, device: int = 0) -> None:
         """Free ``nbytes`` as scattered pieces of split segments: cached but unusable for big requests."""
         d = self._dev(device)
@@ -250,7 +272,8 @@ class SimAllocator:
         self._release_cache(self._dev(device))
 
     def _release_cache(self, d: _Device) -> None:
-        keep = d.v("allocated_bytes") + d.v("inactive_split_bytes")  # split pieces cannot be released
+        # split pieces cannot be released, nor blocks still awaiting another stream
+        keep = d.v("active_bytes") + d.v("inactive_split_bytes")
         release = d.v("reserved_bytes") - keep
         if release > 0:
             d.stats["reserved_bytes"].add(-release)
