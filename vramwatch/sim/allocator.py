@@ -1,4 +1,7 @@
-"""A simulated caching allocator that reports the real ``memory_stats()`` shape (122 keys)."""
+"""A simulated caching allocator that reports the real ``memory_stats()`` shape of a torch version.
+
+tests/data/memory_stats_keys/ holds each version's flattened key list; the tests compare this shape to it.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +24,12 @@ _STATS = (
     "inactive_split_bytes",
     "requested_bytes",
 )
+
+# Counters each torch version adds to 2.11's (122 keys): num_oom_rejections counts the allocations that
+# throw_on_cudamalloc_oom refused (0 here: the simulator never refuses early).
+EXTRA_COUNTERS: dict[str, tuple[str, ...]] = {"2.11": (), "2.13": ("num_oom_rejections",)}
+TORCH_SHAPES = tuple(EXTRA_COUNTERS)
+DEFAULT_SHAPE = "2.13"  # the torch the tests install
 
 
 class SimOutOfMemoryError(RuntimeError):
@@ -47,7 +56,7 @@ class _Stat:
 
 
 class _Device:
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, extra_counters: tuple[str, ...]) -> None:
         self.total = total
         self.fraction = 1.0
         self.stats = {name: _Stat() for name in _STATS}
@@ -58,6 +67,7 @@ class _Device:
             "num_device_alloc": 0,
             "num_device_free": 0,
         }
+        self.counters.update(dict.fromkeys(extra_counters, 0))
 
     def v(self, name: str) -> int:
         return self.stats[name].current
@@ -71,7 +81,10 @@ class SimAllocator:
     (cache flush) before an OOM.
     """
 
-    def __init__(self, node: SimNode, visible: str | None = None) -> None:
+    def __init__(self, node: SimNode, visible: str | None = None, torch_version: str = DEFAULT_SHAPE) -> None:
+        if torch_version not in EXTRA_COUNTERS:
+            raise ValueError(f"no memory_stats() shape for torch {torch_version!r}; known: {', '.join(TORCH_SHAPES)}")
+        self.torch_version = torch_version
         self.node = node
         self.physical = _visible(node, os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible)
         self._devices: dict[int, _Device] = {}
@@ -292,7 +305,8 @@ class SimAllocator:
         if d is None:
             if not 0 <= device < len(self.physical):
                 raise ValueError(f"CUDA device {device} is not visible (simulated)")
-            d = self._devices[device] = _Device(self.node.gpus[self.physical[device]].total_bytes)
+            total = self.node.gpus[self.physical[device]].total_bytes
+            d = self._devices[device] = _Device(total, EXTRA_COUNTERS[self.torch_version])
         return d
 
 
