@@ -69,8 +69,44 @@ def test_absent_fields_decode_to_their_defaults():
         collectors={"nvml": CollectorHealth(0, 0, 0.0)},
         oom_snapshot=OomSnapshot("/s/oom.pickle", 0.0),
     )
+    partial = decode_sample(payload(allocator_info={"garbage_collection_threshold": "0.8"}))
+    assert partial.allocator_info == AllocatorInfo("", "", "0.8", "")
     bare = decode_sample(payload(allocator_info={}, oom_snapshot={"time": 3}))
     assert bare.allocator_info is None and bare.oom_snapshot is None and bare.devices == ()
+
+
+def test_every_field_round_trips():
+    full = RankSample(
+        rank=3,
+        local_rank=1,
+        world_size=8,
+        hostname="node-a",
+        pid=42,
+        time=12.5,
+        devices=(DeviceSample(1, "GPU-y", {"torch_cuda_memory_allocated_bytes": 7.0}),),
+        allocator_info=AllocatorInfo("native", "true", "0.8", "128"),
+        heartbeat=HeartbeatSnapshot(9, 11.5, (0.1, 1.0), (1, 2, 3), 4.5, 0.25, 2.5),
+        collectors={"allocator": CollectorHealth(1, 3, 0.002)},
+        oom_snapshot=OomSnapshot("/s/oom.pickle", 11.0),
+    )
+    assert decode_sample(spool.encode_sample(full)) == full
+
+
+@pytest.mark.parametrize(
+    "doc,reason,detail,version",
+    [
+        ({"rank": 1}, "malformed", "no schema version", None),
+        ({"v": True}, "malformed", "no schema version", None),
+        ({"v": SCHEMA_VERSION + 1}, "newer_version", f"schema version {SCHEMA_VERSION + 1}, this reader", SCHEMA_VERSION + 1),
+        ({"v": SCHEMA_VERSION - 1}, "older_version", f"schema version {SCHEMA_VERSION - 1}, this reader", SCHEMA_VERSION - 1),
+        ({"v": SCHEMA_VERSION, "rank": 1}, "malformed", "bad field (KeyError(", SCHEMA_VERSION),
+    ],
+)
+def test_rejections_name_their_reason_detail_and_version(doc, reason, detail, version):
+    with pytest.raises(SampleRejected) as e:
+        decode_sample(json.dumps(doc).encode())
+    assert e.value.reason == reason and e.value.detail.startswith(detail)
+    assert e.value.version == version
 
 
 @pytest.mark.parametrize("bad", [True, "3", None, [3]])
