@@ -97,8 +97,8 @@ def test_every_field_round_trips():
     [
         ({"rank": 1}, "malformed", "no schema version", None),
         ({"v": True}, "malformed", "no schema version", None),
-        ({"v": SCHEMA_VERSION + 1}, "newer_version", f"schema version {SCHEMA_VERSION + 1}, this reader", SCHEMA_VERSION + 1),
-        ({"v": SCHEMA_VERSION - 1}, "older_version", f"schema version {SCHEMA_VERSION - 1}, this reader", SCHEMA_VERSION - 1),
+        ({"v": SCHEMA_VERSION + 1}, "newer_version", f"schema version {SCHEMA_VERSION + 1},", SCHEMA_VERSION + 1),
+        ({"v": SCHEMA_VERSION - 1}, "older_version", f"schema version {SCHEMA_VERSION - 1},", SCHEMA_VERSION - 1),
         ({"v": SCHEMA_VERSION, "rank": 1}, "malformed", "bad field (KeyError(", SCHEMA_VERSION),
     ],
 )
