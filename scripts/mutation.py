@@ -34,7 +34,12 @@ SCOPES: dict[str, tuple[list[str], list[str]]] = {
     "rank": (["vramwatch/rank/*"], ["tests/rank"]),
     "collectors": (
         ["vramwatch/server/collectors/*"],
-        ["tests/server/test_collector_framework.py", "tests/server/test_nvml_collector.py", "tests/server/test_xid.py"],
+        [
+            "tests/server/test_collector_framework.py",
+            "tests/server/test_nvml_collector.py",
+            "tests/server/test_xid.py",
+            "tests/monitoring/test_contract.py",  # its golden exposition is the ranks collector's test
+        ],
     ),
     "integrations": (["vramwatch/integrations/*"], ["tests/integrations"]),
     # one module of collectors, for a quick rerun after its tests change

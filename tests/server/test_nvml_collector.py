@@ -513,6 +513,23 @@ def test_unsupported_process_listing_is_logged_once_and_not_asked_again(tmp_path
     assert rec.getMessage() == f"vramwatch: GPU 1 {uuid}: compute processes are NOT_SUPPORTED; not asked again"
 
 
+def test_unsupported_is_remembered_per_gpu_until_nvml_is_reinitialised(tmp_path, caplog):
+    rig = Rig(tmp_path)
+    for gpu in (0, 1):
+        rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_NOT_SUPPORTED, gpu=gpu)
+    with caplog.at_level(logging.INFO, logger="vramwatch"):
+        rig.poll(10.0)
+        rig.poll(10.0)
+    assert len([r for r in caplog.records if "compute processes are" in r.getMessage()]) == 2  # one per GPU
+    assert rig.nv.calls["nvmlDeviceGetComputeRunningProcesses"] == 2
+    rig.session.mark_down(RuntimeError("driver reloaded"))  # a new NVML session may support it after all
+    rig.node.clear_error()
+    rig.poll(120.0)
+    rig.poll(10.0)
+    assert rig.nv.calls["nvmlDeviceGetComputeRunningProcesses"] > 2
+    assert rig.value("gpu_foreign_processes", gpu=0) == 0 and rig.value("gpu_foreign_processes", gpu=1) == 0
+
+
 def test_a_transient_listing_failure_is_logged_once_by_name(tmp_path, caplog):
     rig = Rig(tmp_path)
     rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_TIMEOUT, gpu=1)
