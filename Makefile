@@ -8,7 +8,7 @@ PROMETHEUS   := $(TOOLS)/usr/bin/prometheus
 ALERTMANAGER := $(TOOLS)/usr/bin/prometheus-alertmanager
 export TEST_TOOLS_DIR := $(abspath $(TOOLS))/usr/bin
 
-.PHONY: demo test venv tools lint typecheck docs generate check-generated gpu-test clean
+.PHONY: demo test venv tools lint typecheck docs generate check-generated gpu-test mutation clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -89,6 +89,23 @@ check-generated: venv
 
 gpu-test: venv
 	$(BIN)/pytest -q -m gpu
+
+# Mutation testing (docs/mutation.md), not part of `make test`: hours on two cores for every package.
+# `make mutation SCOPES="spool contract"` runs some of scripts/mutation.py's scopes. mutmut lives in a venv
+# of its own, pinned by pyproject's `mutation` extra; a .pth file there lends it the project venv's packages.
+MUTATION_VENV := .cache/mutation-venv
+SCOPES        ?=
+MUTATION_JOBS ?= 1
+$(MUTATION_VENV)/.installed: pyproject.toml | venv
+	$(BIN)/python -m venv $(MUTATION_VENV)
+	$(MUTATION_VENV)/bin/pip install -q "$$($(BIN)/python -c 'import tomllib; \
+		print(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["mutation"][0])')"
+	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > \
+		"$$($(MUTATION_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/project-venv.pth"
+	touch $@
+mutation: venv $(MUTATION_VENV)/.installed
+	nice -n 19 $(MUTATION_VENV)/bin/python scripts/mutation.py --mutmut $(MUTATION_VENV)/bin/python \
+		--jobs $(MUTATION_JOBS) $(SCOPES)
 
 clean:
 	rm -rf $(VENV) .cache

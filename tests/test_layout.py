@@ -179,3 +179,42 @@ def test_the_graph_sees_imports_inside_functions() -> None:
     # the cli imports its subcommands' modules only when they run
     assert "vramwatch.docs" in GRAPH["vramwatch.cli"]
     assert "vramwatch.server.main" in GRAPH["vramwatch.cli"]
+
+
+# --- no test depends on where the virtualenv lives ---
+# this file names what it looks for, so it is left out
+TEST_SOURCES = sorted(
+    p for p in [*(ROOT / "tests").rglob("*.py"), *(ROOT / "harness").rglob("*.py")] if p != Path(__file__).resolve()
+)
+_RUNNERS = {"run", "Popen", "check_call", "check_output", "call", "execv", "execvp"}
+# an interpreter or tool named by a path or a bare name resolves to whichever install PATH or the checkout
+# has; sys.executable (or harness.tool() for the stack's binaries) is the one running the tests
+_BARE = {"python", "python3", "pytest", "vramwatch", "ruff", "mypy", "pip"}
+
+
+def venv_assumptions(path: Path) -> Iterator[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and ".venv" in node.value:
+            yield node.lineno, f"names .venv: {node.value!r}"
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            if func in _RUNNERS and node.args and isinstance(node.args[0], (ast.List, ast.Tuple)):
+                first = node.args[0].elts[0] if node.args[0].elts else None
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    name = first.value
+                    if name in _BARE or "/bin/" in name:
+                        yield node.lineno, f"runs {name!r}: use sys.executable (-m ...)"
+
+
+def test_no_test_assumes_where_the_virtualenv_is():
+    found = [f"{p.relative_to(ROOT)}:{line}: {what}" for p in TEST_SOURCES for line, what in venv_assumptions(p)]
+    assert not found, "\n".join(found)
+
+
+def test_the_venv_check_sees_what_it_looks_for(tmp_path):
+    bad = tmp_path / "t.py"
+    bad.write_text(
+        'import subprocess\nsubprocess.run([".venv/bin/python", "-m", "vramwatch"])\nsubprocess.run(["pytest", "-q"])\n'
+    )
+    assert sorted(line for line, _ in venv_assumptions(bad)) == [2, 2, 3]

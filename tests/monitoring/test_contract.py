@@ -126,3 +126,18 @@ def test_docs_are_generated_from_the_contract():
     readme = (root / "README.md").read_text()
     for m in contract.METRICS:
         assert f"`{m.name}`" in readme
+
+
+def test_exposed_names_strip_only_a_contract_histograms_suffixes():
+    (hist,) = [m.name for m in contract.METRICS if m.type == "histogram"][:1]
+    samples = [f"{hist}_bucket", f"{hist}_sum", f"{hist}_count", f"{hist}_created", "gpu_power_watts"]
+    assert contract.exposed_names(samples) == {hist, "gpu_power_watts"}
+    # a suffix on a name that is not a contract histogram stays: it is reported as unknown
+    assert contract.exposed_names(["not_in_the_contract_sum", "x_created"]) == {"not_in_the_contract_sum", "x_created"}
+
+
+def test_counter_families_expose_the_contract_name():
+    (counter,) = [m.name for m in contract.METRICS if m.type == "counter"][:1]
+    fam = contract.family(counter)
+    fam.add_metric(["0"] * len(contract.spec(counter).labels), 1.0)
+    assert [s.name for s in fam.samples] == [counter] and counter.endswith("_total")

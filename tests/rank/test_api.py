@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 import timeit
+from bisect import bisect_left
 
 import pytest
 
 import vramwatch
 from vramwatch import spool
+from vramwatch.rank.heartbeat import BUCKETS
 
 
 def _sample(h):
@@ -81,12 +85,52 @@ def test_stop_withdraws_the_series(start_rank):
     vramwatch.step()  # after stop: a no-op
 
 
+class _Reference:
+    """What any heartbeat must do per step, in plain Python: two clock reads, a bucket search, four updates."""
+
+    __slots__ = ("counts", "last", "steps", "sum", "wall")
+
+    def __init__(self) -> None:
+        self.last, self.wall, self.steps, self.sum = time.monotonic(), 0.0, 0, 0.0
+        self.counts = [0] * (len(BUCKETS) + 1)
+
+    def step(self) -> None:
+        now = time.monotonic()
+        d = now - self.last
+        self.counts[bisect_left(BUCKETS, d)] += 1
+        self.sum += d
+        self.last = now
+        self.wall = time.time()
+        self.steps += 1
+
+
+# The guarantee is step() <= 5 us on the training machine (benchmarks/overhead.py checks it there, in
+# microseconds: TARGETS["step_call_us_max"]). There _Reference.step took REFERENCE_US, so 5 us is
+# STEP_BUDGET_REFERENCES of it. Both are plain interpreted Python, so the ratio carries to any machine
+# where absolute times do not (a slower or loaded CI core slows both alike).
+# Measured on the H200 host (Python 3.12, 41 rounds, four runs): reference 0.29-0.32 us (one run 0.52 us),
+# step() 1.21-1.23 references, as on a loaded 2-core CI machine (0.22 us reference, 1.2 references).
+REFERENCE_US = 0.30
+STEP_BUDGET_REFERENCES = 5.0 / REFERENCE_US
+
+
 def test_step_costs_microseconds(start_rank):
     start_rank()
-    n = 200_000
-    best = min(timeit.repeat(vramwatch.step, number=n, repeat=5)) / n
-    # the target is <= 5 us on the training machine (benchmarks/RESULTS.md); CI machines are slower
-    assert best < 5e-6 * 4, f"step() took {best * 1e6:.2f} us"
+    ref = _Reference()
+    n, rounds = 20_000, 41
+    ratios, steps, refs = [], [], []
+    for _ in range(rounds):  # interleaved short rounds: load that hits one round hits both of its timings
+        a = timeit.timeit(vramwatch.step, number=n) / n
+        b = timeit.timeit(ref.step, number=n) / n
+        ratios.append(a / b)
+        steps.append(a)
+        refs.append(b)
+    ratio = statistics.median(ratios)
+    print(f"step() {statistics.median(steps) * 1e6:.3f} us, reference {statistics.median(refs) * 1e6:.3f} us")
+    assert ratio < STEP_BUDGET_REFERENCES, (
+        f"step() costs {ratio:.1f} reference steps (budget {STEP_BUDGET_REFERENCES:.1f}, i.e. 5 us on the "
+        f"training machine); here {statistics.median(steps) * 1e6:.2f} us"
+    )
 
 
 def test_import_does_not_import_torch_or_frameworks():

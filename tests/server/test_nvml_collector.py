@@ -16,7 +16,7 @@ from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
 from vramwatch.server.collectors import Runner, ScrapeContext
 from vramwatch.server.collectors.nvml import FIELDS, THROTTLE_REASONS, NvmlCollector
-from vramwatch.server.collectors.processes import ProcessesCollector, foreign
+from vramwatch.server.collectors.processes import GpuProcesses, ProcessesCollector, foreign, process_families
 from vramwatch.server.collectors.xid import XidLedger, XidWatcher
 from vramwatch.sim.nvml import SimNvml
 from vramwatch.sim.state import SimNode
@@ -447,13 +447,123 @@ def test_foreign_processes_exclude_the_ranks(rig):
     assert rig.value("gpu_foreign_processes", gpu=1) == 0 and rig.procs.health.up == 1
 
 
+def test_a_stranger_sized_like_a_rank_is_still_foreign(rig):
+    # the rank's own process holds reserved + its context (527 MiB); the stranger is closer to the rank's
+    # reserved bytes than that, so only the pid tells them apart (a guess by size would drop the stranger)
+    rig.rank(0, 501, 0, 8 * GIB)
+    rig.node.add_foreign(0, 9999, 8 * GIB + 100 * 2**20)
+    rig.poll(10.0)
+    assert rig.value("gpu_foreign_processes", gpu=0) == 1
+    assert rig.value("gpu_foreign_process_memory_bytes", gpu=0) == 8 * GIB + 100 * 2**20
+
+
 def test_foreign_fallback_when_pid_namespaces_differ():
     # NVML reports host pids 70001/70002 for the ranks (container pids 11, 12) plus one real stranger
     procs = ((70001, 8 * GIB + 527 * 2**20), (70002, 4 * GIB + 527 * 2**20), (70003, 3 * GIB))
     others = foreign(procs, {11, 12}, [8 * GIB, 4 * GIB])
     assert others == [(70003, 3 * GIB)]
-    assert foreign(procs, {70001, 70002}, [8 * GIB, 4 * GIB]) == [(70003, 3 * GIB)]  # pids match: no guessing
-    assert foreign(procs, {1}, []) == list(procs)  # no rank on this GPU: all foreign
+    assert foreign(procs, {1}, []) == list(procs)  # no rank on this GPU, none of the pids a rank's: all foreign
+
+
+def test_foreign_fallback_prefers_the_closest_process_at_or_above_the_reservation():
+    # a process holds at least what its rank reserved: one exactly at it is the rank, not the one above
+    assert foreign(((1, 8 * GIB), (2, 8 * GIB + 100 * 2**20)), {11}, [8 * GIB]) == [(2, 8 * GIB + 100 * 2**20)]
+    # of those above, the closest; a closer one below (another job's) is not taken
+    procs = ((1, 9 * GIB), (2, 4 * GIB + 527 * 2**20), (3, 4 * GIB - 2**20))
+    assert foreign(procs, {11}, [4 * GIB]) == [(1, 9 * GIB), (3, 4 * GIB - 2**20)]
+    # none above (NVML reporting less than the rank reserved): the closest below
+    assert foreign(((1, 1 * GIB), (2, 7 * GIB)), {11}, [8 * GIB]) == [(1, 1 * GIB)]
+
+
+def test_the_fallback_uses_each_ranks_reservation_on_that_gpu():
+    uuid = "GPU-0"
+    snap = (GpuProcesses(0, uuid, ((70001, 8 * GIB + 527 * 2**20), (70003, 3 * GIB))),)
+    device = DeviceSample(0, uuid, {"torch_cuda_memory_reserved_bytes": float(8 * GIB)})
+    rank = RankSample(0, 0, 1, "h", 11, time.time(), devices=(device,))  # pid 11 in its container
+    count, mem = process_families(snap, ScrapeContext((rank,), time.time(), "node-a"))
+    assert [s.value for s in count.samples] == [1.0] and [s.value for s in mem.samples] == [3 * GIB]
+
+
+def test_one_gpus_failure_leaves_the_others_listed(tmp_path):
+    rig = Rig(tmp_path)
+    rig.node.add_foreign(1, 9999, GIB)
+    rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_UNKNOWN, gpu=0)
+    rig.poll(10.0)
+    assert rig.value("gpu_foreign_processes", gpu=1) == 1 and rig.procs.health.up == 0
+    rig.node.clear_error()
+    rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_NOT_SUPPORTED, gpu=0)
+    rig.poll(10.0)
+    assert rig.value("gpu_foreign_processes", gpu=1) == 1 and rig.procs.health.up == 1
+
+
+def test_a_lost_gpu_is_skipped_and_marks_the_read_failed(tmp_path):
+    rig = Rig(tmp_path)
+    rig.poll(0)
+    rig.node.add_foreign(1, 9999, GIB)
+    rig.node.gpu(0).lost = True
+    rig.poll(10.0)  # the NVML collector finds GPU 0 lost; the process listing skips it from then on
+    assert rig.value("gpu_foreign_processes", gpu=0) is None
+    assert rig.value("gpu_foreign_processes", gpu=1) == 1 and rig.procs.health.up == 0
+
+
+def test_unsupported_process_listing_is_logged_once_and_not_asked_again(tmp_path, caplog):
+    rig = Rig(tmp_path)
+    rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_NOT_SUPPORTED, gpu=1)
+    with caplog.at_level(logging.INFO, logger="vramwatch"):
+        for _ in range(3):
+            rig.poll(10.0)
+    assert rig.nv.calls["nvmlDeviceGetComputeRunningProcesses"] == 3 + 1  # GPU 0 each round, GPU 1 once
+    (rec,) = [r for r in caplog.records if "compute processes are" in r.getMessage()]
+    uuid = rig.node.gpu(1).uuid
+    assert rec.levelno == logging.INFO
+    assert rec.getMessage() == f"vramwatch: GPU 1 {uuid}: compute processes are NOT_SUPPORTED; not asked again"
+
+
+def test_unsupported_is_remembered_per_gpu_until_nvml_is_reinitialised(tmp_path, caplog):
+    rig = Rig(tmp_path)
+    for gpu in (0, 1):
+        rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_NOT_SUPPORTED, gpu=gpu)
+    with caplog.at_level(logging.INFO, logger="vramwatch"):
+        rig.poll(10.0)
+        rig.poll(10.0)
+    assert len([r for r in caplog.records if "compute processes are" in r.getMessage()]) == 2  # one per GPU
+    assert rig.nv.calls["nvmlDeviceGetComputeRunningProcesses"] == 2
+    rig.session.mark_down(RuntimeError("driver reloaded"))  # a new NVML session may support it after all
+    rig.node.clear_error()
+    rig.poll(120.0)
+    rig.poll(10.0)
+    assert rig.nv.calls["nvmlDeviceGetComputeRunningProcesses"] > 2
+    assert rig.value("gpu_foreign_processes", gpu=0) == 0 and rig.value("gpu_foreign_processes", gpu=1) == 0
+
+
+def test_a_transient_listing_failure_is_logged_once_by_name(tmp_path, caplog):
+    rig = Rig(tmp_path)
+    rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_TIMEOUT, gpu=1)
+    with caplog.at_level(logging.INFO, logger="vramwatch"):
+        for _ in range(3):
+            rig.poll(10.0)
+    recs = [r for r in caplog.records if "listing compute processes" in r.getMessage()]
+    uuid = rig.node.gpu(1).uuid
+    assert [(r.levelno, r.getMessage()) for r in recs] == [
+        (logging.WARNING, f"vramwatch: GPU 1 {uuid}: listing compute processes failed (TIMEOUT)")
+    ]
+
+
+def test_a_quiet_listing_error_keeps_the_collector_up(tmp_path):
+    rig = Rig(tmp_path)
+    rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_NO_DATA, gpu=1)
+    rig.poll(10.0)
+    assert rig.procs.health.up == 1 and rig.value("gpu_foreign_processes", gpu=0) == 0
+
+
+def test_foreign_by_pid_never_guesses_by_size():
+    procs = ((70001, 8 * GIB + 527 * 2**20), (70002, 4 * GIB + 527 * 2**20), (70003, 8 * GIB))
+    # both ranks found by pid: the stranger closest in size to a rank stays foreign
+    assert foreign(procs, {70001, 70002}, [8 * GIB, 4 * GIB]) == [(70003, 8 * GIB)]
+    # one rank found by pid, the other not (it is elsewhere): nothing else is taken for a rank
+    assert foreign(procs, {70001, 12}, [8 * GIB, 4 * GIB]) == [(70002, 4 * GIB + 527 * 2**20), (70003, 8 * GIB)]
+    # a rank's pid is the job's on any GPU, also where it published no device (a stray context)
+    assert foreign(procs, {70001}, []) == [(70002, 4 * GIB + 527 * 2**20), (70003, 8 * GIB)]
 
 
 @pytest.mark.parametrize(
@@ -475,6 +585,8 @@ def test_process_listing_errors(tmp_path, code, up):
     assert rig.value("gpu_foreign_processes", gpu=1) is None
     if code != E.NVML_ERROR_UNINITIALIZED:
         assert rig.value("gpu_foreign_processes", gpu=0) == 0
+    else:  # the session is down: nothing is listed until it is back
+        assert rig.value("gpu_foreign_processes", gpu=0) is None
 
 
 def test_each_read_publishes_power_and_free_memory_for_the_status_lines(tmp_path):

@@ -564,14 +564,6 @@ def spec(name: str) -> MetricSpec:
     return BY_NAME[name]
 
 
-def _base(s: MetricSpec) -> str:
-    if s.type == "counter" and s.name.endswith("_total"):
-        return s.name[: -len("_total")]
-    if s.type == "info" and s.name.endswith("_info"):
-        return s.name
-    return s.name
-
-
 def family(name: str) -> Any:
     """A fresh metric family for ``name`` with the contract's help and labels.
 
@@ -581,7 +573,7 @@ def family(name: str) -> Any:
     s = BY_NAME[name]
     labels = list(s.labels)
     if s.type == "counter":
-        return CounterMetricFamily(_base(s), s.help, labels=labels)
+        return CounterMetricFamily(s.name, s.help, labels=labels)  # it exposes name_total (and strips one)
     if s.type == "histogram":
         return HistogramMetricFamily(s.name, s.help, labels=labels)
     # info families are exposed as gauges of value 1 (the *_info convention), so

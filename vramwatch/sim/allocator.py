@@ -1,4 +1,7 @@
-"""A simulated caching allocator that reports the real ``memory_stats()`` shape (122 keys)."""
+"""A simulated caching allocator that reports the real ``memory_stats()`` shape of a torch version.
+
+tests/data/memory_stats_keys/ holds each version's flattened key list; the tests compare this shape to it.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +24,12 @@ _STATS = (
     "inactive_split_bytes",
     "requested_bytes",
 )
+
+# Counters each torch version adds to 2.11's (122 keys): num_oom_rejections counts the allocations that
+# throw_on_cudamalloc_oom refused (0 here: the simulator never refuses early).
+EXTRA_COUNTERS: dict[str, tuple[str, ...]] = {"2.11": (), "2.13": ("num_oom_rejections",)}
+TORCH_SHAPES = tuple(EXTRA_COUNTERS)
+DEFAULT_SHAPE = "2.13"  # the torch the tests install
 
 
 class SimOutOfMemoryError(RuntimeError):
@@ -47,7 +56,7 @@ class _Stat:
 
 
 class _Device:
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, extra_counters: tuple[str, ...]) -> None:
         self.total = total
         self.fraction = 1.0
         self.stats = {name: _Stat() for name in _STATS}
@@ -58,6 +67,7 @@ class _Device:
             "num_device_alloc": 0,
             "num_device_free": 0,
         }
+        self.counters.update(dict.fromkeys(extra_counters, 0))
 
     def v(self, name: str) -> int:
         return self.stats[name].current
@@ -71,7 +81,10 @@ class SimAllocator:
     (cache flush) before an OOM.
     """
 
-    def __init__(self, node: SimNode, visible: str | None = None) -> None:
+    def __init__(self, node: SimNode, visible: str | None = None, torch_version: str = DEFAULT_SHAPE) -> None:
+        if torch_version not in EXTRA_COUNTERS:
+            raise ValueError(f"no memory_stats() shape for torch {torch_version!r}; known: {', '.join(TORCH_SHAPES)}")
+        self.torch_version = torch_version
         self.node = node
         self.physical = _visible(node, os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible)
         self._devices: dict[int, _Device] = {}
@@ -123,16 +136,19 @@ class SimAllocator:
         self._fault("snapshot")
         segs = []
         for idx, d in self._devices.items():
-            free = d.v("reserved_bytes") - d.v("allocated_bytes")
+            pending = d.v("active_bytes") - d.v("allocated_bytes")
+            free = d.v("reserved_bytes") - d.v("active_bytes")
             split = min(d.v("inactive_split_bytes"), free)
             blocks = [{"size": d.v("allocated_bytes"), "state": "active_allocated"}]
+            if pending:
+                blocks.append({"size": pending, "state": "active_pending_free"})  # freed, awaiting its stream
             if split:
                 blocks.append({"size": split, "state": "inactive"})  # the largest of the split pieces
             if free - split:
                 segs.append(
                     {"device": idx, "total_size": free - split, "blocks": [{"size": free - split, "state": "inactive"}]}
                 )
-            segs.append({"device": idx, "total_size": d.v("allocated_bytes") + split, "blocks": blocks})
+            segs.append({"device": idx, "total_size": d.v("active_bytes") + split, "blocks": blocks})
         return segs
 
     # --- the rest of the protocol: OOM forensics and hygiene ---
@@ -202,7 +218,7 @@ class SimAllocator:
     def allocate(self, nbytes: int, device: int = 0) -> None:
         d = self._dev(device)
         nbytes = int(nbytes)
-        cached_free = d.v("reserved_bytes") - d.v("allocated_bytes") - d.v("inactive_split_bytes")
+        cached_free = d.v("reserved_bytes") - d.v("active_bytes") - d.v("inactive_split_bytes")
         if cached_free < nbytes:
             # no cached block fits: the allocator asks the driver for a new segment of the full size
             grow = _round_segment(nbytes)
@@ -238,6 +254,25 @@ class SimAllocator:
             d.stats["allocation"].add(-1)
             d.stats["active"].add(-1)
 
+    def free_pending(self, nbytes: int, device: int = 0) -> None:
+        """Free a tensor another stream still uses (``record_stream``): it stops counting as allocated now,
+        but its block stays active, neither reusable nor releasable, until :meth:`process_events`."""
+        d = self._dev(device)
+        nbytes = min(int(nbytes), d.v("allocated_bytes"))
+        d.stats["allocated_bytes"].add(-nbytes)
+        d.stats["requested_bytes"].add(-nbytes)
+        if d.v("allocation") > 0:
+            d.stats["allocation"].add(-1)
+
+    def process_events(self, device: int = 0) -> None:
+        """The other streams caught up: blocks freed while in use become cached free blocks."""
+        d = self._dev(device)
+        pending = d.v("active_bytes") - d.v("allocated_bytes")
+        if pending > 0:
+            d.stats["active_bytes"].add(-pending)
+            if d.v("active") > d.v("allocation"):
+                d.stats["active"].add(d.v("allocation") - d.v("active"))
+
     def fragment(self, nbytes: int, device: int = 0) -> None:
         """Free ``nbytes`` as scattered pieces of split segments: cached but unusable for big requests."""
         d = self._dev(device)
@@ -250,7 +285,8 @@ class SimAllocator:
         self._release_cache(self._dev(device))
 
     def _release_cache(self, d: _Device) -> None:
-        keep = d.v("allocated_bytes") + d.v("inactive_split_bytes")  # split pieces cannot be released
+        # split pieces cannot be released, nor blocks still awaiting another stream
+        keep = d.v("active_bytes") + d.v("inactive_split_bytes")
         release = d.v("reserved_bytes") - keep
         if release > 0:
             d.stats["reserved_bytes"].add(-release)
@@ -269,7 +305,8 @@ class SimAllocator:
         if d is None:
             if not 0 <= device < len(self.physical):
                 raise ValueError(f"CUDA device {device} is not visible (simulated)")
-            d = self._devices[device] = _Device(self.node.gpus[self.physical[device]].total_bytes)
+            total = self.node.gpus[self.physical[device]].total_bytes
+            d = self._devices[device] = _Device(total, EXTRA_COUNTERS[self.torch_version])
         return d
 
 

@@ -24,7 +24,6 @@ class RankPublisher:
 
     def __init__(self, spool_dir: str, rank: int) -> None:
         files.ensure_dir(spool_dir)
-        self.dir = spool_dir
         self.path = files.sample_path(spool_dir, files.rank_stem(rank, os.getpid()))
         self.lock_path = files.lock_path_of(self.path)
         self._tmp = self.path + ".tmp"

@@ -1,0 +1,127 @@
+"""Mutation testing, one package at a time: `make mutation` (all scopes) or `make mutation SCOPES="spool"`.
+
+Each scope mutates one package and runs only the tests that mirror it (mutmut runs, for each mutant, those
+of them that reach the mutated function). It runs in a copy of the tree under .cache/mutation/<scope>/,
+whose pyproject.toml is the repository's with the scope's only_mutate and test selection added to
+[tool.mutmut], so scopes never share mutmut's state. Results: .cache/mutation/<scope>/summary.json (counts
+and score) and survivors.txt (each surviving mutant's diff); docs/mutation.md records them.
+
+    python scripts/mutation.py [--mutmut PYTHON] [--jobs N] [SCOPE ...]
+
+PYTHON is the interpreter that has mutmut (the Makefile's .cache/mutation-venv); the project's own venv
+provides everything else through a .pth file there, so mutmut never goes into the project's venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".cache" / "mutation"
+
+# scope -> (what to mutate, the tests that mirror it). Slow end-to-end tests stay out (pyproject's
+# pytest_add_cli_args deselects `slow`); each mutant runs only the selected tests that reach its function.
+SCOPES: dict[str, tuple[list[str], list[str]]] = {
+    "spool": (["vramwatch/spool/*"], ["tests/spool"]),
+    "contract": (["vramwatch/monitoring/contract.py"], ["tests/monitoring/test_contract.py"]),
+    "alerts": (["vramwatch/monitoring/alerts/*"], ["tests/monitoring/test_alerts.py"]),
+    "rank": (["vramwatch/rank/*"], ["tests/rank"]),
+    "collectors": (
+        ["vramwatch/server/collectors/*"],
+        [
+            "tests/server/test_collector_framework.py",
+            "tests/server/test_nvml_collector.py",
+            "tests/server/test_xid.py",
+            "tests/monitoring/test_contract.py",  # its golden exposition is the ranks collector's test
+        ],
+    ),
+    "integrations": (["vramwatch/integrations/*"], ["tests/integrations"]),
+    # one module of collectors, for a quick rerun after its tests change
+    "processes": (["vramwatch/server/collectors/processes.py"], ["tests/server/test_nvml_collector.py"]),
+}
+
+
+def tree_files() -> list[str]:
+    """The repository's files as git sees them (tracked, and untracked but not ignored)."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+    return [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+
+
+def toml_list(items: list[str]) -> str:
+    return json.dumps(items)  # a JSON array of strings is a TOML array
+
+
+def prepare(scope: str) -> Path:
+    mutate, tests = SCOPES[scope]
+    dest = WORK / scope
+    if dest.exists():
+        shutil.rmtree(dest)
+    for f in tree_files():
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dest / f)
+    pyproject = dest / "pyproject.toml"
+    text = pyproject.read_text()
+    header = "[tool.mutmut]\n"
+    if header not in text:
+        raise SystemExit(f"{ROOT / 'pyproject.toml'} has no {header.strip()} table")
+    added = f"only_mutate = {toml_list(mutate)}\npytest_add_cli_args_test_selection = {toml_list(tests)}\n"
+    pyproject.write_text(text.replace(header, header + added, 1))
+    return dest
+
+
+def run_scope(scope: str, mutmut: str, jobs: int) -> dict[str, object]:
+    dest = prepare(scope)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy's code, never the tree's
+    env.setdefault("TEST_TOOLS_DIR", str(ROOT / ".cache" / "debian" / "usr" / "bin"))
+    mm = [os.path.abspath(mutmut), "-m", "mutmut"]  # absolute: it runs in the copy
+    with open(dest / "mutmut.log", "w") as log:
+        r = subprocess.run([*mm, "run", "--max-children", str(jobs)], cwd=dest, env=env, stdout=log, stderr=log)
+    if r.returncode != 0:
+        raise SystemExit(f"mutmut run failed for {scope} ({r.returncode}): see {dest / 'mutmut.log'}")
+    subprocess.run([*mm, "export-cicd-stats"], cwd=dest, env=env, check=True, capture_output=True)
+    stats = json.loads((dest / "mutants" / "mutmut-cicd-stats.json").read_text())
+    tested = int(stats.get("total", 0)) - int(stats.get("skipped", 0))
+    caught = int(stats.get("killed", 0)) + int(stats.get("timeout", 0)) + int(stats.get("caught_by_type_check", 0))
+    summary: dict[str, object] = {"scope": scope, **stats, "score": round(100 * caught / tested, 1) if tested else None}
+    listing = subprocess.run([*mm, "results"], cwd=dest, env=env, capture_output=True, text=True, check=True).stdout
+    names = [line.split(":")[0].strip() for line in listing.splitlines() if ":" in line]
+    with open(dest / "survivors.txt", "w") as out:
+        for name in names:
+            shown = subprocess.run([*mm, "show", name], cwd=dest, env=env, capture_output=True, text=True)
+            out.write(shown.stdout + "\n")
+    (dest / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scopes", nargs="*", help=f"one of {', '.join(SCOPES)}; default: all but processes")
+    ap.add_argument("--mutmut", default=sys.executable, help="a Python that has mutmut")
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    args = ap.parse_args(argv)
+    unknown = [s for s in args.scopes if s not in SCOPES]
+    if unknown:
+        ap.error(f"unknown scope {unknown[0]!r}; one of {', '.join(SCOPES)}")
+    for scope in args.scopes or [s for s in SCOPES if s != "processes"]:
+        s = run_scope(scope, args.mutmut, args.jobs)
+        print(
+            f"{scope}: score {s['score']}% ({s.get('killed')} killed, {s.get('survived')} survived, "
+            f"{s.get('no_tests')} without tests, {s.get('timeout')} timeouts of {s.get('total')}); "
+            f"{WORK / scope / 'survivors.txt'}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
