@@ -36,7 +36,10 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
         ),
         alert(
             "TorchOutOfMemory",
-            f"increase({ooms}[{duration(cfg.oom_window)}]) > 0",
+            # the second arm: a series whose first sample already counts an OOM (a rank that died of it
+            # before Prometheus' first scrape of it), where increase() has no earlier sample to compare
+            f"increase({ooms}[{duration(cfg.oom_window)}]) > 0\n"
+            f"or ({ooms} > 0 unless {ooms} offset {duration(cfg.oom_window)})",
             WARNING,
             "The caching allocator raised an out-of-memory error.",
             f"{DEVICE_WHERE}: about {VALUE_INT} CUDA out-of-memory error(s) in the last {cfg.oom_window}. "
