@@ -24,6 +24,7 @@ class RankPublisher:
 
     def __init__(self, spool_dir: str, rank: int) -> None:
         files.ensure_dir(spool_dir)
+        self.dir = spool_dir  # made again should it vanish (_recreate)
         self.path = files.sample_path(spool_dir, files.rank_stem(rank, os.getpid()))
         self.lock_path = files.lock_path_of(self.path)
         self._tmp = self.path + ".tmp"
