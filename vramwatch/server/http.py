@@ -233,12 +233,14 @@ class ExporterHTTPServer(socketserver.TCPServer):
                 self._sel = sel
                 sel.register(self.socket, selectors.EVENT_READ, "accept")
                 sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-                while not self._stop.is_set():
-                    for key, _ in sel.select(self._next_timeout(poll_interval)):
-                        self._guarded(key.data)
-                    self._guarded("expire")
+                try:
+                    while not self._stop.is_set():
+                        for key, _ in sel.select(self._next_timeout(poll_interval)):
+                            self._guarded(key.data)
+                        self._guarded("expire")
+                finally:
+                    self._close_all()
         finally:
-            self._close_all()
             self._sel = None
             if auth_thread is not None:
                 try:
@@ -334,7 +336,10 @@ class ExporterHTTPServer(socketserver.TCPServer):
 
     def _close_all(self) -> None:
         for conn in [*self._pending.values(), *self._closing.values(), *self.admission.drop_all()]:
-            self._close(conn)
+            try:
+                self._close(conn)
+            except Exception:  # noqa: BLE001 - closing everything at shutdown: the next one still gets closed
+                conn.sock.close()
         while True:
             try:
                 item = self._auth_queue.get_nowait()
