@@ -7,6 +7,7 @@ per spool, and it never imports torch, so it can never create a CUDA context.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -132,6 +133,17 @@ def serve(settings: Settings, exit_when_idle: bool = False) -> int:
     except OSError as e:
         if e.filename:
             log.error("vramwatch: cannot use %s: %s", e.filename, e.strerror or e)
+        elif e.errno == errno.EADDRINUSE:
+            from vramwatch.server.port_owner import describe_port_owner
+
+            log.error(
+                "vramwatch: cannot listen on %s:%s: port %s is in use, %s; Prometheus scraping it sees that "
+                "process, not this job",
+                settings.host,
+                settings.port,
+                settings.port,
+                describe_port_owner(settings.port),
+            )
         else:
             log.error("vramwatch: cannot listen on %s:%s: %s", settings.host, settings.port, e.strerror or e)
         server.close()
