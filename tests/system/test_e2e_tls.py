@@ -157,3 +157,64 @@ def test_mtls_requires_a_client_certificate_from_the_trusted_ca(tmp_path, export
     )
     prom.wait_for('up{job="vramwatch"} == 1', timeout=30)
     prom.wait_for("vramwatch_build_info", timeout=30)
+
+
+def test_a_password_flood_does_not_blind_prometheus(tmp_path, exporter, prometheus):
+    """16 clients guessing passwords over TLS while a real Prometheus scrapes with basic auth: every scrape
+    in the window succeeds (up == 1), because a verified pair is recognised without a bcrypt and the
+    guesses never take a worker."""
+    import threading
+    import time
+
+    pki = make_pki(tmp_path / "pki")
+    web = tmp_path / "web.yml"
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()  # a real cost: ~75 ms a check
+    web.write_text(
+        f"tls_server_config: {{cert_file: {pki.cert}, key_file: {pki.key}}}\n"
+        f"basic_auth_users: {{prometheus: {hashed}}}\n"
+    )
+    exp = exporter(web_config_file=str(web))
+    _start_tls(exp, pki)
+    password_file = tmp_path / "password"
+    password_file.write_text(PASSWORD)
+    prom = prometheus(
+        [f"127.0.0.1:{exp.port}"],
+        extra_scrape={
+            "scheme": "https",
+            "tls_config": {"ca_file": str(pki.ca)},
+            "basic_auth": {"username": "prometheus", "password_file": str(password_file)},
+        },
+    )
+    prom.wait_for('up{job="vramwatch"} == 1', timeout=30)
+    url = f"https://127.0.0.1:{exp.port}/metrics"
+    ctx = _client_ctx(pki)
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def guess(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            user = "prometheus" if i % 2 else f"user{i}"
+            try:
+                codes.append(_get(url, ctx, (user, f"guess-{i}-{n}"))[0])
+            except OSError:
+                codes.append(0)
+            n += 1
+
+    flood = [threading.Thread(target=guess, args=(i,), daemon=True) for i in range(16)]
+    start = time.time()
+    for t in flood:
+        t.start()
+    time.sleep(15)
+    stop.set()
+    for t in flood:
+        t.join(10)
+    end = time.time()
+    window = int(end - start) - 1
+    # every scrape Prometheus made inside the flood's window, as raw samples
+    samples = prom.query(f'up{{job="vramwatch"}}[{window}s]', end)[0]["values"]
+    values = [float(v) for _, v in samples]
+    assert len(values) >= window // 2, f"Prometheus scraped only {len(values)} times in {window} s"
+    assert values == [1.0] * len(values), f"scrapes failed during the flood: {values}"
+    assert len(codes) > 200 and 200 not in codes, (len(codes), sorted(set(codes)))
+    assert {401, 429} <= set(codes), sorted(set(codes))

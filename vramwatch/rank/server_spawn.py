@@ -46,11 +46,13 @@ class ServerSpawner:
             self._next_check = now + 5.0
             return
         if proc is not None:  # ours exited and no server runs: back off before the next try
+            log_path = os.path.join(self.spool_dir, spool.SERVER_LOG)
             self.log_once(
                 "server-exit",
-                "vramwatch: the server exited with %s; see %s",
+                "vramwatch: the server exited with %s%s; see %s",
                 proc.returncode,
-                os.path.join(self.spool_dir, spool.SERVER_LOG),
+                last_error(log_path),
+                log_path,
             )
             self._backoff = min(self._backoff * 2, SPAWN_BACKOFF_MAX)
         elif self._spawn_lock_fd is None:
@@ -65,6 +67,21 @@ class ServerSpawner:
         if self._spawn_lock_fd is not None:
             os.close(self._spawn_lock_fd)
             self._spawn_lock_fd = None
+
+
+def last_error(log_path: str) -> str:
+    """': <the last ERROR line of the server's log>' (e.g. who squats the port), or '' if none."""
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - 8192))
+            tail = fh.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(tail):
+        _, sep, msg = line.partition(" ERROR ")
+        if sep:
+            return ": " + msg.strip()[:500]
+    return ""
 
 
 def spawn_server(settings: Settings, spool_dir: str) -> subprocess.Popen:

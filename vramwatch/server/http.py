@@ -1,30 +1,49 @@
-"""The scrape endpoint: a small threaded HTTP server with bounded concurrency.
+"""The scrape endpoint: an event loop that admits requests, and a bounded set of worker threads.
 
-Each connection gets a thread, but at most ``max_connections`` at once;
-beyond that a client gets a clean 503 at once. Sockets time out, so a slow
-client (slowloris) holds a slot for at most ``timeout`` seconds: the TLS
-handshake and the request head must arrive within one deadline, not one per
-read. The request line and headers together get a byte budget (431 beyond it).
-Requests are one per connection (HTTP/1.0 semantics), so an idle keep-alive
-never pins a slot. A failing collection answers 500, never a dropped socket.
+One thread (``serve_forever``) accepts connections, runs each TLS handshake and reads each
+request head without blocking, so a slow client (slowloris) costs a socket and a buffer, never a
+worker: at most ``max_pending`` connections may still be sending their heads (the oldest is
+closed for a newer one), each within one deadline (``timeout``) and 16 KiB / 64 header lines
+(431 beyond). Only a complete, well-formed ``GET``/``HEAD`` that passed basic auth reaches one of
+the ``max_connections`` workers; :mod:`.admission` decides which when there are more of them than
+workers (Prometheus' scrapes first), and the rest get a clean 503 at once. Refusals (400, 401,
+405, 429, 431, 503) are written by the loop itself, so a flood of them never takes a worker.
+
+Basic auth (:mod:`.auth`): a pair verified before is recognised on the loop; any other pair
+costs one bcrypt on a worker thread of its own, within a per-source budget (429 beyond it).
+
+Requests are one per connection (HTTP/1.0 semantics), so an idle keep-alive never pins a slot.
+A failing collection answers 500, never a dropped socket. Every refusal is logged (WARNING, the
+first of each kind a minute, then counted) and counted in ``refused``.
 """
 
 from __future__ import annotations
 
 import gzip
+import http.client
 import io
 import logging
+import queue
+import selectors
 import socket
+import socketserver
 import ssl
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
+from email.message import Message
+from functools import partial
+from http.server import BaseHTTPRequestHandler
 from socketserver import _SocketWriter  # type: ignore[attr-defined]
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+
+from vramwatch.server.admission import Admission, Decision, is_scrape, scrape_wait
+from vramwatch.server.auth import BasicAuth, Check, Credentials, FailureBudget
 
 log = logging.getLogger("vramwatch")
 
@@ -33,20 +52,17 @@ LANDING = b"""<!doctype html><html><head><title>vramwatch</title></head><body>
 <ul><li><a href="/metrics">/metrics</a></li><li><a href="/-/healthy">/-/healthy</a></li></ul>
 </body></html>
 """
-_BUSY = (
-    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\n"
-    b"Content-Length: 17\r\nConnection: close\r\n\r\ntoo many requests"
-)
-
 _TLS_HINT = b"Client sent an HTTP request to an HTTPS server.\n"
 _PLAIN_TO_TLS = (
     b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
     b"Connection: close\r\n\r\n%s" % (len(_TLS_HINT), _TLS_HINT)
 )
 MAX_REQUEST_HEAD = 16 * 1024  # request line + headers; a Prometheus scrape sends well under 1 KiB
+MAX_HEADER_LINES = 64  # Prometheus sends about six
+MAX_PENDING = 128  # connections still in their TLS handshake or request head
+AUTH_QUEUE = 8  # bcrypt checks waiting at once
+LINGER = 1.0  # after our FIN, how long the client's remaining bytes are read (so it gets no RST)
 _DRAIN_BYTES = 64 * 1024
-
-Authorizer = Callable[[str | None], bool]  # Authorization header -> allowed
 
 
 def accepts_gzip(accept_encoding: str) -> bool:
@@ -74,37 +90,96 @@ def accepts_gzip(accept_encoding: str) -> bool:
     return bool(star)
 
 
-class _HeadTooLarge(Exception):
-    pass
+def _head_end(buf: bytes, start: int) -> int:
+    """Index just past the blank line that ends the head (CRLF or bare LF lines), or -1."""
+    for term in (b"\n\r\n", b"\n\n"):
+        i = buf.find(term, max(0, start - len(term)))
+        if i >= 0:
+            return i + len(term)
+    return -1
 
 
-class _RequestReader(io.RawIOBase):
-    """The socket as the request parser reads it: one deadline for the whole head, and a byte budget."""
-
-    def __init__(self, sock: socket.socket, deadline: float, budget: int) -> None:
-        super().__init__()
-        self.sock, self.deadline, self.left = sock, deadline, budget
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        if self.left <= 0:
-            raise _HeadTooLarge
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("request deadline passed")
-        self.sock.settimeout(remaining)
-        with memoryview(b) as view:
-            n = self.sock.recv_into(view[: min(len(view), self.left)])
-        self.left -= n
-        return n
+@dataclass
+class _Request:
+    method: str
+    path: str
+    headers: Message
 
 
-class ExporterHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
+class _Refusal(Exception):
+    def __init__(self, code: int, kind: str, body: str) -> None:
+        super().__init__(body)
+        self.code, self.kind, self.body = code, kind, body
+
+
+def _parse_head(head: bytes) -> _Request:
+    line, _, rest = head.partition(b"\n")
+    words = line.rstrip(b"\r").split()
+    if len(words) != 3 or words[2] not in (b"HTTP/1.0", b"HTTP/1.1"):
+        raise _Refusal(400, "bad-request", "bad request line")
+    if rest.count(b"\n") > MAX_HEADER_LINES + 1:
+        raise _Refusal(431, "too-many-headers", f"more than {MAX_HEADER_LINES} header lines")
+    try:
+        headers = http.client.parse_headers(io.BytesIO(rest))
+    except http.client.HTTPException:
+        raise _Refusal(400, "bad-request", "malformed headers") from None
+    method, target = words[0].decode("latin-1"), words[1].decode("latin-1")
+    return _Request(method, target, headers)
+
+
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 429: "Too Many Requests"}
+_REASONS |= {431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+class _AbuseLog:
+    """One WARNING per kind of refusal a minute; the ones in between are counted into the next line."""
+
+    WINDOW = 60.0
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._quiet: Counter[str] = Counter()
+
+    def __call__(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.WINDOW:
+            self._quiet[kind] += 1
+            return
+        self._last[kind] = now
+        more = self._quiet.pop(kind, 0)
+        suffix = f" ({more} more like it in the last {self.WINDOW:.0f} s)" if more else ""
+        log.warning("vramwatch http: " + msg + suffix, *args)
+
+
+class _Conn:
+    """One client connection as the event loop tracks it."""
+
+    __slots__ = ("addr", "buf", "deadline", "events", "head", "out", "raw", "sock", "state", "where")
+
+    def __init__(self, sock: socket.socket, addr: Any, deadline: float, state: str) -> None:
+        self.sock, self.addr, self.deadline, self.state = sock, addr, deadline, state
+        self.buf = b""
+        self.head = b""
+        self.out = b""
+        self.raw = False  # write past the TLS layer (to a client that never did TLS)
+        self.events = 0
+        self.where: dict[int, _Conn] | None = None
+
+    @property
+    def source(self) -> str:
+        return str(self.addr[0]) if isinstance(self.addr, tuple) and self.addr else "?"
+
+    @property
+    def peer(self) -> str:
+        if isinstance(self.addr, tuple) and len(self.addr) >= 2:
+            return f"{self.addr[0]}:{self.addr[1]}"
+        return "?"
+
+
+class ExporterHTTPServer(socketserver.TCPServer):
     allow_reuse_address = True
-    request_queue_size = 64
+    request_queue_size = 128
 
     def __init__(
         self,
@@ -114,79 +189,442 @@ class ExporterHTTPServer(ThreadingHTTPServer):
         max_connections: int = 8,
         timeout: float = 10.0,
         ssl_context: Any = None,
-        authorize: Authorizer | None = None,
+        authorize: BasicAuth | None = None,
         headers: dict[str, str] | None = None,
+        max_pending: int = MAX_PENDING,
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.registry = registry
         self.conn_timeout = timeout
         self.ssl_context = ssl_context  # an ssl.SSLContext, or anything with its wrap_socket()
-        self.authorize = authorize
+        self.auth = authorize
         self.extra_headers = headers or {}
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.rejected = 0
-        super().__init__(address, _Handler)
+        self.max_pending = max_pending
+        self.admission: Admission[_Conn] = Admission(max_connections)
+        self.failure_budget = FailureBudget()
+        self.rejected = 0  # 503s for want of a worker
+        self.refused: Counter[str] = Counter()  # every refusal, by kind
+        self._abuse = _AbuseLog()
+        self._pending: dict[int, _Conn] = {}  # handshake or head; insertion order is age
+        self._closing: dict[int, _Conn] = {}  # writing a refusal, or lingering after our FIN
+        self._calls: deque[Callable[[], None]] = deque()  # from other threads, run on the loop
+        self._auth_queue: queue.Queue[tuple[_Conn, _Request, Credentials] | None] = queue.Queue(AUTH_QUEUE)
+        self._sel: selectors.BaseSelector | None = None
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()
+        self._wake_r, self._wake_w = socket.socketpair()  # before binding: a failed bind closes them
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        super().__init__(address, socketserver.BaseRequestHandler)  # unused: workers run _Handler
+        self.socket.setblocking(False)
 
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            self.rejected += 1
-            try:
-                request.settimeout(1.0)
-                if self.ssl_context is None:  # over TLS a 503 would need a handshake here: just close
-                    request.sendall(_BUSY)
-                request.shutdown(socket.SHUT_WR)
-                request.setblocking(False)
-                request.recv(_DRAIN_BYTES)  # what already came, so the close sends no RST over the 503
-            except OSError:
-                pass
-            self.close_request(request)  # no draining: the accept loop must not wait on anyone
-            return
+    # --- the loop ---
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._stop.clear()
+        self._stopped.clear()
+        auth_thread = None
+        if self.auth is not None:
+            auth_thread = threading.Thread(target=self._auth_worker, name="vramwatch-http-auth", daemon=True)
+            auth_thread.start()
         try:
-            super().process_request(request, client_address)
-        except Exception:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            deadline = time.monotonic() + self.conn_timeout
-            if self.ssl_context is not None:
-                request.settimeout(max(0.1, self.conn_timeout / 2))
-                request = self.ssl_context.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+            with selectors.DefaultSelector() as sel:
+                self._sel = sel
+                sel.register(self.socket, selectors.EVENT_READ, "accept")
+                sel.register(self._wake_r, selectors.EVENT_READ, "wake")
                 try:
-                    request.do_handshake()
-                except ssl.SSLError as e:
-                    if getattr(e, "reason", "") == "HTTP_REQUEST":  # plain HTTP to the TLS port: say so
-                        socket.socket.sendall(request, _PLAIN_TO_TLS)
-                    raise
-            _Handler(request, client_address, self, deadline)
-        except Exception:  # noqa: BLE001 - handshake failures, resets: the client's problem
-            pass
+                    while not self._stop.is_set():
+                        for key, _ in sel.select(self._next_timeout(poll_interval)):
+                            self._guarded(key.data)
+                        self._guarded("expire")
+                finally:
+                    self._close_all()
         finally:
-            self.shutdown_request(request)
-            self._slots.release()
+            self._sel = None
+            if auth_thread is not None:
+                try:
+                    self._auth_queue.put_nowait(None)
+                except queue.Full:
+                    pass  # the worker sees _stop within its poll
+            self._stopped.set()
 
-    def shutdown_request(self, request):
-        """Close cleanly: send FIN, then read what the client still sends (briefly), so it gets no RST."""
+    def _guarded(self, what: Any) -> None:
+        """One event; a bug in handling it costs that connection, never the loop (which is the server)."""
         try:
-            request.shutdown(socket.SHUT_WR)
-            request.settimeout(0.05)
-            left = _DRAIN_BYTES
-            while left > 0:
-                chunk = socket.socket.recv(request, min(left, 16384))
-                if not chunk:
-                    break
-                left -= len(chunk)
-        except Exception:  # noqa: BLE001 - timeouts, resets: the client's problem
-            pass
-        self.close_request(request)
+            if what == "accept":
+                self._accept()
+            elif what == "wake":
+                self._run_calls()
+            elif what == "expire":
+                self._expire(time.monotonic())
+            else:
+                self._step(what)
+        except Exception:
+            log.warning("vramwatch http: handling %r failed", what, exc_info=True)
+            if isinstance(what, _Conn):
+                self._close(what)
 
-    def handle_error(self, request, client_address):
-        log.debug("vramwatch: request from %s failed", client_address, exc_info=True)
+    def shutdown(self) -> None:
+        """Stop serve_forever (returns at once if it is not running)."""
+        self._stop.set()
+        self._wake()
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+
+    def _next_timeout(self, poll_interval: float) -> float:
+        deadlines = [c.deadline for c in self._closing.values()]
+        if self._pending:
+            deadlines.append(next(iter(self._pending.values())).deadline)  # the oldest expires first
+        if self.admission.waiting:
+            deadlines.append(time.monotonic() + 0.05)
+        if not deadlines:
+            return poll_interval
+        return max(0.0, min(poll_interval, min(deadlines) - time.monotonic()))
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # full (a wake is pending anyway) or closed
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        self._calls.append(fn)
+        self._wake()
+
+    def _run_calls(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+        while self._calls:
+            self._calls.popleft()()
+
+    def _watch(self, conn: _Conn, events: int) -> None:
+        assert self._sel is not None
+        if conn.events == events or conn.state == "closed":
+            return
+        if not conn.events:
+            self._sel.register(conn.sock, events, conn)
+        elif not events:
+            self._sel.unregister(conn.sock)
+        else:
+            self._sel.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _move(self, conn: _Conn, where: dict[int, _Conn] | None) -> None:
+        if conn.where is not None:
+            conn.where.pop(id(conn), None)
+        conn.where = where
+        if where is not None:
+            where[id(conn)] = conn
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.events:
+            self._watch(conn, 0)
+        self._move(conn, None)
+        conn.state = "closed"
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _close_all(self) -> None:
+        for conn in [*self._pending.values(), *self._closing.values(), *self.admission.drop_all()]:
+            try:
+                self._close(conn)
+            except Exception:  # noqa: BLE001 - closing everything at shutdown: the next one still gets closed
+                conn.sock.close()
+        while True:
+            try:
+                item = self._auth_queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].sock.close()
+
+    # --- accepting and reading heads ---
+    def _accept(self) -> None:
+        for _ in range(64):  # then let the other sockets have a turn
+            try:
+                sock, addr = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and friends: the next round may fare better
+                self._abuse("accept", "cannot accept a connection: %s", e.strerror or e)
+                return
+            if len(self._pending) >= self.max_pending:
+                oldest = next(iter(self._pending.values()))
+                self._note(
+                    "evicted",
+                    "%d connections were still sending their request heads; closed the "
+                    "oldest, from %s (a flood of slow clients?)",
+                    self.max_pending,
+                    oldest.peer,
+                )
+                self._close(oldest)
+            sock.setblocking(False)
+            deadline = time.monotonic() + self.conn_timeout
+            try:
+                if self.ssl_context is not None:
+                    sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                conn = _Conn(sock, addr, deadline, "handshake" if self.ssl_context is not None else "head")
+            except (OSError, ValueError) as e:
+                self._note("tls", "cannot start TLS with %s: %s", addr, e)
+                sock.close()
+                continue
+            self._move(conn, self._pending)
+            self._step(conn)
+
+    def _step(self, conn: _Conn) -> None:
+        try:
+            if conn.state == "handshake":
+                self._handshake(conn)
+                if conn.state == "head":
+                    self._read_head(conn)
+            elif conn.state == "head":
+                self._read_head(conn)
+            elif conn.state == "write":
+                self._flush(conn)
+            elif conn.state == "linger":
+                self._drain(conn)
+        except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+            self._watch(conn, selectors.EVENT_READ)
+        except ssl.SSLWantWriteError:
+            self._watch(conn, selectors.EVENT_WRITE)
+        except OSError:  # resets, TLS alerts mid-stream: the client's problem
+            self._close(conn)
+
+    def _handshake(self, conn: _Conn) -> None:
+        try:
+            conn.sock.do_handshake()  # type: ignore[attr-defined]
+        except ssl.SSLError as e:
+            if isinstance(e, ssl.SSLWantReadError | ssl.SSLWantWriteError):
+                raise
+            if getattr(e, "reason", "") == "HTTP_REQUEST":  # plain HTTP to the TLS port: say so
+                self._note("plain-to-tls", "%s sent plain HTTP to the TLS port; answered 400", conn.peer)
+                conn.raw = True
+                self._write(conn, _PLAIN_TO_TLS)
+            else:
+                self._note("tls", "%s failed the TLS handshake: %s", conn.peer, getattr(e, "reason", None) or e)
+                self._close(conn)
+            return
+        conn.state = "head"
+
+    def _read_head(self, conn: _Conn) -> None:
+        while True:
+            chunk = conn.sock.recv(16384)
+            if not chunk:  # the client is done sending: answer what came
+                if conn.buf:
+                    self._head_complete(conn, conn.buf)
+                else:
+                    self._close(conn)
+                return
+            start = len(conn.buf)
+            conn.buf += chunk
+            end = _head_end(conn.buf, start)
+            if 0 <= end <= MAX_REQUEST_HEAD:
+                self._head_complete(conn, conn.buf[:end])
+                return
+            if len(conn.buf) > MAX_REQUEST_HEAD:
+                self._refuse(conn, _Refusal(431, "too-large", f"request head over {MAX_REQUEST_HEAD} bytes"))
+                return
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            conn = next(iter(self._pending.values()))
+            if conn.deadline > now:
+                break
+            what = "TLS handshake" if conn.state == "handshake" else "request head"
+            self._note(
+                "slow",
+                "%s sent no complete %s within %g s; closed it (a slow or stalled client)",
+                conn.peer,
+                what,
+                self.conn_timeout,
+            )
+            self._close(conn)
+        for conn in [c for c in self._closing.values() if c.deadline <= now]:
+            self._close(conn)
+        for conn in self.admission.expire(now):
+            self._busy(conn, "a scrape that waited its turn")
+
+    # --- deciding ---
+    def _head_complete(self, conn: _Conn, head: bytes) -> None:
+        self._watch(conn, 0)
+        self._move(conn, None)
+        conn.head, conn.buf, conn.state = head, b"", "busy"
+        try:
+            req = _parse_head(head)
+            if req.method not in ("GET", "HEAD"):
+                raise _Refusal(405, "method", "method not allowed")
+        except _Refusal as r:
+            self._refuse(conn, r, head)
+            return
+        if self.auth is None:
+            self._admit(conn, req)
+            return
+        result, creds = self.auth.check(req.headers.get("Authorization"))
+        if result is Check.VERIFIED:
+            self._admit(conn, req)
+        elif creds is None:
+            self._refuse(conn, _Refusal(401, "no-credentials", "unauthorized"), head)
+        elif not self.failure_budget.take(conn.source):
+            self._refuse(conn, _Refusal(429, "auth-throttled", "too many failed authentications; retry later"))
+        else:
+            try:
+                self._auth_queue.put_nowait((conn, req, creds))
+            except queue.Full:
+                self._refuse(conn, _Refusal(503, "auth-busy", "too many authentications in progress"))
+
+    def _auth_worker(self) -> None:
+        assert self.auth is not None
+        while not self._stop.is_set():
+            try:
+                item = self._auth_queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            conn, req, creds = item
+            try:
+                ok = self.auth.verify(creds)
+            except Exception:  # noqa: BLE001 - a hash bcrypt chokes on is a refusal, never a crash
+                ok = False
+            self._call_soon(partial(self._authenticated, conn, req, ok))
+
+    def _authenticated(self, conn: _Conn, req: _Request, ok: bool) -> None:
+        if conn.state == "closed":
+            return
+        if ok:
+            self._admit(conn, req)
+        else:
+            self._refuse(conn, _Refusal(401, "auth-failed", "unauthorized"), conn.head)
+
+    def _admit(self, conn: _Conn, req: _Request) -> None:
+        scrape = is_scrape(req.method, req.path, req.headers)
+        decision = self.admission.offer(conn, scrape, time.monotonic() + scrape_wait(req.headers))
+        if decision is Decision.START:
+            self._start(conn, scrape)
+        elif decision is Decision.REFUSE:
+            self._busy(conn, "a scrape" if scrape else "not a Prometheus scrape")
+
+    def _busy(self, conn: _Conn, what: str) -> None:
+        self.rejected += 1
+        self._refuse(
+            conn,
+            _Refusal(503, "busy", "too many requests"),
+            conn.head,
+            extra={"Retry-After": "1"},
+            detail=f"all {self.admission.total} workers busy; {what}",
+        )
+
+    # --- answering ---
+    def _start(self, conn: _Conn, scrape: bool) -> None:
+        t = threading.Thread(target=self._work, args=(conn, scrape), name="vramwatch-http", daemon=True)
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had: as if every worker were busy
+            self._finished(conn, scrape, answered=False)
+
+    def _work(self, conn: _Conn, scrape: bool) -> None:
+        try:
+            conn.sock.settimeout(self.conn_timeout)
+            _Handler(conn.sock, conn.addr, self, conn.head)
+        except Exception:  # timeouts, resets: the client's problem (logged at debug)
+            log.debug("vramwatch: request from %s failed", conn.peer, exc_info=True)
+        finally:
+            self._call_soon(partial(self._finished, conn, scrape))
+
+    def _finished(self, conn: _Conn, scrape: bool, answered: bool = True) -> None:
+        for waiting in self.admission.release(scrape):
+            self._start(waiting, True)
+        if answered:
+            self._linger(conn)
+        else:
+            self._busy(conn, "no thread could be started")
+
+    def _refuse(
+        self,
+        conn: _Conn,
+        r: _Refusal,
+        head: bytes = b"",
+        extra: dict[str, str] | None = None,
+        detail: str = "",
+    ) -> None:
+        first = head.split(b"\n", 1)[0].rstrip(b"\r")[:80]
+        why = detail or (f"{r.body}: {first!r}" if first else r.body)
+        self._note(r.kind, "%s: answered %d (%s)", conn.peer, r.code, why)
+        headers = {
+            "Content-Type": "text/plain; charset=utf-8",
+            "Content-Length": str(len(r.body) + 1),
+            "Connection": "close",
+            **(extra or {}),
+        }
+        if r.code == 401:
+            headers["WWW-Authenticate"] = 'Basic realm="vramwatch"'
+        elif r.code == 405:
+            headers["Allow"] = "GET, HEAD"
+        headers.update(self.extra_headers)
+        lines = [f"HTTP/1.0 {r.code} {_REASONS[r.code]}", "Server: vramwatch"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        # a well-formed HEAD (refused after parsing: auth, overload) gets no body, anything else does
+        head_only = r.code in (401, 429, 503) and head.startswith(b"HEAD ")
+        body = b"" if head_only else r.body.encode() + b"\n"
+        self._write(conn, "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body)
+
+    def _note(self, kind: str, msg: str, *args: object) -> None:
+        self.refused[kind] += 1
+        self._abuse(kind, msg, *args)
+
+    def _write(self, conn: _Conn, data: bytes) -> None:
+        conn.out, conn.state = data, "write"
+        conn.sock.setblocking(False)
+        conn.deadline = time.monotonic() + LINGER
+        self._move(conn, self._closing)
+        self._step(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.out:
+            n = socket.socket.send(conn.sock, conn.out) if conn.raw else conn.sock.send(conn.out)
+            conn.out = conn.out[n:]
+        self._linger(conn)
+
+    def _linger(self, conn: _Conn) -> None:
+        """Send FIN, then read what the client still sends (briefly), so that it gets no RST."""
+        conn.state = "linger"
+        conn.deadline = time.monotonic() + LINGER
+        conn.buf = b""
+        conn.out = b""
+        if conn.where is not self._closing:
+            self._move(conn, self._closing)
+        try:
+            conn.sock.setblocking(False)
+            conn.sock.shutdown(socket.SHUT_WR)  # an SSLSocket drops its TLS layer here: raw from now on
+        except OSError:
+            self._close(conn)
+            return
+        conn.head = b""
+        self._step(conn)
+
+    def _drain(self, conn: _Conn) -> None:
+        left = _DRAIN_BYTES
+        while left > 0:
+            chunk = socket.socket.recv(conn.sock, min(left, 16384))
+            if not chunk:
+                break
+            left -= len(chunk)
+        self._close(conn)
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """One admitted request (well-formed, GET or HEAD, authorised), its head already read by the loop."""
+
     server: ExporterHTTPServer
     server_version = "vramwatch"
     sys_version = ""
@@ -194,9 +632,8 @@ class _Handler(BaseHTTPRequestHandler):
     error_message_format = "%(code)d %(message)s\n"
     error_content_type = "text/plain; charset=utf-8"
 
-    def __init__(self, request, client_address, server: ExporterHTTPServer, deadline: float | None = None) -> None:
-        # the server passes the deadline it started before the TLS handshake; without one it starts now
-        self.deadline = time.monotonic() + server.conn_timeout if deadline is None else deadline
+    def __init__(self, request, client_address, server: ExporterHTTPServer, head: bytes) -> None:
+        self.head = head
         super().__init__(request, client_address, server)
 
     def version_string(self) -> str:
@@ -205,25 +642,11 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.connection = self.request
         self.command, self.request_version, self.requestline = "", "HTTP/1.0", ""  # send_error needs them
-        self.rfile = io.BufferedReader(_RequestReader(self.request, self.deadline, MAX_REQUEST_HEAD))
+        self.rfile = io.BytesIO(self.head)
         self.wfile = _SocketWriter(self.request)
 
     def finish(self) -> None:
         pass  # the server closes the socket
-
-    def handle_one_request(self) -> None:
-        try:
-            super().handle_one_request()
-        except _HeadTooLarge:
-            self.close_connection = True
-            self.send_error(431, "Request Header Fields Too Large")
-        except TimeoutError:
-            self.close_connection = True
-
-    def send_response(self, code: int, message: str | None = None) -> None:
-        # the client has the whole head now; the response may take the rest of the socket timeout
-        self.request.settimeout(self.server.conn_timeout)
-        super().send_response(code, message)
 
     def end_headers(self) -> None:
         for k, v in self.server.extra_headers.items():
@@ -239,15 +662,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._serve(head=True)
 
-    def _not_allowed(self) -> None:
-        self._reply(405, b"method not allowed\n", "text/plain", {"Allow": "GET, HEAD"})
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
-
     def _serve(self, head: bool) -> None:
-        if self.server.authorize is not None and not self.server.authorize(self.headers.get("Authorization")):
-            self._reply(401, b"unauthorized\n", "text/plain", {"WWW-Authenticate": 'Basic realm="vramwatch"'})
-            return
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             encoder, ctype = choose_encoder(self.headers.get("Accept", ""))

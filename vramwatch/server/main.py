@@ -71,7 +71,15 @@ class Server:
                 headers=headers,
             )
         except OSError as e:
-            raise StartupError(f"cannot listen on {self.settings.host}:{self.settings.port}: {_cause(e)}") from None
+            why = f"cannot listen on {self.settings.host}:{self.settings.port}: {_cause(e)}"
+            if e.errno == errno.EADDRINUSE:  # name who holds it: a squatter serves Prometheus its own metrics
+                from vramwatch.server.port_owner import describe_port_owner
+
+                why += (
+                    f"; port {self.settings.port} is in use, {describe_port_owner(self.settings.port)}; "
+                    "Prometheus scraping it sees that process, not this job"
+                )
+            raise StartupError(why) from None
         for c in self.collectors:
             c.start()
         try:

@@ -1,4 +1,4 @@
-"""Serving the web config: TLS with certificates re-read when they change, basic auth, headers.
+"""Serving the web config: TLS with certificates re-read when they change, basic auth (:mod:`.auth`), headers.
 
 The file is parsed and checked by :mod:`vramwatch.webconfig_schema` (also used
 by ``vramwatch.start()``). Certificates are re-read when their files change
@@ -8,27 +8,19 @@ the old one and is logged.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 import ssl
-import struct
 import threading
 import time
-from base64 import b64decode
-from binascii import Error as BinasciiError
-from collections import OrderedDict
 
 from vramwatch.errors import ConfigError
+from vramwatch.server.auth import BasicAuth
 from vramwatch.webconfig_schema import WebConfig, build_ssl_context, check_web_config, resolve
 
 log = logging.getLogger("vramwatch")
 
 __all__ = ["BasicAuth", "TLSServer", "load_web_config"]
-
-# bcrypt of "fakepassword" (the toolkit's): unknown users cost what known ones do
-_DUMMY_HASH = b"$2y$10$QOauhQNbBCuQDKes6eFzPeMqBSjb7Mr5DUmpZ/VcEd00UAV/LDeSi"
 
 
 class TLSServer:
@@ -80,69 +72,6 @@ class TLSServer:
         return self.current().wrap_socket(
             sock, server_side=server_side, do_handshake_on_connect=do_handshake_on_connect
         )
-
-
-# --- basic auth ---
-class BasicAuth:
-    """``Authorization`` header -> allowed. bcrypt runs one at a time; verified pairs are cached as HMACs."""
-
-    CACHE_SIZE = 256
-
-    def __init__(self, users: tuple[tuple[str, str], ...]) -> None:
-        import bcrypt  # lazily: only when basic_auth_users is set
-
-        self._bcrypt = bcrypt
-        self._users = [(name.encode("utf-8"), hashed.encode("ascii")) for name, hashed in users]
-        self._key = os.urandom(32)  # cache keys are worthless outside this process
-        self._ok: OrderedDict[bytes, None] = OrderedDict()
-        self._cache_lock = threading.Lock()
-        self._bcrypt_lock = threading.Lock()  # bcrypt is slow by design: at most one core on it
-
-    def _credentials(self, header: str | None) -> tuple[bytes, bytes] | None:
-        if not header:
-            return None
-        scheme, _, token = header.strip().partition(" ")
-        if scheme.lower() != "basic" or not token or len(token) > 4096:
-            return None
-        try:
-            raw = b64decode(token.strip(), validate=True)
-        except (BinasciiError, ValueError):
-            return None
-        user, sep, password = raw.partition(b":")
-        return (user, password) if sep else None
-
-    def _cache_key(self, user: bytes, hashed: bytes, password: bytes) -> bytes:
-        msg = b"".join(struct.pack(">I", len(x)) + x for x in (user, hashed, password))
-        return hmac.new(self._key, msg, hashlib.sha256).digest()
-
-    def __call__(self, header: str | None) -> bool:
-        try:
-            creds = self._credentials(header)
-            if creds is None:
-                return False
-            user, password = creds
-            hashed, known = _DUMMY_HASH, False
-            for name, h in self._users:  # every name compared, in constant time each
-                if hmac.compare_digest(name, user):
-                    hashed, known = h, True
-            key = self._cache_key(user, hashed, password)
-            with self._cache_lock:
-                cached = False
-                for k in self._ok:
-                    cached |= hmac.compare_digest(k, key)
-            if cached:
-                return known
-            with self._bcrypt_lock:
-                # bcrypt reads 72 bytes; htpasswd and Go truncate longer passwords the same way
-                ok = self._bcrypt.checkpw(password[:72], hashed)
-            if ok and known:
-                with self._cache_lock:
-                    self._ok[key] = None
-                    while len(self._ok) > self.CACHE_SIZE:
-                        self._ok.popitem(last=False)
-            return ok and known
-        except Exception:  # noqa: BLE001 - a malformed header is a refusal, never a crash
-            return False
 
 
 def load_web_config(path: str) -> tuple[TLSServer | None, BasicAuth | None, dict[str, str] | None]:
