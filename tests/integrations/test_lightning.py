@@ -124,3 +124,27 @@ def test_pytorch_lightning_name_gets_its_own_base_class():
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_setup_labels_the_exporter_with_the_trainers_identity(tmp_path, monkeypatch):
+    """One process here, so the trainer's ranks are faked: setup must take them from the trainer, not the env."""
+    import types
+
+    from vramwatch.integrations.lightning import VramwatchCallback
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cb = VramwatchCallback(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05)
+    trainer = types.SimpleNamespace(global_rank=3, local_rank=1, world_size=4, global_step=5)
+    cb.setup(trainer, None, "validate")
+    assert cb.handle is None and vramwatch.current() is None  # only fit starts it
+    cb.setup(trainer, None, "fit")
+    try:
+        h = vramwatch.current()
+        assert h is cb.handle and (h.identity.rank, h.identity.local_rank, h.identity.world_size) == (3, 1, 4)
+        assert cb._last_global_step == 5  # a resumed run's first step is not counted twice
+        cb.setup(trainer, None, "fit")  # fit again (a second trainer.fit): the same exporter
+        assert vramwatch.current() is h
+    finally:
+        cb.teardown(trainer, None, "fit")
+    assert vramwatch.current() is None
