@@ -11,7 +11,6 @@ never pins a slot. A failing collection answers 500, never a dropped socket.
 
 from __future__ import annotations
 
-import gzip
 import io
 import logging
 import socket
@@ -24,7 +23,8 @@ from socketserver import _SocketWriter  # type: ignore[attr-defined]
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+
+from vramwatch.server.exposition_cache import Exposition, RegistryExposition
 
 log = logging.getLogger("vramwatch")
 
@@ -109,7 +109,7 @@ class ExporterHTTPServer(ThreadingHTTPServer):
     def __init__(
         self,
         address: tuple[str, int],
-        registry: CollectorRegistry,
+        registry: Exposition | CollectorRegistry,
         *,
         max_connections: int = 8,
         timeout: float = 10.0,
@@ -119,7 +119,8 @@ class ExporterHTTPServer(ThreadingHTTPServer):
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
-        self.registry = registry
+        # what answers /metrics: the server's cache, or a plain registry rendered per request
+        self.exposition = RegistryExposition(registry) if isinstance(registry, CollectorRegistry) else registry
         self.conn_timeout = timeout
         self.ssl_context = ssl_context  # an ssl.SSLContext, or anything with its wrap_socket()
         self.authorize = authorize
@@ -250,18 +251,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+            gzip_ok = accepts_gzip(self.headers.get("Accept-Encoding") or "")
             try:
-                body = encoder(self.server.registry)
+                reply = self.server.exposition.reply(self.headers.get("Accept", ""), gzip_ok)
             except Exception:
                 log.warning("vramwatch: rendering /metrics failed", exc_info=True)
                 self._reply(500, b"collection failed; see the server log\n", "text/plain", head=head)
                 return
-            extra = {}
-            if accepts_gzip(self.headers.get("Accept-Encoding") or ""):
-                body = gzip.compress(body, compresslevel=1)
-                extra["Content-Encoding"] = "gzip"
-            self._reply(200, body, ctype, extra, head)
+            extra = {"Content-Encoding": reply.encoding} if reply.encoding else {}
+            self._reply(200, reply.body, reply.content_type, extra, head)
         elif path == "/":
             self._reply(200, LANDING, "text/html; charset=utf-8", head=head)
         elif path in ("/-/healthy", "/-/ready"):

@@ -17,8 +17,9 @@ import time
 from vramwatch import spool
 from vramwatch.config import ConfigError, Settings
 from vramwatch.server.collectors import Runner, enabled_collectors
+from vramwatch.server.exposition_cache import CachedExposition
 from vramwatch.server.http import ExporterHTTPServer
-from vramwatch.server.registry import ExporterCollector, build_registry
+from vramwatch.server.registry import ExporterCollector
 
 log = logging.getLogger("vramwatch")
 
@@ -49,10 +50,9 @@ class Server:
             ssl_context, authorize, headers = load_web_config(self.settings.web_config_file)
         self.collectors = enabled_collectors(self.settings)
         self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors)
-        registry = build_registry(self.exporter)
         self.http = ExporterHTTPServer(
             (self.settings.host, self.settings.port),
-            registry,
+            CachedExposition(self.exporter),
             max_connections=self.settings.max_connections,
             ssl_context=ssl_context,
             authorize=authorize,

@@ -1,11 +1,10 @@
-"""The server's one prometheus_client collector: reads the spool once per scrape, asks each collector."""
+"""The server's one prometheus_client collector: reads the spool, asks each collector (cached: exposition_cache)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from vramwatch import spool
@@ -23,6 +22,9 @@ class ExporterCollector:
         self.hostname = settings.resolved_hostname()
         self.spool_health = Health()
         self._served_at: float | None = None
+        # whether the last read met nothing that needs reading again (a rank to reap, a rejected file,
+        # an error): only then may a cache keep what it rendered while the spool stays the same
+        self.last_read_clean = False
 
     def served_ranks_since(self, t: float) -> bool:
         """Whether a scrape after monotonic time ``t`` carried any rank."""
@@ -33,6 +35,7 @@ class ExporterCollector:
 
     def context(self) -> ScrapeContext:
         t0 = time.perf_counter()
+        clean = False
         try:
             reaped: list[spool.RankSample] = []
             rejected: list[spool.Rejected] = []
@@ -45,16 +48,25 @@ class ExporterCollector:
             self.spool_health.up = 1
             for r in rejected:  # a rank whose series are missing: up 0 while it lasts, logged once per file
                 self.spool_health.failed(f"rejected:{r.file}:{r.reason}:{r.version}", "vramwatch: %s", r.describe())
+            clean = not reaped and not rejected
         except Exception as e:  # noqa: BLE001
             samples = []
             self.spool_health.failed("spool", "vramwatch: reading the spool failed: %r", e)
         self.spool_health.duration = time.perf_counter() - t0
+        self.last_read_clean = clean
         if samples:
             self._served_at = time.monotonic()
         return ScrapeContext(tuple(samples), time.time(), self.hostname)
 
+    def mark_served(self, ctx: ScrapeContext) -> None:
+        """A scrape served ``ctx`` again from a cache."""
+        if ctx.samples:
+            self._served_at = time.monotonic()
+
     def collect(self) -> Iterable[Metric]:
-        ctx = self.context()
+        return self.families(self.context())
+
+    def families(self, ctx: ScrapeContext) -> Iterable[Metric]:
         yield from ranks.families(ctx)
         for c in self.collectors:
             yield from c.collect(ctx)  # a bad snapshot drops its families, never the scrape
@@ -76,9 +88,3 @@ class ExporterCollector:
         build = contract.family("vramwatch_build_info")
         build.add_metric([__version__, self.hostname], 1.0)
         yield from (up, err, dur, n, build)
-
-
-def build_registry(exporter: ExporterCollector) -> CollectorRegistry:
-    reg = CollectorRegistry(auto_describe=False)  # never the global registry
-    reg.register(exporter)
-    return reg

@@ -27,7 +27,6 @@ def families(ctx: ScrapeContext) -> Iterable[Metric]:
     hist = contract.family("vramwatch_training_step_duration_seconds")
     loss = contract.family("vramwatch_training_loss")
     gnorm = contract.family("vramwatch_training_grad_norm")
-    age = contract.family("vramwatch_sample_age_seconds")
     rank_info = contract.family("vramwatch_rank_info")
 
     for s in ctx.samples:
@@ -57,11 +56,24 @@ def families(ctx: ScrapeContext) -> Iterable[Metric]:
             loss.add_metric(rl, hb.loss)
         if hb.grad_norm is not None:
             gnorm.add_metric(rl, hb.grad_norm)
-        age.add_metric(rl, s.age(ctx.now))
         rank_info.add_metric(rl + [str(s.world_size), s.hostname[:128]], 1.0)
 
     yield from fams.values()
-    yield from (info, oom_info, oom_time, steps, last, hist, loss, gnorm, age, rank_info)
+    yield from (info, oom_info, oom_time, steps, last, hist, loss, gnorm)
+    yield age_family(ctx.samples, ctx.now)
+    yield rank_info
+
+
+AGE_FAMILY = "vramwatch_sample_age_seconds"
+
+
+def age_family(samples: Iterable[RankSample], now: float) -> Metric:
+    """The one family that moves with the clock, not with the samples: a cached exposition renders it
+    per scrape (:mod:`vramwatch.server.exposition_cache`)."""
+    age = contract.family(AGE_FAMILY)
+    for s in samples:
+        age.add_metric(_rank_labels(s), s.age(now))
+    return age
 
 
 def _le(v: float) -> str:
