@@ -153,19 +153,25 @@ def test_a_dead_rank_is_served_once_then_gone(node, tmp_path):
     assert cached.renders == n  # the spool is clean again: back to the cache
 
 
-def test_a_rejected_file_is_counted_every_scrape_as_before(node, tmp_path):
-    exp, cached, _, _, _, _ = node
+def test_a_rejected_file_is_counted_per_read_of_the_spool(node, tmp_path):
+    _, cached, _, pubs, _, clock = node
     name = "rank-3-13.json"
     (tmp_path / name).write_bytes(files.frame(b"\x00not json"))
     fd = files.hold_lock(files.lock_path_of(str(tmp_path / name)))
+    assert fd is not None
+
+    def spool_errors() -> tuple[float, float]:
+        body = cached.reply("", False).body
+        err = re.search(rb'vramwatch_collector_errors_total\{collector="spool",rank=""\} (\S+)', body)
+        up = re.search(rb'vramwatch_collector_up\{collector="spool",rank=""\} (\S+)', body)
+        assert err and up
+        return float(err.group(1)), float(up.group(1))
+
     try:
-        errors = []
-        for _ in range(3):
-            body = cached.reply("", False).body
-            errors.append(re.search(rb'vramwatch_collector_errors_total\{collector="spool",rank=""\} (\S+)', body))
-        assert [float(m.group(1)) for m in errors if m] == [1.0, 2.0, 3.0]
+        assert [spool_errors() for _ in range(3)] == [(1.0, 0.0)] * 3  # one read, down while the file lasts
+        pubs[0].publish(sample(0, clock.now))
+        assert spool_errors() == (2.0, 0.0)  # the next read met it again
     finally:
-        assert fd is not None
         os.close(fd)
 
 
@@ -202,3 +208,90 @@ def test_sample_replace_keeps_the_size_used_above():
     a = spool.encode_sample(sample(0, 1.0, steps=3))
     b = spool.encode_sample(dataclasses.replace(sample(0, 1.0, steps=3), heartbeat=sample(0, 1.0, steps=4).heartbeat))
     assert len(a) == len(b) and a != b
+
+
+class Refresher:
+    """The cache's refresher thread, alive but stepped by the test (``refresh()``) rather than by time."""
+
+    def __init__(self, cached: CachedExposition) -> None:
+        self.cached = cached
+        cached.start(min_gap=0.0, look=3600.0)  # its own loop never gets to a step
+
+    def step(self) -> bool:
+        return self.cached.refresh()
+
+
+def test_with_the_refresher_a_scrape_reads_nothing_and_changes_arrive_by_refresh(node, monkeypatch):
+    _, cached, _, pubs, runner, clock = node
+    refresher = Refresher(cached)
+    try:
+        assert not refresher.step()  # nothing rendered before the first scrape
+        cached.reply("", True)
+        looks = []
+        real = spool.spool_state
+        monkeypatch.setattr(spool, "spool_state", lambda d, headers=True: looks.append(headers) or real(d, headers))
+        for _ in range(5):
+            cached.reply("", True)
+        assert looks == [False] * 5 and cached.renders == 1  # a scrape reads no record: which ranks live
+        assert not refresher.step() and cached.renders == 1  # nothing changed
+        pubs[0].publish(sample(0, clock.now, steps=4))
+        runner.poll_once()
+        assert b'steps_total{local_rank="0",rank="0"} 3.0' in cached.reply("", False).body  # until the refresh
+        assert refresher.step() and cached.renders == 2  # both changes, one render
+        render = cached.current()
+        assert set(render.formats) == {"text/plain; version=0.0.4; charset=utf-8"}
+        assert next(iter(render.formats.values())).gz_head is not None  # gzip was asked: built ahead too
+        body = cached.reply("", False).body
+        assert b'steps_total{local_rank="0",rank="0"} 4.0' in body and b"counter_reads 2.0" in body
+        assert cached.renders == 2
+    finally:
+        cached.stop()
+
+
+def test_min_gap_spaces_the_refreshers_renders(node):
+    _, cached, _, pubs, _, clock = node
+    cached.start(min_gap=0.2)
+    try:
+        cached.reply("", False)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:  # a change every 20 ms
+            pubs[0].publish(sample(0, time.monotonic()))
+            time.sleep(0.02)
+        assert 2 <= cached.renders <= 1 + 1.0 / 0.2 + 1, cached.renders
+    finally:
+        cached.stop()
+
+
+def test_a_dead_rank_reaped_by_the_refresher_reaches_exactly_one_scrape(node, tmp_path):
+    _, cached, _, _, _, clock = node
+    refresher = Refresher(cached)
+    try:
+        cached.reply("", False)
+        (tmp_path / "rank-5-999999.json").write_bytes(files.frame(spool.encode_sample(sample(5, clock.now))))
+        (tmp_path / "rank-5-999999.lock").write_bytes(b"")  # nobody holds it: the rank is dead
+        assert refresher.step()  # reaped: its files are gone now
+        assert not (tmp_path / "rank-5-999999.json").exists()
+        assert not refresher.step()  # held for a scrape
+        assert b'rank="5"' in cached.reply("", False).body
+        assert b'rank="5"' not in cached.reply("", False).body
+        assert b'rank="5"' not in cached.reply("", False).body
+    finally:
+        cached.stop()
+
+
+def test_with_the_refresher_a_scrape_still_sees_a_rank_die_or_appear_at_once(node, tmp_path):
+    _, cached, _, pubs, _, clock = node
+    Refresher(cached)
+    try:
+        cached.reply("", False)
+        (tmp_path / "rank-5-999999.json").write_bytes(files.frame(spool.encode_sample(sample(5, clock.now))))
+        (tmp_path / "rank-5-999999.lock").write_bytes(b"")  # dead before any look
+        assert b'rank="5"' in cached.reply("", False).body  # the scrape reaped it: its last sample, once
+        assert b'rank="5"' not in cached.reply("", False).body
+        late = spool.RankPublisher(str(tmp_path), 6)
+        late.publish(sample(6, clock.now))
+        assert b'rank="6"' in cached.reply("", False).body  # a new rank at once, not at the next refresh
+        late.close()
+        assert b'rank="6"' not in cached.reply("", False).body  # and gone with its files
+    finally:
+        cached.stop()

@@ -129,6 +129,8 @@ class MonitoringConfig:
 
 
 DEFAULT = MonitoringConfig()
+# the PrometheusRule's `release` label: kube-prometheus-stack selects rules by it
+DEFAULT_RELEASE = "kube-prometheus-stack"
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, "y": 31536000.0}
 _DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")

@@ -1,28 +1,35 @@
 """The /metrics bytes, rendered once per change of what they show and served from memory in between.
 
-A scrape costs a look at the spool (each rank file's record header and lock: no decoding) and a
-comparison with what the last render saw: the same rank records, the same collector snapshots and
-health. When all match, the scrape gets the bytes rendered then; otherwise it renders again, once,
-while concurrent scrapes wait for that render instead of doing their own. A source changes at most
-once per its interval (a rank per ``interval``, NVML per ``nvml_interval``), so that is how often a
-render runs, whatever the scrape rate.
+What the families show changes only when a rank publishes (once per ``interval``) or a collector
+reads (once per ``nvml_interval``). A refresher thread looks for such a change every fraction of an
+interval (each rank file's record header and lock, each collector's snapshot and health: no
+decoding) and renders again when it sees one, at most once per ``min(interval, nvml_interval)``; a
+scrape serves the last render and costs no read at all. Until the first scrape nothing is rendered,
+and after ``IDLE_S`` without one the refresher rests again. A render is built aside and swapped in,
+so a scrape never waits on it. Without the refresher (it is not started, or died) a scrape compares
+the sources itself and renders when they changed, once for concurrent scrapes.
 
-Freshness: ``vramwatch_sample_age_seconds`` is the one family that moves with the clock rather than
-with the samples, so it is not cached: each format's bytes are kept as the part before that family and
-the part after it, and every scrape renders the family (one line per rank) between them, with the
-scrape's own time, as before. The gzip form is one gzip member whose deflate stream is spliced the
-same way: the parts before and after are compressed once (each ends on a byte boundary, with no
+Freshness: a scrape serves the newest render, at most one render gap plus one look behind the spool
+(about 1.25 s at the defaults; Prometheus scrapes every 15 s or more). ``vramwatch_sample_age_seconds``
+is the one family that moves with the clock rather than with the samples, so it is not cached: each
+format's bytes are kept as the part before that family and the part after it, and every scrape
+formats the age of the samples it serves, at the scrape's own time, between them: the age stays true
+for what the scrape shows. The gzip form is one gzip member whose deflate stream is spliced the same
+way: the parts before and after are compressed once (the first ends on a byte boundary with no
 back-reference across it) and the age lines go between them as a stored block; only the CRC32 over
-the whole text is computed per scrape. What a format shows for the same inputs is byte-identical to
-rendering it whole; a format (and its gzip form) is rendered only once a scrape asks for it.
+the whole text is computed per scrape. For the same inputs each format is byte-identical to
+rendering it whole; a format (and its gzip form) is rendered once a scrape asks for it, and from
+then on by the refresher.
 
-A spool read that met trouble (a dead rank to reap, a rejected file, an error) is never reused: until
-the spool is clean again every scrape reads it, so what a scrape means there (a dead rank served once,
-an error counted per scrape) is unchanged.
+Dead ranks: a read that reaps a dead rank carries its last sample, which must reach exactly one
+scrape (its last OOM count): such a render is kept until a scrape has taken it, then never served
+again. A rejected file or a failed read is counted per read of the spool, and a failed read is
+tried again at the next look.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -39,6 +46,8 @@ from prometheus_client.utils import floatToGoString
 from vramwatch import spool
 from vramwatch.server.collectors import ScrapeContext, ranks
 from vramwatch.server.registry import ExporterCollector
+
+log = logging.getLogger("vramwatch")
 
 Encoder = Callable[..., bytes]
 _OM_EOF = b"# EOF\n"
@@ -127,33 +136,64 @@ class _Format:
         return self.gz_head, self.gz_tail
 
 
-@dataclass
+@dataclass(eq=False)
 class _Render:
     """One render's families and, per content type asked for so far, its bytes."""
 
     ctx: ScrapeContext
     before: list[Metric]
     after: list[Metric]
+    key: tuple[object, ...] | None  # the sources it was rendered from; None: compare unequal to anything
+    reaped: bool  # carries dead ranks' last samples: for one scrape only
+    snapshots: list[object]  # held, so no new snapshot can take an id() in the key
+    built_at: float
     formats: dict[str, _Format] = field(default_factory=dict)
+    served: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def format(self, ctype: str, encoder: Encoder) -> _Format:
-        f = self.formats.get(ctype)
-        if f is None:
-            age = _strip_eof(encoder(_Families([ranks.age_family(self.ctx.samples, self.ctx.now)])))
-            lines = age.splitlines(keepends=True)
-            meta = b"".join(x for x in lines if x.startswith(b"#"))
-            # a sample line is "name{labels} value\n": the value is its last field
-            samples = [x.rsplit(b" ", 1)[0] + b" " for x in lines if not x.startswith(b"#")]
-            head, tail = _strip_eof(encoder(_Families(self.before))), encoder(_Families(self.after))
-            f = _Format(encoder, head, tail, meta, samples)
-            if len(self.formats) < _MAX_FORMATS:
-                self.formats[ctype] = f
-        return f
+    @property
+    def names(self) -> tuple[str, ...] | None:
+        """The live rank files it was rendered from (None: unknown)."""
+        if self.key is None:
+            return None
+        state: spool.SpoolState = self.key[0]  # type: ignore[assignment]
+        return tuple(name for name, _ in state)
+
+    def format(self, ctype: str, encoder: Encoder, gzip_ok: bool) -> _Format:
+        with self.lock:
+            f = self.formats.get(ctype)
+            if f is None:
+                age = _strip_eof(encoder(_Families([ranks.age_family(self.ctx.samples, self.ctx.now)])))
+                lines = age.splitlines(keepends=True)
+                meta = b"".join(x for x in lines if x.startswith(b"#"))
+                # a sample line is "name{labels} value\n": the value is its last field
+                samples = [x.rsplit(b" ", 1)[0] + b" " for x in lines if not x.startswith(b"#")]
+                head, tail = _strip_eof(encoder(_Families(self.before))), encoder(_Families(self.after))
+                f = _Format(encoder, head, tail, meta, samples)
+                if len(self.formats) < _MAX_FORMATS:
+                    self.formats[ctype] = f
+            if gzip_ok:
+                f.gzip_parts()
+            return f
+
+    def claim(self) -> bool:
+        """Whether a scrape may serve this render (one with dead ranks' samples: only the first)."""
+        if not self.reaped:
+            self.served = True
+            return True
+        with self.lock:
+            if self.served:
+                return False
+            self.served = True
+            return True
 
 
 def _strip_eof(text: bytes) -> bytes:
     # OpenMetrics ends the exposition with "# EOF": a part before the end must not carry it
     return text[: -len(_OM_EOF)] if text.endswith(_OM_EOF) else text
+
+
+IDLE_S = 300.0  # no scrape this long: the refresher stops rendering until the next one
 
 
 class CachedExposition:
@@ -162,11 +202,65 @@ class CachedExposition:
     def __init__(self, exporter: ExporterCollector, clock: Callable[[], float] = time.time) -> None:
         self.exporter = exporter
         self._clock = clock
-        self._lock = threading.Lock()
+        self._build_lock = threading.Lock()  # one render at a time
         self._render: _Render | None = None
-        self._key: tuple[object, ...] | None = None
-        self._snapshots: list[object] = []  # held, so no new snapshot can take an old one's id()
+        self._asked: dict[str, tuple[Encoder, bool]] = {}  # content type -> encoder, gzip wanted
+        self._scraped_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.min_gap = 0.0
         self.renders = 0  # how many times the families were rendered (tests and benchmarks read it)
+
+    # --- the refresher ---
+    def start(self, min_gap: float, look: float | None = None) -> None:
+        """Render on change from a thread, at most once per ``min_gap`` s, looking every ``look`` s
+        (default: a quarter of the gap, within 0.02-0.25 s)."""
+        self.min_gap = min_gap
+        look = min(0.25, max(0.02, min_gap / 4)) if look is None else look
+        self._thread = threading.Thread(target=self._loop, args=(look,), name="vramwatch-render", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def _loop(self, look: float) -> None:
+        while not self._stop.wait(look):
+            try:
+                self.refresh()
+            except Exception:
+                # the next scrape renders for itself, and answers 500 if that fails too
+                log.debug("vramwatch: background render failed", exc_info=True)
+                self._render = None
+
+    def refresh(self) -> bool:
+        """Render again if the sources changed since the last render; whether it did."""
+        r = self._render
+        if r is None or time.monotonic() - self._scraped_at > IDLE_S:
+            return False  # nobody scrapes: nothing to keep fresh
+        if (r.reaped and not r.served) or time.monotonic() - r.built_at < self.min_gap:
+            return False
+        with self._build_lock:
+            if self._render is not r:
+                return False  # a scrape rendered meanwhile
+            snapshots = self._snapshots()
+            key = self._sources(snapshots)
+            if key is not None and key == r.key:
+                return False
+            new = self._build(snapshots, key)
+            for ctype, (encoder, gzip_ok) in list(self._asked.items()):
+                new.format(ctype, encoder, gzip_ok)  # ready before the next scrape asks
+            self._render = new
+            return True
+
+    @property
+    def refreshing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- renders ---
+    def _snapshots(self) -> list[object]:
+        return [c.snapshot for c in self.exporter.collectors]
 
     def _sources(self, snapshots: list[object]) -> tuple[object, ...] | None:
         """What the families depend on besides the clock; None when only a read will do."""
@@ -176,37 +270,70 @@ class CachedExposition:
         health = tuple((c.health.up, c.health.errors, c.health.duration) for c in self.exporter.collectors)
         return state, tuple(map(id, snapshots)), health
 
+    def _build(self, snapshots: list[object], key: tuple[object, ...] | None) -> _Render:
+        # the snapshots and the spool were looked at before the read: whatever changes in between
+        # only makes the next look render again
+        ctx = self.exporter.context()
+        fams = list(self.exporter.families(ctx))
+        cut = next(i for i, f in enumerate(fams) if f.name == ranks.AGE_FAMILY)
+        exp = self.exporter
+        self.renders += 1
+        return _Render(
+            ctx,
+            fams[:cut],
+            fams[cut + 1 :],
+            key if exp.last_read_ok and not exp.last_read_reaped else None,
+            exp.last_read_reaped,
+            snapshots,
+            time.monotonic(),
+        )
+
     def current(self) -> _Render:
-        """The render that matches the sources now, rendering it if none does (once for concurrent callers)."""
-        with self._lock:
-            # the snapshots first, then the spool, then the read: whatever changes in between only
-            # makes the next scrape render again
-            snapshots = [c.snapshot for c in self.exporter.collectors]
+        """The render a scrape serves now (claimed for it), rendering one if none will do."""
+        self._scraped_at = time.monotonic()
+        r = self._render
+        if r is not None and self.refreshing:
+            if r.reaped:
+                if r.claim():  # dead ranks' last samples, to this scrape only
+                    return self._serve(r)
+            elif r.names is not None and self._names() == r.names:
+                # the same ranks, all alive: a newer sample comes with the refresher's next render,
+                # but a rank that died or appeared is rendered now (its last sample, its first)
+                return self._serve(r)
+        with self._build_lock:  # concurrent scrapes wait for one render instead of each doing its own
+            r = self._render
+            if r is not None and r.reaped and r.claim():
+                return self._serve(r)
+            snapshots = self._snapshots()
             key = self._sources(snapshots)
-            if key is not None and key == self._key and self._render is not None:
-                self.exporter.mark_served(self._render.ctx)
-                return self._render
-            ctx = self.exporter.context()
-            fams = list(self.exporter.families(ctx))
-            cut = next(i for i, f in enumerate(fams) if f.name == ranks.AGE_FAMILY)
-            self._render = _Render(ctx, fams[:cut], fams[cut + 1 :])
-            self._key = key if self.exporter.last_read_clean else None
-            self._snapshots = snapshots  # the ids in the key stay theirs while they are held
-            self.renders += 1
-            return self._render
+            if r is None or r.reaped or key is None or key != r.key:
+                r = self._render = self._build(snapshots, key)
+                r.claim()
+        return self._serve(r)
+
+    def _names(self) -> tuple[str, ...] | None:
+        state = spool.spool_state(self.exporter.spool_dir, headers=False)
+        return None if state is None else tuple(name for name, _ in state)
+
+    def _serve(self, r: _Render) -> _Render:
+        self.exporter.mark_served(r.ctx)
+        return r
 
     def reply(self, accept: str, gzip_ok: bool) -> Reply:
         encoder, ctype = choose_encoder(accept)
+        if ctype not in self._asked and len(self._asked) < _MAX_FORMATS:
+            self._asked[ctype] = (encoder, gzip_ok)
+        elif gzip_ok and ctype in self._asked and not self._asked[ctype][1]:
+            self._asked[ctype] = (encoder, True)
         render = self.current()
-        with self._lock:
-            fmt = render.format(ctype, encoder)
-            gz = fmt.gzip_parts() if gzip_ok else None
+        fmt = render.format(ctype, encoder, gzip_ok)
         now = self._clock()
         lines = zip(fmt.age_lines, render.ctx.samples, strict=True)
         age = fmt.age_meta + b"".join(p + floatToGoString(spool.sample_age(s, now)).encode() + b"\n" for p, s in lines)
-        if gz is None:
+        if not gzip_ok:
             return Reply(fmt.head + age + fmt.tail, ctype)
+        assert fmt.gz_head is not None and fmt.gz_tail is not None
         crc = zlib.crc32(fmt.tail, zlib.crc32(age, fmt.head_crc))
         size = len(fmt.head) + len(age) + len(fmt.tail)
-        body = b"".join((_GZIP_HEADER, gz[0], _stored_blocks(age), gz[1], struct.pack("<II", crc, size & 0xFFFFFFFF)))
-        return Reply(body, ctype, "gzip")
+        gz = (_GZIP_HEADER, fmt.gz_head, _stored_blocks(age), fmt.gz_tail, struct.pack("<II", crc, size & 0xFFFFFFFF))
+        return Reply(b"".join(gz), ctype, "gzip")

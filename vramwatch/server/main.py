@@ -34,6 +34,7 @@ class Server:
         self.collectors: list[Runner] = []
         self.exporter: ExporterCollector | None = None
         self.http: ExporterHTTPServer | None = None
+        self.exposition: CachedExposition | None = None
         self._lock_fd: int | None = None
         self._stop = threading.Event()
 
@@ -50,9 +51,10 @@ class Server:
             ssl_context, authorize, headers = load_web_config(self.settings.web_config_file)
         self.collectors = enabled_collectors(self.settings)
         self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors)
+        self.exposition = CachedExposition(self.exporter)
         self.http = ExporterHTTPServer(
             (self.settings.host, self.settings.port),
-            CachedExposition(self.exporter),
+            self.exposition,
             max_connections=self.settings.max_connections,
             ssl_context=ssl_context,
             authorize=authorize,
@@ -60,6 +62,8 @@ class Server:
         )
         for c in self.collectors:
             c.start()
+        # nothing shown changes faster than a rank publishes or a collector reads
+        self.exposition.start(min_gap=min(self.settings.interval, self.settings.nvml_interval))
         with open(os.path.join(self.spool_dir, spool.SERVER_INFO), "w", encoding="utf-8") as fh:
             json.dump({"pid": os.getpid(), "host": self.settings.host, "port": self.http.server_address[1]}, fh)
         return True
@@ -100,6 +104,8 @@ class Server:
         self._stop.set()
 
     def close(self) -> None:
+        if self.exposition is not None:
+            self.exposition.stop()
         for c in self.collectors:
             c.stop()
         if self.http is not None:

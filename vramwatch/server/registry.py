@@ -22,9 +22,10 @@ class ExporterCollector:
         self.hostname = settings.resolved_hostname()
         self.spool_health = Health()
         self._served_at: float | None = None
-        # whether the last read met nothing that needs reading again (a rank to reap, a rejected file,
-        # an error): only then may a cache keep what it rendered while the spool stays the same
-        self.last_read_clean = False
+        # what a cache must know of the last read: whether it served dead ranks' last samples (those
+        # go to one scrape only), and whether it read at all (a failed read is tried again)
+        self.last_read_reaped = False
+        self.last_read_ok = False
 
     def served_ranks_since(self, t: float) -> bool:
         """Whether a scrape after monotonic time ``t`` carried any rank."""
@@ -35,7 +36,7 @@ class ExporterCollector:
 
     def context(self) -> ScrapeContext:
         t0 = time.perf_counter()
-        clean = False
+        ok = reaped_any = False
         try:
             reaped: list[spool.RankSample] = []
             rejected: list[spool.Rejected] = []
@@ -48,12 +49,12 @@ class ExporterCollector:
             self.spool_health.up = 1
             for r in rejected:  # a rank whose series are missing: up 0 while it lasts, logged once per file
                 self.spool_health.failed(f"rejected:{r.file}:{r.reason}:{r.version}", "vramwatch: %s", r.describe())
-            clean = not reaped and not rejected
+            ok, reaped_any = True, bool(reaped)
         except Exception as e:  # noqa: BLE001
             samples = []
             self.spool_health.failed("spool", "vramwatch: reading the spool failed: %r", e)
         self.spool_health.duration = time.perf_counter() - t0
-        self.last_read_clean = clean
+        self.last_read_ok, self.last_read_reaped = ok, reaped_any
         if samples:
             self._served_at = time.monotonic()
         return ScrapeContext(tuple(samples), time.time(), self.hostname)

@@ -9,8 +9,9 @@ from vramwatch.spool import files
 SpoolState = tuple[tuple[str, bytes | None], ...]
 
 
-def spool_state(spool_dir: str) -> SpoolState | None:
-    """What names the ranks' samples now: each live rank file with its record header (length + CRC32).
+def spool_state(spool_dir: str, headers: bool = True) -> SpoolState | None:
+    """What names the ranks' samples now: each live rank file with its record header (length + CRC32;
+    None without ``headers``: then only which ranks are there, alive).
 
     Equal states mean equal samples (up to a CRC32 collision), so a reader may reuse what it decoded
     last time. None when only a read will do: a rank whose lock is free (a read reaps it) or an
@@ -28,6 +29,6 @@ def spool_state(spool_dir: str) -> SpoolState | None:
         path = os.path.join(spool_dir, name)
         if files.lock_is_free(files.lock_path_of(path)):
             return None
-        state.append((name, files.record_header(path)))
+        state.append((name, files.record_header(path) if headers else None))
     state.sort()
     return tuple(state)

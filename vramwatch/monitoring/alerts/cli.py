@@ -1,4 +1,8 @@
-"""``vramwatch alerts``: print the rules, or write / check the generated files under deploy/."""
+"""``vramwatch alerts``: print the rules, or write / check the generated files under deploy/.
+
+The rules and YAML are imported only when the command runs: every ``vramwatch`` command line (the
+scrape server's too) builds this parser, and the server needs neither PyYAML nor the rules.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vramwatch.monitoring.alerts.render import DEFAULT_RELEASE, prometheus_rule, rule_file, to_yaml
-from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
+from vramwatch.monitoring.config import DEFAULT, DEFAULT_RELEASE, MonitoringConfig
 
 RULES_PATH = Path("prometheus") / "rules" / "vramwatch.rules.yml"
 PROMETHEUS_RULE_PATH = Path("kubernetes") / "prometheusrule.yaml"
@@ -38,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def generated(
     cfg: MonitoringConfig = DEFAULT, release: str = DEFAULT_RELEASE, namespace: str | None = None
 ) -> dict[Path, str]:
+    from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml
+
     return {
         RULES_PATH: to_yaml(rule_file(cfg)),
         PROMETHEUS_RULE_PATH: to_yaml(prometheus_rule(cfg, namespace=namespace, release=release or None)),
