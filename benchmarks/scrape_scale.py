@@ -201,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc_from:
         update_doc(common.read_json(args.doc_from))
         return 0
+    settle, gap = 1.5, 1.2  # a render or two with every rank in it; the last point's ranks gone
     if args.quick:
         args.scrapes, args.idle_seconds = min(args.scrapes, 10), min(args.idle_seconds, 0.5)
+        settle, gap = 0.4, 0.2
     gpus = sorted({int(x) for x in args.gpus.split(",") if x.strip()})
     ranks = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
     settings = {"scrapes": args.scrapes, "rate": args.rate, "idle_seconds": args.idle_seconds}
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 for n in ranks:
                     rk = Ranks(exp.spool, n, g)
                     try:
-                        time.sleep(1.5)  # a render or two with every rank in it
+                        time.sleep(settle)
                         res = measure(exp.port, exp.proc.pid, args.scrapes, args.rate, args.idle_seconds)  # type: ignore[union-attr]
                     finally:
                         rk.close()
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     if args.out:
                         common.write_json(args.out, out)
-                    time.sleep(1.2)  # the reaped ranks' last render is gone before the next point
+                    time.sleep(gap)
             finally:
                 exp.stop()
     finally:
