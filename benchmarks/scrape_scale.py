@@ -8,10 +8,10 @@ For each GPU count a server starts on the simulated GPU; for each rank count thi
 publishes that many ranks' samples into its spool (the same typed samples a rank publishes: every
 allocator value of the contract, the step-time histogram, a loss), each rank once a second,
 spread over the second as independent ranks would be. Then ``--scrapes`` scrapes at ``--rate``
-per second on raw sockets, as Prometheus asks (gzip, text format): latency p50/p99, bytes plain
-and gzipped, and the server's CPU (utime+stime from /proc) per scrape net of its rate before the
-scrapes, which includes the background renders that changing ranks cause; that rate is reported
-too (``busy_share``: the server's CPU share with nobody scraping but ranks publishing).
+per second on raw sockets with Prometheus' request headers (OpenMetrics, gzip): latency p50/p99, bytes plain
+and gzipped, and the server's CPU (utime+stime from /proc) per scrape net of its rate in the windows just before
+and after the scrapes, which carries the background renders that changing ranks cause; that rate is
+reported too (``busy_share``: the server's CPU share with ranks publishing, between scrapes).
 Ranks here are not processes: 64 real ones would measure this machine, not the server.
 """
 
@@ -111,6 +111,10 @@ def measure(port: int, pid: int, scrapes: int, rate: float, idle_s: float) -> di
         nxt += period
         time.sleep(max(0.0, nxt - time.monotonic()))
     c3, t3 = common.proc_cpu_seconds(pid), time.monotonic()
+    time.sleep(idle_s)  # the rate again after the scrapes: its mean is what the scrapes did not cause
+    c4, t4 = common.proc_cpu_seconds(pid), time.monotonic()
+    if busy is not None and c3 is not None and c4 is not None:
+        busy = (busy + (c4 - c3) / (t4 - t3)) / 2
     net = None
     if None not in (c2, c3, busy):
         net = max(0.0, (c3 - c2) - busy * (t3 - t2)) / scrapes  # type: ignore[operator]
@@ -190,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--gpus", default="1,2,4,8", help="simulated GPU counts (default 1,2,4,8)")
     p.add_argument("--ranks", default="1,2,4,8,16,32,64", help="rank counts (default 1,2,4,8,16,32,64)")
-    p.add_argument("--scrapes", type=int, default=50)
+    p.add_argument("--scrapes", type=int, default=100)
     p.add_argument("--rate", type=float, default=10.0)
-    p.add_argument("--idle-seconds", type=float, default=2.0)
+    p.add_argument("--idle-seconds", type=float, default=3.0)
     p.add_argument("--quick", action="store_true", help="10 scrapes, 0.5 s idle windows")
     p.add_argument("--out", default="")
     p.add_argument("--update-doc", action="store_true", help="rewrite docs/scale.md's scrape-cost table")

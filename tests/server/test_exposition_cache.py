@@ -295,3 +295,17 @@ def test_with_the_refresher_a_scrape_still_sees_a_rank_die_or_appear_at_once(nod
         assert b'rank="6"' not in cached.reply("", False).body  # and gone with its files
     finally:
         cached.stop()
+
+
+def test_a_costly_render_spaces_the_next_one_out(node):
+    _, cached, _, pubs, _, clock = node
+    refresher = Refresher(cached)
+    try:
+        cached.reply("", False)
+        pubs[0].publish(sample(0, clock.now, steps=5))
+        cached.render_cost = 3600.0 * 0.02  # a render whose share of a core would need an hour's gap
+        assert not refresher.step()
+        cached.render_cost = 0.0
+        assert refresher.step() and cached.render_cost > 0  # the refresher times its own renders
+    finally:
+        cached.stop()

@@ -3,14 +3,16 @@
 What the families show changes only when a rank publishes (once per ``interval``) or a collector
 reads (once per ``nvml_interval``). A refresher thread looks for such a change every fraction of an
 interval (each rank file's record header and lock, each collector's snapshot and health: no
-decoding) and renders again when it sees one, at most once per ``min(interval, nvml_interval)``; a
+decoding) and renders again when it sees one, at most once per ``min(interval, nvml_interval)``, and
+never more often than keeps its renders within ``RENDER_MAX_SHARE`` of a core; a
 scrape serves the last render and costs no read at all. Until the first scrape nothing is rendered,
 and after ``IDLE_S`` without one the refresher rests again. A render is built aside and swapped in,
 so a scrape never waits on it. Without the refresher (it is not started, or died) a scrape compares
 the sources itself and renders when they changed, once for concurrent scrapes.
 
 Freshness: a scrape serves the newest render, at most one render gap plus one look behind the spool
-(about 1.25 s at the defaults; Prometheus scrapes every 15 s or more). ``vramwatch_sample_age_seconds``
+(about 1.25 s at the defaults, up to a few seconds on a node whose render takes tens of ms;
+Prometheus scrapes every 15 s or more). ``vramwatch_sample_age_seconds``
 is the one family that moves with the clock rather than with the samples, so it is not cached: each
 format's bytes are kept as the part before that family and the part after it, and every scrape
 formats the age of the samples it serves, at the scrape's own time, between them: the age stays true
@@ -194,6 +196,9 @@ def _strip_eof(text: bytes) -> bytes:
 
 
 IDLE_S = 300.0  # no scrape this long: the refresher stops rendering until the next one
+# Most of one core the refresher's renders may use: a render that takes longer than this share of
+# its gap (a large node: 64 ranks render in tens of ms) spaces the next one out instead.
+RENDER_MAX_SHARE = 0.02
 
 
 class CachedExposition:
@@ -209,6 +214,7 @@ class CachedExposition:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.min_gap = 0.0
+        self.render_cost = 0.0  # CPU seconds of the refresher's last render (its thread's clock)
         self.renders = 0  # how many times the families were rendered (tests and benchmarks read it)
 
     # --- the refresher ---
@@ -239,7 +245,8 @@ class CachedExposition:
         r = self._render
         if r is None or time.monotonic() - self._scraped_at > IDLE_S:
             return False  # nobody scrapes: nothing to keep fresh
-        if (r.reaped and not r.served) or time.monotonic() - r.built_at < self.min_gap:
+        gap = max(self.min_gap, self.render_cost / RENDER_MAX_SHARE)
+        if (r.reaped and not r.served) or time.monotonic() - r.built_at < gap:
             return False
         with self._build_lock:
             if self._render is not r:
@@ -248,10 +255,12 @@ class CachedExposition:
             key = self._sources(snapshots)
             if key is not None and key == r.key:
                 return False
+            t0 = time.thread_time()
             new = self._build(snapshots, key)
             for ctype, (encoder, gzip_ok) in list(self._asked.items()):
                 new.format(ctype, encoder, gzip_ok)  # ready before the next scrape asks
             self._render = new
+            self.render_cost = time.thread_time() - t0
             return True
 
     @property
