@@ -140,7 +140,7 @@ def _ms(v: float | None) -> float | None:
 def render_doc(result: dict[str, Any]) -> str:
     rows = [
         "| GPUs | ranks | series | bytes (gzip) | scrape p50 / p99 | server CPU per scrape | "
-        "server CPU, ranks publishing, no scrape |",
+        "server CPU between scrapes (its renders) |",
         "|---|---|---|---|---|---|---|",
     ]
     for p in result["points"]:
@@ -158,7 +158,8 @@ def render_doc(result: dict[str, Any]) -> str:
     md = result["metadata"]
     rows.append("")
     rows.append(
-        f"Measured {md.get('date', '?')[:10]} at `{md.get('vramwatch_commit', '?')}` on {md.get('cpu_model', '?')} "
+        f"Measured {md.get('date', '?')[:10]} at `{str(md.get('vramwatch_commit', '?'))[:7]}` "
+        f"on {md.get('cpu_model', '?')} "
         f"({md.get('cpu_count', '?')} CPUs, shared with other work: figures vary by tens of per cent between runs); "
         f"{result['settings']['scrapes']} scrapes at {result['settings']['rate']}/s per point."
     )
