@@ -59,10 +59,12 @@ $(PROMETHEUS) $(ALERTMANAGER):
 demo: venv tools
 	$(BIN)/python scripts/demo_stack.py $(DEMO_ARGS)
 
-# The gates, in order of cost: lint and format, types, generated docs, then the tests.
+# The gates, in order of cost: lint and format, types, generated docs, then the tests: on two workers, a
+# test file per worker at a time (most tests wait on real servers, so two workers suit two cores too).
+PYTEST_WORKERS ?= 2
 test: lint typecheck tools
 	$(BIN)/python -m vramwatch docs --check
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Every Python file of the repository (ruff skips what .gitignore names, such as the venv).
 lint: venv

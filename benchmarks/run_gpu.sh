@@ -63,7 +63,7 @@ elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothin
   PAIRS=2; DIRECT=1.5; CALLS=20000; TESTS_CAP=120
   RUN_ARGS="--device cpu --run-seconds 0.2 --warmup-seconds 0.05 --step-repeats 3 --pairs-per-process 1"
   NP=$(nproc 2>/dev/null || echo 1); [ "$NP" -ge 2 ] && RUN_ARGS="$RUN_ARGS --pin-core $((NP - 1))"  # the pinning path too
-  SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5"
+  SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5 --concurrency 4 --concurrent-seconds 0.5"
   FRAG_ARGS="--device cpu --seconds 1.5 --poll 0.2 --interval 0.2"
 else
   PAIRS=${PAIRS:-20}; DIRECT=60; CALLS=${STEP_CALLS:-1000000}; TESTS_CAP=200; SCRAPE_ARGS=""; FRAG_ARGS=""
@@ -154,14 +154,14 @@ fi
 W=""; has direct && W="direct"; has launch && W="${W:+$W,}launch_bound"; has launch_fresh && W="${W:+$W,}launch_bound_fresh"
 if [ -n "$W" ]; then
   # leave room for what follows in this invocation: scrape ~90 s, fragmentation ~100 s (quick: less)
-  RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 105))
+  RESERVE=0; has scrape && RESERVE=$((RESERVE + 130)); has fragmentation && RESERVE=$((RESERVE + 105))
   has transformer && RESERVE=$((RESERVE + 150))
   [ "$MODE" = quick ] && RESERVE=$((RESERVE / 2))
   D=$(( $(left) - RESERVE - 30 )); [ "$D" -lt 30 ] && D=30
   phase overhead-part1 $((D + 60)) $(overhead_cmd "$W" "$OUT/overhead-part1.json" "$D")
 fi
 if has transformer; then
-  RESERVE=0; has scrape && RESERVE=$((RESERVE + 90)); has fragmentation && RESERVE=$((RESERVE + 105))
+  RESERVE=0; has scrape && RESERVE=$((RESERVE + 130)); has fragmentation && RESERVE=$((RESERVE + 105))
   [ "$MODE" = quick ] && RESERVE=$((RESERVE / 2))
   D=$(( $(left) - RESERVE - ${TF_MARGIN:-40} )); [ "$D" -lt 30 ] && D=30
   phase overhead-part2 $((D + 60)) $(overhead_cmd transformer,transformer_full "$OUT/overhead-part2.json" "$D" "$TF_WARMUP")
@@ -174,7 +174,7 @@ if has launch_short; then
   D=$(( $(left) - 40 )); [ "$D" -lt 30 ] && D=30
   phase overhead-short $((D + 60)) $(overhead_cmd launch_bound "$OUT/overhead-short.json" "$D" "$SHORT")
 fi
-has scrape && phase scrape 150 $CMD_SCRAPE
+has scrape && phase scrape 200 $CMD_SCRAPE
 has fragmentation && phase fragmentation 240 $CMD_FRAG
 if [ -f "$OUT/overhead-part1.json" ] && [ -f "$OUT/overhead-part2.json" ]; then
   $PY benchmarks/overhead.py --merge "$OUT/overhead-part1.json" "$OUT/overhead-part2.json" --out "$OUT/overhead.json"
@@ -216,10 +216,19 @@ s = load("scrape.json")
 if s:
     for k, v in (s.get("vramwatch") or {}).items():
         print(f"scrape vramwatch {k} rank(s): p50 {v['p50_ms']:.2f} ms, p99 {v['p99_ms']:.2f} ms, {v['bytes']} B, "
-              f"cpu/scrape {ms(v['cpu_per_scrape_s'])} (net {ms(v['cpu_per_scrape_net_s'])})")
+              f"cpu/scrape {ms(v['cpu_per_scrape_s'])} (net {ms(v['cpu_per_scrape_net_s'])}), RSS {v.get('rss_mb')} MB")
+        c = v.get("concurrent")
+        if c:
+            print(f"  {c['clients']} at once: {c['scrapes']} scrapes, {c['status_503']} x 503, p50 {c['p50_ms']} ms, "
+                  f"p99 {c['p99_ms']} ms, cpu/scrape {ms(c['cpu_per_scrape_s'])}")
     nv = s.get("nvitop_exporter") or {}
     print("scrape nvitop-exporter:", nv.get("skipped") or f"p50 {nv['p50_ms']:.2f} ms, p99 {nv['p99_ms']:.2f} ms, "
-          f"{nv['bytes']} B, cpu/scrape {ms(nv['cpu_per_scrape_s'])} (net {ms(nv['cpu_per_scrape_net_s'])})")
+          f"{nv['bytes']} B, cpu/scrape {ms(nv['cpu_per_scrape_s'])} (net {ms(nv['cpu_per_scrape_net_s'])}), "
+          f"RSS {nv.get('rss_mb')} MB")
+    c = nv.get("concurrent")
+    if c:
+        print(f"  {c['clients']} at once: {c['scrapes']} scrapes, {c['status_503']} x 503, p50 {c['p50_ms']} ms, "
+              f"p99 {c['p99_ms']} ms, cpu/scrape {ms(c['cpu_per_scrape_s'])}")
     if s.get("error"):
         print("scrape ERROR:", s["error"])
 f = load("fragmentation.json")

@@ -10,7 +10,9 @@ card) and calls step() at 20 Hz. For each rank count the script measures the
 server's idle CPU, then ``--scrapes`` scrapes at ``--rate`` per second:
 latency from request to last byte (p50/p99), bytes (plain and gzip), and the
 server's CPU per scrape (utime+stime from /proc over the scrapes, divided by
-their number; ``net`` subtracts the idle rate). nvitop-exporter
+their number; ``net`` subtracts the idle rate), then ``--concurrency`` scrapers at once, each scraping
+back to back for ``--concurrent-seconds`` (latency, 503s, CPU per scrape), and the server's resident
+memory (VmRSS, and its peak VmHWM). nvitop-exporter
 (``python3 -m nvitop_exporter``) is measured the same way in the same run,
 while the 8 ranks still hold their contexts, so both see the same processes.
 """
@@ -22,9 +24,11 @@ import gzip
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -188,6 +192,100 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1000.0
 
 
+# What Prometheus 2.x sends with a scrape (its Accept prefers OpenMetrics; the timeout header is the
+# scrape's own timeout): the requests a server sees from real scrapers.
+PROMETHEUS_REQUEST = (
+    b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: Prometheus/2.42.0\r\n"
+    b"Accept: application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    b"text/plain;version=0.0.4;q=0.5,*/*;q=0.1\r\nAccept-Encoding: gzip\r\n"
+    b"X-Prometheus-Scrape-Timeout-Seconds: 10\r\nConnection: close\r\n\r\n"
+)
+
+
+def raw_get(port: int, timeout: float = 10.0) -> tuple[int, int, float]:
+    """(status, bytes, seconds to the last byte) of one scrape as Prometheus sends it, on a raw socket:
+    the client's own work is a few system calls, so the latency is the server's (urllib adds ~0.3 ms)."""
+    t0 = time.perf_counter()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.sendall(PROMETHEUS_REQUEST)
+            chunks = []
+            while True:
+                b = s.recv(65536)
+                if not b:
+                    break
+                chunks.append(b)
+    except OSError:
+        return 0, 0, time.perf_counter() - t0
+    raw = b"".join(chunks)
+    try:
+        status = int(raw.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        status = 0
+    return status, len(raw), time.perf_counter() - t0
+
+
+def measure_concurrent(port: int, pid: int, clients: int, seconds: float) -> dict[str, Any]:
+    """``clients`` threads scraping back to back (gzip, as Prometheus asks) for ``seconds``."""
+    lat: list[float] = []
+    statuses: dict[str, int] = {}
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+    deadline = [0.0]
+
+    def client() -> None:
+        mine, codes = [], {}
+        start.wait()
+        while time.monotonic() < deadline[0]:
+            status, _, elapsed = raw_get(port)
+            codes[str(status)] = codes.get(str(status), 0) + 1
+            if status == 200:
+                mine.append(elapsed)
+        with lock:
+            lat.extend(mine)
+            for k, v in codes.items():
+                statuses[k] = statuses.get(k, 0) + v
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    c0, t0 = common.proc_cpu_seconds(pid), time.monotonic()
+    deadline[0] = t0 + seconds
+    start.wait()
+    for t in threads:
+        t.join(timeout=seconds + 30)
+    c1, t1 = common.proc_cpu_seconds(pid), time.monotonic()
+    total = sum(statuses.values())
+    return {
+        "clients": clients,
+        "seconds": t1 - t0,
+        "scrapes": total,
+        "ok": statuses.get("200", 0),
+        "status_503": statuses.get("503", 0),
+        "statuses": statuses,
+        "scrapes_per_s": total / (t1 - t0) if t1 > t0 else None,
+        "p50_ms": _ms(common.percentile(lat, 50)),
+        "p99_ms": _ms(common.percentile(lat, 99)),
+        "max_ms": _ms(max(lat, default=None)),
+        "cpu_per_scrape_s": (c1 - c0) / total if total and c0 is not None and c1 is not None else None,
+        "server_cpu_share": (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None and t1 > t0 else None,
+    }
+
+
+def memory_mb(pid: int) -> dict[str, float | None]:
+    """The server's resident memory now (VmRSS) and its peak (VmHWM), in MB (10^6 bytes)."""
+    out: dict[str, float | None] = {"rss_mb": None, "hwm_mb": None}
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out["rss_mb" if key == "VmRSS" else "hwm_mb"] = int(rest.split()[0]) * 1024 / 1e6
+    except OSError:
+        pass
+    return out
+
+
 def nvitop_available(python: str) -> str:
     """'' if nvitop-exporter can be imported by ``python``, else why not."""
     try:
@@ -235,6 +333,9 @@ def run_nvitop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             }
         time.sleep(2.0)  # a couple of its collection cycles
         res = measure(url, p.pid, args.scrapes, args.rate, args.idle_seconds)
+        if args.concurrency > 0:
+            res["concurrent"] = measure_concurrent(port, p.pid, args.concurrency, args.concurrent_seconds)
+        res.update(memory_mb(p.pid))
         ver = subprocess.run(
             [python, "-m", "nvitop_exporter", "--version"],
             capture_output=True,
@@ -276,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvitop", choices=("auto", "off"), default="auto", help="measure nvitop-exporter too")
     p.add_argument("--nvitop-python", default="", help="interpreter that can import nvitop_exporter")
     p.add_argument("--nvitop-interval", type=float, default=1.0)
-    p.add_argument("--quick", action="store_true", help="60 scrapes, 2 s idle windows")
+    p.add_argument("--concurrency", type=int, default=10, help="scrapers at once, back to back (0: skip)")
+    p.add_argument("--concurrent-seconds", type=float, default=10.0, help="how long they scrape (default 10)")
+    p.add_argument("--quick", action="store_true", help="60 scrapes, 2 s idle windows, 5 s concurrent")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cut by `timeout`: save, clean up
@@ -284,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         args.simulate = True
     if args.quick:
         args.scrapes, args.idle_seconds = min(args.scrapes, 60), min(args.idle_seconds, 2.0)
+        args.concurrent_seconds = min(args.concurrent_seconds, 5.0)
     counts = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
     workdir = tempfile.mkdtemp(prefix="vwbench-scrape-")
     out: dict[str, Any] = {
@@ -299,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
             "latency: request sent to last byte received, one connection per scrape (urllib)",
             "cpu_per_scrape_s: server utime+stime over the scrapes / scrapes (10 ms /proc ticks); "
             "net subtracts the server's idle CPU rate measured just before",
+            "concurrent: --concurrency threads of this process scraping back to back on raw sockets, "
+            "with Prometheus 2.42's request headers (OpenMetrics, gzip); p50/p99 over the 200s; "
+            "status_503 counts the refused",
+            "rss_mb/hwm_mb: the server's VmRSS after the measurements, and its peak (VmHWM)",
         ],
     }
 
@@ -316,11 +424,22 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.5)  # a sample or two from every rank
             res = measure(node.url(), node.server.pid, args.scrapes, args.rate, args.idle_seconds)
             res["ranks"] = n
+            if args.concurrency > 0:
+                res["concurrent"] = c = measure_concurrent(
+                    node.port, node.server.pid, args.concurrency, args.concurrent_seconds
+                )
+                common.progress(
+                    f"vramwatch, {n} rank(s), {c['clients']} scrapers at once: {c['scrapes']} scrapes, "
+                    f"{c['status_503']} answered 503, p50 {c['p50_ms'] or 0:.2f} ms, p99 {c['p99_ms'] or 0:.2f} ms, "
+                    f"CPU/scrape {_fmt_ms(c['cpu_per_scrape_s'])}"
+                )
+            res.update(memory_mb(node.server.pid))
             out["vramwatch"][str(n)] = res
             common.progress(
                 f"vramwatch, {n} rank(s): p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, "
                 f"{res['bytes']} bytes ({res['series']} samples), CPU/scrape "
-                f"{_fmt_ms(res['cpu_per_scrape_s'])} gross, {_fmt_ms(res['cpu_per_scrape_net_s'])} net"
+                f"{_fmt_ms(res['cpu_per_scrape_s'])} gross, {_fmt_ms(res['cpu_per_scrape_net_s'])} net, "
+                f"RSS {res['rss_mb']} MB"
             )
             save()
         if args.nvitop == "off":

@@ -8,8 +8,10 @@ benchmarks and `make demo`; here they get a test's lifetime. A binary the harnes
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,32 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from harness import Exporter, Prometheus, ToolMissing, start_sim_rank, stop_proc  # noqa: E402 - after the path
+
+
+@pytest.hookimpl(tryfirst=True)  # before the tmp_path factory reads --basetemp
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist (`make test` runs `-n 2`) each worker's tmp_path gains a "popen-gwN" level. Start
+    # the controller from a short base instead, so paths stay as short as in a plain run: tests quote
+    # them in messages that shorten long values.
+    if config.getoption("numprocesses", None) and not config.option.basetemp and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="vwt-")
+        config.stash[_SHORT_BASETEMP] = config.option.basetemp
+
+
+_SHORT_BASETEMP = pytest.StashKey[str]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    base = session.config.stash.get(_SHORT_BASETEMP, None)
+    if base and exitstatus == 0:  # a failed run keeps its files, as pytest's own base does
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # the files with slow or e2e tests first (stable otherwise): under xdist the long ones then start
+    # early instead of ending the run on one worker while the other idles
+    heavy = {it.path for it in items if it.get_closest_marker("slow") or it.get_closest_marker("e2e")}
+    items.sort(key=lambda it: it.path not in heavy)
 
 
 def _skip_or_fail(e: ToolMissing) -> None:

@@ -223,8 +223,27 @@ def test_smoke_scrape_json(smoke):
             assert r[k] is not None, k
         assert r["errors"] == 0 and r["p50_ms"] <= r["p99_ms"]
         assert r["bytes_gzip"] < r["bytes"]
+        assert 5 < r["rss_mb"] <= r["hwm_mb"] < 500
+        c = r["concurrent"]
+        assert c["clients"] == 4 and c["ok"] > 0 and c["scrapes"] == sum(c["statuses"].values())
+        assert c["p50_ms"] <= c["p99_ms"] and c["cpu_per_scrape_s"] is not None
     assert two["bytes"] > one["bytes"] and two["series"] > one["series"], "a second rank adds its series"
     assert "skipped" in data["nvitop_exporter"]
+
+
+def test_scrape_scale_sweeps_ranks_and_gpus(tmp_path):
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "scrape_scale.py"), "--gpus", "1,2", "--ranks", "1,3"]
+    r = subprocess.run(cmd + ["--quick", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = common.read_json(out)
+    points = {(p["gpus"], p["ranks"]): p["result"] for p in data["points"]}
+    assert set(points) == {(1, 1), (1, 3), (2, 1), (2, 3)}
+    for m in points.values():
+        assert m["errors"] == 0 and m["p50_ms"] <= m["p99_ms"] and m["bytes_gzip"] < m["bytes"]
+    # every rank and every GPU adds its series (the ranks are this process's synthetic ones)
+    assert points[(1, 3)]["series"] > points[(1, 1)]["series"] < points[(2, 1)]["series"]
+    assert "| 2 | 3 |" in r.stdout  # the table docs/scale.md carries
 
 
 @pytest.mark.slow

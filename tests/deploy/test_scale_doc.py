@@ -105,3 +105,18 @@ def test_recorded_series_count_matches_the_exporter_today():
         "benchmarks/results/series.json is stale (family: recorded, now); re-run "
         f"python3 benchmarks/series_count.py --update-doc: {dict(sorted(diff.items()))}"
     )
+
+
+def test_scrape_cost_table_is_the_recorded_sweep():
+    spec = importlib.util.spec_from_file_location("scrape_scale", ROOT / "benchmarks" / "scrape_scale.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec.loader.exec_module(mod)
+    recorded = sorted((ROOT / "benchmarks" / "results").glob("*/scrape_scale.json"))
+    assert recorded, "no recorded sweep: benchmarks/scrape_scale.py --out benchmarks/results/<run>/scrape_scale.json"
+    result = json.loads(recorded[-1].read_text())
+    assert mod.doc_block() == mod.render_doc(result), (
+        f"docs/scale.md's scrape-cost table is stale: python3 benchmarks/scrape_scale.py --doc-from {recorded[-1]}"
+    )
+    grid = {(p["gpus"], p["ranks"]) for p in result["points"]}
+    assert {(1, 1), (8, 8), (1, 64), (8, 64)} <= grid, "the sweep covers 1-64 ranks and 1-8 GPUs"

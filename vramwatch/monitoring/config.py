@@ -336,6 +336,10 @@ class MonitoringConfig:
 
 
 DEFAULT = MonitoringConfig()
+# the PrometheusRule's `release` label: kube-prometheus-stack selects rules by it
+DEFAULT_RELEASE = "kube-prometheus-stack"
+# the example monitoring config beside the rendered rules (`vramwatch alerts --write DIR`)
+EXAMPLE_PATH = "monitoring.example.yaml"
 
 # pairs that must stay ordered: (lower, higher)
 _ORDERED = (("memory_warning_ratio", "memory_critical_ratio"),)

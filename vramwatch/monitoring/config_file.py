@@ -18,12 +18,11 @@ import yaml
 
 from vramwatch.errors import ConfigError
 from vramwatch.monitoring.alerts.rules import check_disabled_alerts
-from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, shown, validate
+from vramwatch.monitoring.config import DEFAULT, EXAMPLE_PATH, MonitoringConfig, shown, validate
 from vramwatch.yaml_bounded import UnsafeYaml, load_bounded_yaml
 
 __all__ = ["EXAMPLE_PATH", "example_yaml", "from_mapping", "load"]
 
-EXAMPLE_PATH = "monitoring.example.yaml"
 FIELDS = {f.name: f for f in dataclasses.fields(MonitoringConfig)}
 _TYPES = typing.get_type_hints(MonitoringConfig)
 

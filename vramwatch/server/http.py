@@ -19,7 +19,6 @@ first of each kind a minute, then counted) and counted in ``refused``.
 
 from __future__ import annotations
 
-import gzip
 import http.client
 import io
 import logging
@@ -40,10 +39,10 @@ from socketserver import _SocketWriter  # type: ignore[attr-defined]
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
 
 from vramwatch.server.admission import Admission, Decision, is_scrape, scrape_wait
 from vramwatch.server.auth import BasicAuth, Check, Credentials, FailureBudget
+from vramwatch.server.exposition_cache import Exposition, RegistryExposition
 
 log = logging.getLogger("vramwatch")
 
@@ -184,7 +183,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
     def __init__(
         self,
         address: tuple[str, int],
-        registry: CollectorRegistry,
+        registry: Exposition | CollectorRegistry,
         *,
         max_connections: int = 8,
         timeout: float = 10.0,
@@ -195,7 +194,8 @@ class ExporterHTTPServer(socketserver.TCPServer):
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
-        self.registry = registry
+        # what answers /metrics: the server's cache, or a plain registry rendered per request
+        self.exposition = RegistryExposition(registry) if isinstance(registry, CollectorRegistry) else registry
         self.conn_timeout = timeout
         self.ssl_context = ssl_context  # an ssl.SSLContext, or anything with its wrap_socket()
         self.auth = authorize
@@ -665,18 +665,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, head: bool) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+            gzip_ok = accepts_gzip(self.headers.get("Accept-Encoding") or "")
             try:
-                body = encoder(self.server.registry)
+                reply = self.server.exposition.reply(self.headers.get("Accept", ""), gzip_ok)
             except Exception:
                 log.warning("vramwatch: rendering /metrics failed", exc_info=True)
                 self._reply(500, b"collection failed; see the server log\n", "text/plain", head=head)
                 return
-            extra = {}
-            if accepts_gzip(self.headers.get("Accept-Encoding") or ""):
-                body = gzip.compress(body, compresslevel=1)
-                extra["Content-Encoding"] = "gzip"
-            self._reply(200, body, ctype, extra, head)
+            extra = {"Content-Encoding": reply.encoding} if reply.encoding else {}
+            self._reply(200, reply.body, reply.content_type, extra, head)
         elif path == "/":
             self._reply(200, LANDING, "text/html; charset=utf-8", head=head)
         elif path in ("/-/healthy", "/-/ready"):

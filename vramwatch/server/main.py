@@ -17,8 +17,9 @@ import time
 from vramwatch import spool
 from vramwatch.config import ConfigError, Settings
 from vramwatch.server.collectors import Runner, enabled_collectors
+from vramwatch.server.exposition_cache import CachedExposition
 from vramwatch.server.http import ExporterHTTPServer
-from vramwatch.server.registry import ExporterCollector, build_registry
+from vramwatch.server.registry import ExporterCollector
 from vramwatch.server.spool_guard import SpoolGuard
 
 log = logging.getLogger("vramwatch")
@@ -44,6 +45,7 @@ class Server:
         self.exporter: ExporterCollector | None = None
         self.http: ExporterHTTPServer | None = None
         self.guard = SpoolGuard(self.spool_dir)
+        self.exposition: CachedExposition | None = None
         self._serving: threading.Thread | None = None  # serve_forever's thread, once started
         self._stop = threading.Event()
 
@@ -60,11 +62,11 @@ class Server:
             ssl_context, authorize, headers = load_web_config(self.settings.web_config_file)
         self.collectors = enabled_collectors(self.settings)
         self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors)
-        registry = build_registry(self.exporter)
+        self.exposition = CachedExposition(self.exporter)
         try:
             self.http = ExporterHTTPServer(
                 (self.settings.host, self.settings.port),
-                registry,
+                self.exposition,
                 max_connections=self.settings.max_connections,
                 ssl_context=ssl_context,
                 authorize=authorize,
@@ -82,6 +84,8 @@ class Server:
             raise StartupError(why) from None
         for c in self.collectors:
             c.start()
+        # nothing shown changes faster than a rank publishes or a collector reads
+        self.exposition.start(min_gap=min(self.settings.interval, self.settings.nvml_interval))
         try:
             self.guard.write_info(self._server_info())
         except OSError as e:
@@ -136,6 +140,8 @@ class Server:
         self._stop.set()
 
     def close(self) -> None:
+        if self.exposition is not None:
+            self.exposition.stop()
         for c in self.collectors:
             c.stop()
         if self.http is not None:

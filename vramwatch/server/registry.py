@@ -1,11 +1,10 @@
-"""The server's one prometheus_client collector: reads the spool once per scrape, asks each collector."""
+"""The server's one prometheus_client collector: reads the spool, asks each collector (cached: exposition_cache)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from vramwatch import spool
@@ -26,6 +25,10 @@ class ExporterCollector:
         self.spool_trouble = ""  # why the spool directory is unusable (it vanished and cannot be made again)
         self.rank_view = RankView(spool_dir, settings.max_ranks, settings.dead_rank_grace_seconds)
         self._served_at: float | None = None
+        # what a cache must know of the last read: whether it read at all (a failed read is tried again),
+        # and when the first of the dead ranks' final samples it carried leaves (wall time; None: none)
+        self.last_read_ok = False
+        self.last_read_expires: float | None = None
 
     def served_ranks_since(self, t: float) -> bool:
         """Whether a scrape after monotonic time ``t`` carried any rank."""
@@ -39,21 +42,34 @@ class ExporterCollector:
         now = time.time()
         read = spool.SpoolRead()
         carried: Mapping[DeviceKey, Mapping[str, float]] = {}
+        ok = False
         try:
             # live ranks, and dead ranks' final samples for their grace window (rank_view)
             read, carried = self.rank_view.read(now)
             self.spool_health.up = 0 if self.spool_trouble else 1
             for r in read.rejected:  # a rank whose series are missing: up 0 while it lasts, logged once per file
                 self.spool_health.failed(f"rejected:{r.file}:{r.reason}:{r.version}", "vramwatch: %s", r.describe())
+            ok = True
         except Exception as e:  # noqa: BLE001
             self.spool_health.failed("spool", "vramwatch: reading the spool failed: %r", e)
         self.spool_health.duration = time.perf_counter() - t0
+        self.last_read_ok = ok
+        # a dead rank's final sample leaves the exposition when its window ends: a cache renders again then
+        grace = self.settings.dead_rank_grace_seconds
+        self.last_read_expires = min((s.time + grace for s in read.final), default=None)
         if read.live or read.final:
             self._served_at = time.monotonic()
         return ScrapeContext(tuple(read.live), now, self.hostname, tuple(read.final), carried)
 
+    def mark_served(self, ctx: ScrapeContext) -> None:
+        """A scrape served ``ctx`` again from a cache."""
+        if ctx.samples:
+            self._served_at = time.monotonic()
+
     def collect(self) -> Iterable[Metric]:
-        ctx = self.context()
+        return self.families(self.context())
+
+    def families(self, ctx: ScrapeContext) -> Iterable[Metric]:
         yield from ranks.families(ctx, self._rank_failed)
         for c in self.collectors:
             yield from c.collect(ctx)  # a bad snapshot drops its families, never the scrape
@@ -86,9 +102,3 @@ class ExporterCollector:
         build = contract.family("vramwatch_build_info")
         build.add_metric([__version__, self.hostname], 1.0)
         yield from (up, err, dur, n, dropped, build)
-
-
-def build_registry(exporter: ExporterCollector) -> CollectorRegistry:
-    reg = CollectorRegistry(auto_describe=False)  # never the global registry
-    reg.register(exporter)
-    return reg

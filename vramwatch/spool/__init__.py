@@ -3,12 +3,14 @@
 The one boundary between the two processes. A rank publishes typed samples
 (:mod:`.schema`) through :class:`RankPublisher`; the server reads them back with
 :func:`read_samples`. Only this package knows the file names and their format
-(:mod:`.files`), the JSON encoding and its version (:mod:`.codec`), and the server's
-NVML readings file the ranks' status lines read (:mod:`.readings`).
+(:mod:`.files`) and whether they changed (:mod:`.changes`), the JSON encoding and its
+version (:mod:`.codec`), and the server's NVML readings file the ranks' status lines read
+(:mod:`.readings`).
 """
 
 from __future__ import annotations
 
+from vramwatch.spool.changes import SpoolState, spool_state
 from vramwatch.spool.codec import SampleRejected, decode_sample, encode_sample
 from vramwatch.spool.files import (
     SERVER_INFO,
@@ -59,6 +61,7 @@ __all__ = [
     "Rejected",
     "SpoolRead",
     "SampleRejected",
+    "SpoolState",
     "any_rank_files",
     "decode_sample",
     "encode_sample",
@@ -72,6 +75,7 @@ __all__ = [
     "read_spool",
     "sample_age",
     "server_running",
+    "spool_state",
     "write_node_readings",
     "write_server_info",
 ]

@@ -117,6 +117,20 @@ def frame(payload: bytes) -> bytes:
     return _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
+def record_header(path: str) -> bytes | None:
+    """The header of the record in ``path`` (its length and CRC name the payload), or None if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.pread(fd, _HEADER.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def unframe(raw: bytes) -> bytes | None:
     """The payload of a complete record, or None (a write in progress, or not a record)."""
     if len(raw) < _HEADER.size:

@@ -3,6 +3,9 @@
 ``--config F`` renders from a monitoring config file (the keys of ``MonitoringConfig``); a bad key or
 value exits 2 naming it. ``--write``/``--check`` also cover ``monitoring.example.yaml``, the defaults
 as a commented file, so the example can never drift from the fields.
+
+The rules and YAML are imported only when the command runs: every ``vramwatch`` command line (the
+scrape server's too) builds this parser, and the server needs neither PyYAML nor the rules.
 """
 
 from __future__ import annotations
@@ -13,13 +16,11 @@ import sys
 from pathlib import Path
 
 from vramwatch.errors import ConfigError
-from vramwatch.monitoring import config_file, helm
-from vramwatch.monitoring.alerts.render import DEFAULT_RELEASE, prometheus_rule, rule_file, to_yaml
-from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, validate
+from vramwatch.monitoring.config import DEFAULT, DEFAULT_RELEASE, EXAMPLE_PATH, MonitoringConfig, validate
 
 RULES_PATH = Path("prometheus") / "rules" / "vramwatch.rules.yml"
 PROMETHEUS_RULE_PATH = Path("kubernetes") / "prometheusrule.yaml"
-EXAMPLE_CONFIG_PATH = Path(config_file.EXAMPLE_PATH)
+EXAMPLE_CONFIG_PATH = Path(EXAMPLE_PATH)
 
 
 def add_config_argument(p: argparse.ArgumentParser) -> None:
@@ -33,6 +34,8 @@ def add_config_argument(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> MonitoringConfig:
     """The config ``--config`` names (the defaults without one); ConfigError naming a bad key."""
+    from vramwatch.monitoring import config_file
+
     return config_file.load(args.config) if args.config else DEFAULT
 
 
@@ -68,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def generated(
     cfg: MonitoringConfig = DEFAULT, release: str = DEFAULT_RELEASE, namespace: str | None = None
 ) -> dict[Path, str]:
+    from vramwatch.monitoring import config_file
+    from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml
+
     return {
         RULES_PATH: to_yaml(rule_file(cfg)),
         PROMETHEUS_RULE_PATH: to_yaml(prometheus_rule(cfg, namespace=namespace, release=release or None)),
@@ -85,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     files = generated(cfg, args.release, args.namespace)
     if args.write or args.check:  # and the Helm chart's generated parts, where the directory has the chart
+        from vramwatch.monitoring import helm
+
         files.update(helm.generated(cfg, Path(args.write or args.check)))
     if args.write:
         for rel, text in files.items():

@@ -196,6 +196,18 @@ def _continued(
     return out
 
 
+AGE_FAMILY = "vramwatch_sample_age_seconds"
+
+
+def age_family(samples: Iterable[RankSample], now: float) -> Metric:
+    """The one family that moves with the clock, not with the samples: a cached exposition renders it
+    per scrape (:mod:`vramwatch.server.exposition_cache`)."""
+    age = contract.family(AGE_FAMILY)
+    for s in samples:
+        age.add_metric(_rank_labels(s), s.age(now))
+    return age
+
+
 def _le(v: float) -> str:
     return "+Inf" if v == float("inf") else repr(float(v))
 

@@ -39,7 +39,7 @@ from vramwatch.server.collectors import Collector, Health, ScrapeContext, Tick, 
 log = logging.getLogger("vramwatch")
 
 XID_EVENT = 0x0000000000000008  # nvmlEventTypeXidCriticalError
-WAIT_MS = 2000
+WAIT_MS = 500  # one wait on the event set; stopping the server waits for the current one
 MAX_XIDS_PER_GPU = 64  # beyond this many distinct Xids on one GPU, the rest count as xid="other"
 PREINIT = tuple(dict.fromkeys(contract.XID_CRITICAL + contract.XID_WARNING))
 LOST_XID = 79  # GPU_IS_LOST is what "fallen off the bus" looks like through NVML

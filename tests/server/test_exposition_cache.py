@@ -1,0 +1,311 @@
+"""The cached /metrics: rendered once per change, byte-identical to a whole render, ages true at scrape."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import os
+import re
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from vramwatch import spool
+from vramwatch.config import Settings
+from vramwatch.server import registry as registry_module
+from vramwatch.server.collectors import Collector, Runner, ScrapeContext, Tick
+from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition
+from vramwatch.server.registry import ExporterCollector
+from vramwatch.spool import files
+
+ACCEPTS = [
+    "",  # Prometheus text 0.0.4
+    "text/plain;version=1.0.0;escaping=underscores",
+    "application/openmetrics-text; version=1.0.0",
+    "application/openmetrics-text;version=1.0.0;q=0.9,text/plain;q=0.5",
+]
+AGE = re.compile(rb"^(vramwatch_sample_age_seconds\{.*\}) \S+$", re.M)
+SPOOL_DURATION = re.compile(rb'(vramwatch_collector_duration_seconds\{collector="spool",rank=""\}) \S+')
+
+
+def sample(rank: int, t: float, steps: int = 3) -> spool.RankSample:
+    return spool.RankSample(
+        rank=rank,
+        local_rank=rank,
+        world_size=8,
+        hostname="node-a",
+        pid=os.getpid(),
+        time=t,
+        devices=(spool.DeviceSample(0, f"GPU-{rank}", {"torch_cuda_memory_reserved_bytes": 3e9 + rank}),),
+        heartbeat=spool.HeartbeatSnapshot(steps=steps, last_step_time=t, buckets=(0.1, 1.0), counts=(1, 1, 0)),
+        collectors={"allocator": spool.CollectorHealth(up=1, errors=0, duration=0.0002)},
+    )
+
+
+class Counter(Collector[int]):
+    """A server-side collector whose snapshot is the number of reads so far."""
+
+    name = "counter"
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def read(self, tick: Tick) -> int:
+        self.n += 1
+        return self.n
+
+    def families(self, snapshot: int, ctx: ScrapeContext) -> Iterable[Metric]:
+        g = GaugeMetricFamily("counter_reads", "Reads so far.")
+        g.add_metric([], float(snapshot))
+        return (g,)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    """A spool with two live ranks, the server's collector over it (one server-side collector), a clock."""
+    d = str(tmp_path)
+    clock = Clock()
+    monkeypatch.setattr(registry_module.time, "time", clock)  # the whole render's clock is the same one
+    pubs = [spool.RankPublisher(d, r) for r in range(2)]
+    for r, p in enumerate(pubs):
+        p.publish(sample(r, clock.now - 0.5))
+    settings = Settings(spool_dir=d)
+    runner = Runner(Counter(), settings)
+    runner.poll_once()
+    exp = ExporterCollector(settings, d, [runner])
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(exp)
+    yield exp, CachedExposition(exp, clock=clock), RegistryExposition(reg), pubs, runner, clock
+    for p in pubs:
+        p.close()
+
+
+def same_but_spool_time(a: bytes, b: bytes) -> bool:
+    # the spool's read duration is measured per read: the one value two reads never share
+    return SPOOL_DURATION.sub(rb"\1 X", a) == SPOOL_DURATION.sub(rb"\1 X", b)
+
+
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_cached_bytes_equal_a_whole_render_with_ages_at_scrape_time(node, accept):
+    _, cached, whole, _, _, clock = node
+    cached.reply(accept, False)
+    clock.now += 7.25  # the cache is older now: only the ages moved
+    a, b = cached.reply(accept, False), whole.reply(accept, False)
+    assert a.content_type == b.content_type and a.encoding is None
+    assert same_but_spool_time(a.body, b.body)
+    assert re.search(rb'vramwatch_sample_age_seconds\{local_rank="1",rank="1"\} 7.75\n', a.body)
+    assert cached.renders == 1
+
+
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_gzip_is_one_member_holding_the_same_text(node, accept):
+    _, cached, _, _, _, clock = node
+    plain = cached.reply(accept, False).body
+    clock.now += 1.5
+    for _ in range(2):  # built on the first gzip scrape, reused on the second
+        gz = cached.reply(accept, True)
+        assert gz.encoding == "gzip"
+        d = zlib.decompressobj(31)  # one gzip member: a client that reads one gets it all
+        text = d.decompress(gz.body)
+        assert d.eof and not d.unused_data
+        assert text == gzip.decompress(gz.body) == cached.reply(accept, False).body
+    assert text != plain and same_but_spool_time(AGE.sub(rb"\1 X", text), AGE.sub(rb"\1 X", plain))
+    assert cached.renders == 1
+
+
+def test_a_new_sample_or_snapshot_renders_again_once(node):
+    _, cached, _, pubs, runner, clock = node
+    for _ in range(5):
+        cached.reply("", False)
+    assert cached.renders == 1
+    # the same size, another value: the record's CRC tells them apart (an mtime may not)
+    pubs[0].publish(sample(0, clock.now - 0.5, steps=4))
+    body = cached.reply("", False).body
+    assert b'vramwatch_training_steps_total{local_rank="0",rank="0"} 4.0' in body and cached.renders == 2
+    runner.poll_once()
+    assert b"counter_reads 2.0" in cached.reply("", False).body and cached.renders == 3
+    cached.reply("", True)
+    assert cached.renders == 3
+
+
+def test_a_dead_rank_is_served_once_then_gone(node, tmp_path):
+    _, cached, _, _, _, clock = node
+    cached.reply("", False)
+    (tmp_path / "rank-5-999999.json").write_bytes(files.frame(spool.encode_sample(sample(5, clock.now))))
+    (tmp_path / "rank-5-999999.lock").write_bytes(b"")  # nobody holds it: the rank is dead
+    assert b'rank="5"' in cached.reply("", False).body  # its last sample, once
+    assert b'rank="5"' not in cached.reply("", False).body
+    n = cached.renders
+    cached.reply("", False)
+    assert cached.renders == n  # the spool is clean again: back to the cache
+
+
+def test_a_rejected_file_is_counted_per_read_of_the_spool(node, tmp_path):
+    _, cached, _, pubs, _, clock = node
+    name = "rank-3-13.json"
+    (tmp_path / name).write_bytes(files.frame(b"\x00not json"))
+    fd = files.hold_lock(files.lock_path_of(str(tmp_path / name)))
+    assert fd is not None
+
+    def spool_errors() -> tuple[float, float]:
+        body = cached.reply("", False).body
+        err = re.search(rb'vramwatch_collector_errors_total\{collector="spool",rank=""\} (\S+)', body)
+        up = re.search(rb'vramwatch_collector_up\{collector="spool",rank=""\} (\S+)', body)
+        assert err and up
+        return float(err.group(1)), float(up.group(1))
+
+    try:
+        assert [spool_errors() for _ in range(3)] == [(1.0, 0.0)] * 3  # one read, down while the file lasts
+        pubs[0].publish(sample(0, clock.now))
+        assert spool_errors() == (2.0, 0.0)  # the next read met it again
+    finally:
+        os.close(fd)
+
+
+def test_concurrent_scrapes_share_one_render(node):
+    _, cached, _, pubs, _, clock = node
+    pubs[1].publish(sample(1, clock.now, steps=9))
+    bodies: list[bytes] = []
+    start = threading.Barrier(8)
+
+    def scrape() -> None:
+        start.wait()
+        bodies.append(cached.reply("", True).body)
+
+    threads = [threading.Thread(target=scrape) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(bodies) == 8 and len({gzip.decompress(b) for b in bodies}) == 1
+    assert cached.renders == 1
+
+
+def test_only_asked_formats_are_rendered(node):
+    _, cached, _, _, _, _ = node
+    cached.reply("", False)
+    render = cached.current()
+    (fmt,) = render.formats.values()
+    assert fmt.gz_head is None  # no gzip yet
+    cached.reply("", True)
+    assert fmt.gz_head is not None and len(render.formats) == 1
+
+
+def test_sample_replace_keeps_the_size_used_above():
+    a = spool.encode_sample(sample(0, 1.0, steps=3))
+    b = spool.encode_sample(dataclasses.replace(sample(0, 1.0, steps=3), heartbeat=sample(0, 1.0, steps=4).heartbeat))
+    assert len(a) == len(b) and a != b
+
+
+class Refresher:
+    """The cache's refresher thread, alive but stepped by the test (``refresh()``) rather than by time."""
+
+    def __init__(self, cached: CachedExposition) -> None:
+        self.cached = cached
+        cached.start(min_gap=0.0, look=3600.0)  # its own loop never gets to a step
+
+    def step(self) -> bool:
+        return self.cached.refresh()
+
+
+def test_with_the_refresher_a_scrape_reads_nothing_and_changes_arrive_by_refresh(node, monkeypatch):
+    _, cached, _, pubs, runner, clock = node
+    refresher = Refresher(cached)
+    try:
+        assert not refresher.step()  # nothing rendered before the first scrape
+        cached.reply("", True)
+        looks = []
+        real = spool.spool_state
+        monkeypatch.setattr(spool, "spool_state", lambda d, headers=True: looks.append(headers) or real(d, headers))
+        for _ in range(5):
+            cached.reply("", True)
+        assert looks == [False] * 5 and cached.renders == 1  # a scrape reads no record: which ranks live
+        assert not refresher.step() and cached.renders == 1  # nothing changed
+        pubs[0].publish(sample(0, clock.now, steps=4))
+        runner.poll_once()
+        assert b'steps_total{local_rank="0",rank="0"} 3.0' in cached.reply("", False).body  # until the refresh
+        assert refresher.step() and cached.renders == 2  # both changes, one render
+        render = cached.current()
+        assert set(render.formats) == {"text/plain; version=0.0.4; charset=utf-8"}
+        assert next(iter(render.formats.values())).gz_head is not None  # gzip was asked: built ahead too
+        body = cached.reply("", False).body
+        assert b'steps_total{local_rank="0",rank="0"} 4.0' in body and b"counter_reads 2.0" in body
+        assert cached.renders == 2
+    finally:
+        cached.stop()
+
+
+def test_min_gap_spaces_the_refreshers_renders(node):
+    _, cached, _, pubs, _, clock = node
+    cached.start(min_gap=0.2)
+    try:
+        cached.reply("", False)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:  # a change every 20 ms
+            pubs[0].publish(sample(0, time.monotonic()))
+            time.sleep(0.02)
+        assert 2 <= cached.renders <= 1 + 1.0 / 0.2 + 1, cached.renders
+    finally:
+        cached.stop()
+
+
+def test_a_dead_rank_reaped_by_the_refresher_reaches_exactly_one_scrape(node, tmp_path):
+    _, cached, _, _, _, clock = node
+    refresher = Refresher(cached)
+    try:
+        cached.reply("", False)
+        (tmp_path / "rank-5-999999.json").write_bytes(files.frame(spool.encode_sample(sample(5, clock.now))))
+        (tmp_path / "rank-5-999999.lock").write_bytes(b"")  # nobody holds it: the rank is dead
+        assert refresher.step()  # reaped: its files are gone now
+        assert not (tmp_path / "rank-5-999999.json").exists()
+        assert not refresher.step()  # held for a scrape
+        assert b'rank="5"' in cached.reply("", False).body
+        assert b'rank="5"' not in cached.reply("", False).body
+        assert b'rank="5"' not in cached.reply("", False).body
+    finally:
+        cached.stop()
+
+
+def test_with_the_refresher_a_scrape_still_sees_a_rank_die_or_appear_at_once(node, tmp_path):
+    _, cached, _, pubs, _, clock = node
+    Refresher(cached)
+    try:
+        cached.reply("", False)
+        (tmp_path / "rank-5-999999.json").write_bytes(files.frame(spool.encode_sample(sample(5, clock.now))))
+        (tmp_path / "rank-5-999999.lock").write_bytes(b"")  # dead before any look
+        assert b'rank="5"' in cached.reply("", False).body  # the scrape reaped it: its last sample, once
+        assert b'rank="5"' not in cached.reply("", False).body
+        late = spool.RankPublisher(str(tmp_path), 6)
+        late.publish(sample(6, clock.now))
+        assert b'rank="6"' in cached.reply("", False).body  # a new rank at once, not at the next refresh
+        late.close()
+        assert b'rank="6"' not in cached.reply("", False).body  # and gone with its files
+    finally:
+        cached.stop()
+
+
+def test_a_costly_render_spaces_the_next_one_out(node):
+    _, cached, _, pubs, _, clock = node
+    refresher = Refresher(cached)
+    try:
+        cached.reply("", False)
+        pubs[0].publish(sample(0, clock.now, steps=5))
+        cached.render_cost = 3600.0 * 0.02  # a render whose share of a core would need an hour's gap
+        assert not refresher.step()
+        cached.render_cost = 0.0
+        assert refresher.step() and cached.render_cost > 0  # the refresher times its own renders
+    finally:
+        cached.stop()

@@ -1,0 +1,335 @@
+"""The /metrics bytes, rendered once per change of what they show and served from memory in between.
+
+What the families show changes only when a rank publishes (once per ``interval``) or a collector
+reads (once per ``nvml_interval``). A refresher thread looks for such a change every fraction of an
+interval (each rank file's record header and lock, each collector's snapshot and health: no
+decoding) and renders again when it sees one, at most once per ``min(interval, nvml_interval)``, and
+never more often than keeps its renders within ``RENDER_MAX_SHARE`` of a core; a
+scrape serves the last render and costs no read at all. Until the first scrape nothing is rendered,
+and after ``IDLE_S`` without one the refresher rests again. A render is built aside and swapped in,
+so a scrape never waits on it. Without the refresher (it is not started, or died) a scrape compares
+the sources itself and renders when they changed, once for concurrent scrapes.
+
+Freshness: a scrape serves the newest render, at most one render gap plus one look behind the spool
+(about 1.25 s at the defaults, up to a few seconds on a node whose render takes tens of ms;
+Prometheus scrapes every 15 s or more). ``vramwatch_sample_age_seconds``
+is the one family that moves with the clock rather than with the samples, so it is not cached: each
+format's bytes are kept as the part before that family and the part after it, and every scrape
+formats the age of the samples it serves, at the scrape's own time, between them: the age stays true
+for what the scrape shows. The gzip form is one gzip member whose deflate stream is spliced the same
+way: the parts before and after are compressed once (the first ends on a byte boundary with no
+back-reference across it) and the age lines go between them as a stored block; only the CRC32 over
+the whole text is computed per scrape. For the same inputs each format is byte-identical to
+rendering it whole; a format (and its gzip form) is rendered once a scrape asks for it, and from
+then on by the refresher.
+
+Dead ranks: a rank's death (its lock freed) changes the sources, so it is rendered at the next look;
+its final sample then stays for ``dead_rank_grace_seconds`` without changing anything on disk, so a
+render that carries final samples expires when the first of them leaves, and is rendered again then.
+A rejected file or a failed read is counted per read of the spool, and a failed read is tried again
+at the next look.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.utils import floatToGoString
+
+from vramwatch import spool
+from vramwatch.server.collectors import ScrapeContext, ranks
+from vramwatch.server.registry import ExporterCollector
+
+log = logging.getLogger("vramwatch")
+
+Encoder = Callable[..., bytes]
+_OM_EOF = b"# EOF\n"
+_MAX_FORMATS = 8  # content types kept per render: the Accept header picks one, and a client may send any
+_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, mtime 0, OS unknown
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A /metrics answer: the body, its Content-Type, and its Content-Encoding (None: identity)."""
+
+    body: bytes
+    content_type: str
+    encoding: str | None = None
+
+
+class Exposition(Protocol):
+    def reply(self, accept: str, gzip_ok: bool) -> Reply:
+        """The /metrics answer for a request's ``Accept`` header, gzipped when the client allows it."""
+        ...
+
+
+class _Families:
+    """What ``collect()`` of a registry yields: a fixed list, so prometheus_client can render it."""
+
+    def __init__(self, fams: Iterable[Metric]) -> None:
+        self.fams = list(fams)
+
+    def collect(self) -> list[Metric]:
+        return self.fams
+
+
+class RegistryExposition:
+    """No cache: every request renders the registry (for a registry handed straight to the HTTP server)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def reply(self, accept: str, gzip_ok: bool) -> Reply:
+        encoder, ctype = choose_encoder(accept)
+        body = encoder(self.registry)
+        if gzip_ok:
+            return Reply(zlib_gzip(body), ctype, "gzip")
+        return Reply(body, ctype)
+
+
+def zlib_gzip(body: bytes) -> bytes:
+    """``body`` as one gzip member, compressed at level 1 (a scrape is small and served often)."""
+    c = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return _GZIP_HEADER + c.compress(body) + c.flush() + struct.pack("<II", zlib.crc32(body), len(body) & 0xFFFFFFFF)
+
+
+def _stored_blocks(data: bytes) -> bytes:
+    """``data`` as non-final stored deflate blocks, starting on a byte boundary."""
+    out = []
+    for i in range(0, len(data), 0xFFFF):
+        chunk = data[i : i + 0xFFFF]
+        out.append(struct.pack("<BHH", 0, len(chunk), len(chunk) ^ 0xFFFF) + chunk)
+    return b"".join(out)
+
+
+@dataclass
+class _Format:
+    """One content type's bytes around the age family, and their deflate forms once gzip was asked for.
+
+    The age family itself is kept as its comment lines and, per rank, its sample line up to the value:
+    a scrape only formats the values (as prometheus_client does) between them.
+    """
+
+    encoder: Encoder
+    head: bytes
+    tail: bytes
+    age_meta: bytes
+    age_lines: list[bytes]
+    gz_head: bytes | None = None
+    gz_tail: bytes | None = None
+    head_crc: int = 0
+
+    def gzip_parts(self) -> tuple[bytes, bytes]:
+        if self.gz_head is None or self.gz_tail is None:
+            c = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
+            self.gz_head = c.compress(self.head) + c.flush(zlib.Z_FULL_FLUSH)  # byte-aligned, no history after
+            c = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
+            self.gz_tail = c.compress(self.tail) + c.flush()
+            self.head_crc = zlib.crc32(self.head)
+        return self.gz_head, self.gz_tail
+
+
+@dataclass(eq=False)
+class _Render:
+    """One render's families and, per content type asked for so far, its bytes."""
+
+    ctx: ScrapeContext
+    before: list[Metric]
+    after: list[Metric]
+    key: tuple[object, ...] | None  # the sources it was rendered from; None: compare unequal to anything
+    expires: float | None  # wall time the first dead rank's final sample in it leaves (None: never)
+    snapshots: list[object]  # held, so no new snapshot can take an id() in the key
+    built_at: float
+    formats: dict[str, _Format] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def names(self) -> tuple[str, ...] | None:
+        """The live rank files it was rendered from (None: unknown)."""
+        if self.key is None:
+            return None
+        state: spool.SpoolState = self.key[0]  # type: ignore[assignment]
+        return tuple(name for name, _ in state)
+
+    def format(self, ctype: str, encoder: Encoder, gzip_ok: bool) -> _Format:
+        with self.lock:
+            f = self.formats.get(ctype)
+            if f is None:
+                age = _strip_eof(encoder(_Families([ranks.age_family(self.ctx.samples, self.ctx.now)])))
+                lines = age.splitlines(keepends=True)
+                meta = b"".join(x for x in lines if x.startswith(b"#"))
+                # a sample line is "name{labels} value\n": the value is its last field
+                samples = [x.rsplit(b" ", 1)[0] + b" " for x in lines if not x.startswith(b"#")]
+                head, tail = _strip_eof(encoder(_Families(self.before))), encoder(_Families(self.after))
+                f = _Format(encoder, head, tail, meta, samples)
+                if len(self.formats) < _MAX_FORMATS:
+                    self.formats[ctype] = f
+            if gzip_ok:
+                f.gzip_parts()
+            return f
+
+    def expired(self, now: float) -> bool:
+        return self.expires is not None and now >= self.expires
+
+
+def _strip_eof(text: bytes) -> bytes:
+    # OpenMetrics ends the exposition with "# EOF": a part before the end must not carry it
+    return text[: -len(_OM_EOF)] if text.endswith(_OM_EOF) else text
+
+
+IDLE_S = 300.0  # no scrape this long: the refresher stops rendering until the next one
+# Most of one core the refresher's renders may use: a render that takes longer than this share of
+# its gap (a large node: 64 ranks render in tens of ms) spaces the next one out instead.
+RENDER_MAX_SHARE = 0.02
+
+
+class CachedExposition:
+    """The server's /metrics: rendered when the spool or a collector changed, else served from memory."""
+
+    def __init__(self, exporter: ExporterCollector, clock: Callable[[], float] = time.time) -> None:
+        self.exporter = exporter
+        self._clock = clock
+        self._build_lock = threading.Lock()  # one render at a time
+        self._render: _Render | None = None
+        self._asked: dict[str, tuple[Encoder, bool]] = {}  # content type -> encoder, gzip wanted
+        self._scraped_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.min_gap = 0.0
+        self.render_cost = 0.0  # CPU seconds of the refresher's last render (its thread's clock)
+        self.renders = 0  # how many times the families were rendered (tests and benchmarks read it)
+
+    # --- the refresher ---
+    def start(self, min_gap: float, look: float | None = None) -> None:
+        """Render on change from a thread, at most once per ``min_gap`` s, looking every ``look`` s
+        (default: a quarter of the gap, within 0.02-0.25 s)."""
+        self.min_gap = min_gap
+        look = min(0.25, max(0.02, min_gap / 4)) if look is None else look
+        self._thread = threading.Thread(target=self._loop, args=(look,), name="vramwatch-render", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def _loop(self, look: float) -> None:
+        while not self._stop.wait(look):
+            try:
+                self.refresh()
+            except Exception:
+                # the next scrape renders for itself, and answers 500 if that fails too
+                log.debug("vramwatch: background render failed", exc_info=True)
+                self._render = None
+
+    def refresh(self) -> bool:
+        """Render again if the sources changed since the last render; whether it did."""
+        r = self._render
+        if r is None or time.monotonic() - self._scraped_at > IDLE_S:
+            return False  # nobody scrapes: nothing to keep fresh
+        gap = max(self.min_gap, self.render_cost / RENDER_MAX_SHARE)
+        expired = r.expired(self._clock())
+        if not expired and time.monotonic() - r.built_at < gap:
+            return False
+        with self._build_lock:
+            if self._render is not r:
+                return False  # a scrape rendered meanwhile
+            snapshots = self._snapshots()
+            key = self._sources(snapshots)
+            if key is not None and key == r.key and not expired:
+                return False
+            t0 = time.thread_time()
+            new = self._build(snapshots, key)
+            for ctype, (encoder, gzip_ok) in list(self._asked.items()):
+                new.format(ctype, encoder, gzip_ok)  # ready before the next scrape asks
+            self._render = new
+            self.render_cost = time.thread_time() - t0
+            return True
+
+    @property
+    def refreshing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- renders ---
+    def _snapshots(self) -> list[object]:
+        return [c.snapshot for c in self.exporter.collectors]
+
+    def _sources(self, snapshots: list[object]) -> tuple[object, ...] | None:
+        """What the families depend on besides the clock; None when only a read will do."""
+        state = spool.spool_state(self.exporter.spool_dir)
+        if state is None:
+            return None
+        health = tuple((c.health.up, c.health.errors, c.health.duration) for c in self.exporter.collectors)
+        return state, tuple(map(id, snapshots)), health
+
+    def _build(self, snapshots: list[object], key: tuple[object, ...] | None) -> _Render:
+        # the snapshots and the spool were looked at before the read: whatever changes in between
+        # only makes the next look render again
+        ctx = self.exporter.context()
+        fams = list(self.exporter.families(ctx))
+        cut = next(i for i, f in enumerate(fams) if f.name == ranks.AGE_FAMILY)
+        exp = self.exporter
+        self.renders += 1
+        return _Render(
+            ctx,
+            fams[:cut],
+            fams[cut + 1 :],
+            key if exp.last_read_ok else None,
+            exp.last_read_expires,
+            snapshots,
+            time.monotonic(),
+        )
+
+    def current(self) -> _Render:
+        """The render a scrape serves now, rendering one if none will do."""
+        self._scraped_at = time.monotonic()
+        r = self._render
+        if r is not None and self.refreshing and not r.expired(self._clock()):
+            if r.names is not None and self._names() == r.names:
+                # the same rank files: a newer sample comes with the refresher's next render, but a
+                # rank that appeared or whose final sample left is rendered now
+                return self._serve(r)
+        with self._build_lock:  # concurrent scrapes wait for one render instead of each doing its own
+            r = self._render
+            snapshots = self._snapshots()
+            key = self._sources(snapshots)
+            if r is None or r.expired(self._clock()) or key is None or key != r.key:
+                r = self._render = self._build(snapshots, key)
+        return self._serve(r)
+
+    def _names(self) -> tuple[str, ...] | None:
+        state = spool.spool_state(self.exporter.spool_dir, headers=False)
+        return None if state is None else tuple(name for name, _ in state)
+
+    def _serve(self, r: _Render) -> _Render:
+        self.exporter.mark_served(r.ctx)
+        return r
+
+    def reply(self, accept: str, gzip_ok: bool) -> Reply:
+        encoder, ctype = choose_encoder(accept)
+        if ctype not in self._asked and len(self._asked) < _MAX_FORMATS:
+            self._asked[ctype] = (encoder, gzip_ok)
+        elif gzip_ok and ctype in self._asked and not self._asked[ctype][1]:
+            self._asked[ctype] = (encoder, True)
+        render = self.current()
+        fmt = render.format(ctype, encoder, gzip_ok)
+        now = self._clock()
+        lines = zip(fmt.age_lines, render.ctx.samples, strict=True)
+        age = fmt.age_meta + b"".join(p + floatToGoString(spool.sample_age(s, now)).encode() + b"\n" for p, s in lines)
+        if not gzip_ok:
+            return Reply(fmt.head + age + fmt.tail, ctype)
+        assert fmt.gz_head is not None and fmt.gz_tail is not None
+        crc = zlib.crc32(fmt.tail, zlib.crc32(age, fmt.head_crc))
+        size = len(fmt.head) + len(age) + len(fmt.tail)
+        gz = (_GZIP_HEADER, fmt.gz_head, _stored_blocks(age), fmt.gz_tail, struct.pack("<II", crc, size & 0xFFFFFFFF))
+        return Reply(b"".join(gz), ctype, "gzip")
