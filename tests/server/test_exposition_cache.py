@@ -141,13 +141,33 @@ def test_a_new_sample_or_snapshot_renders_again_once(node):
     assert cached.renders == 3
 
 
-def test_a_dead_rank_is_served_once_then_gone(node, tmp_path):
+GRACE = Settings().dead_rank_grace_seconds
+
+
+def _dead(tmp_path, rank: int, t: float) -> None:
+    """A rank that published at ``t`` and died: its file stays, its lock is held by nobody."""
+    (tmp_path / f"rank-{rank}-999999.json").write_bytes(files.frame(spool.encode_sample(sample(rank, t))))
+    (tmp_path / f"rank-{rank}-999999.lock").write_bytes(b"")
+
+
+def _live_gauges(body: bytes, rank: int) -> bool:
+    return re.search(rb'torch_cuda_memory_reserved_bytes\{[^}]*rank="%d"' % rank, body) is not None
+
+
+def test_a_dead_ranks_final_sample_is_cached_for_its_grace_window_then_gone(node, tmp_path):
     _, cached, _, _, _, clock = node
     cached.reply("", False)
-    (tmp_path / "rank-5-999999.json").write_bytes(files.frame(spool.encode_sample(sample(5, clock.now))))
-    (tmp_path / "rank-5-999999.lock").write_bytes(b"")  # nobody holds it: the rank is dead
-    assert b'rank="5"' in cached.reply("", False).body  # its last sample, once
+    _dead(tmp_path, 5, clock.now)
+    n = cached.renders
+    bodies = [cached.reply("", False).body for _ in range(3)]
+    assert cached.renders == n + 1, "rendered once when it died, then served from memory"
+    assert all(b'rank="5"' in b and not _live_gauges(b, 5) for b in bodies)  # counters, no memory gauges
+    clock.now += GRACE - 1
+    assert b'rank="5"' in cached.reply("", False).body and cached.renders == n + 1
+    clock.now += 2  # its window is over
     assert b'rank="5"' not in cached.reply("", False).body
+    assert not (tmp_path / "rank-5-999999.json").exists()
+    cached.reply("", False)  # the spool was looked at before that read reaped the file: one render more
     n = cached.renders
     cached.reply("", False)
     assert cached.renders == n  # the spool is clean again: back to the cache
@@ -262,18 +282,18 @@ def test_min_gap_spaces_the_refreshers_renders(node):
         cached.stop()
 
 
-def test_a_dead_rank_reaped_by_the_refresher_reaches_exactly_one_scrape(node, tmp_path):
+def test_the_refresher_renders_a_death_and_the_end_of_its_window(node, tmp_path):
     _, cached, _, _, _, clock = node
     refresher = Refresher(cached)
     try:
         cached.reply("", False)
-        (tmp_path / "rank-5-999999.json").write_bytes(files.frame(spool.encode_sample(sample(5, clock.now))))
-        (tmp_path / "rank-5-999999.lock").write_bytes(b"")  # nobody holds it: the rank is dead
-        assert refresher.step()  # reaped: its files are gone now
+        _dead(tmp_path, 5, clock.now)
+        assert refresher.step()  # the death changed the sources
+        assert not refresher.step()  # nothing changes during the window
+        assert all(b'rank="5"' in cached.reply("", False).body for _ in range(3))  # every scraper sees it
+        clock.now += GRACE + 1
+        assert refresher.step()  # the window ended: rendered again, the final sample reaped
         assert not (tmp_path / "rank-5-999999.json").exists()
-        assert not refresher.step()  # held for a scrape
-        assert b'rank="5"' in cached.reply("", False).body
-        assert b'rank="5"' not in cached.reply("", False).body
         assert b'rank="5"' not in cached.reply("", False).body
     finally:
         cached.stop()
@@ -284,15 +304,14 @@ def test_with_the_refresher_a_scrape_still_sees_a_rank_die_or_appear_at_once(nod
     Refresher(cached)
     try:
         cached.reply("", False)
-        (tmp_path / "rank-5-999999.json").write_bytes(files.frame(spool.encode_sample(sample(5, clock.now))))
-        (tmp_path / "rank-5-999999.lock").write_bytes(b"")  # dead before any look
-        assert b'rank="5"' in cached.reply("", False).body  # the scrape reaped it: its last sample, once
-        assert b'rank="5"' not in cached.reply("", False).body
+        _dead(tmp_path, 5, clock.now)  # dead before any look
+        assert b'rank="5"' in cached.reply("", False).body  # its final sample, at once
         late = spool.RankPublisher(str(tmp_path), 6)
         late.publish(sample(6, clock.now))
-        assert b'rank="6"' in cached.reply("", False).body  # a new rank at once, not at the next refresh
+        assert _live_gauges(cached.reply("", False).body, 6)  # a new rank at once, not at the next refresh
         late.close()
-        assert b'rank="6"' not in cached.reply("", False).body  # and gone with its files
+        body = cached.reply("", False).body
+        assert b'rank="6"' in body and not _live_gauges(body, 6)  # dead at once: its final sample only
     finally:
         cached.stop()
 

@@ -360,7 +360,7 @@ def test_under_sustained_overload_prometheus_scrapes_are_served(tmp_path_factory
     srv, _ = _serve(tmp_path_factory, tls=False, auth=False, max_connections=2)
     t = Target(srv, None, False)
     slow = threading.Event()
-    srv.registry.register(_SlowCollector())
+    srv.exposition.registry.register(_SlowCollector())  # a plain registry: rendered per request
     codes: dict[bool, list[int | None]] = {True: [], False: []}
 
     def client(prometheus: bool) -> None:

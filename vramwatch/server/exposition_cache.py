@@ -154,12 +154,12 @@ class _Render:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
-    def names(self) -> tuple[str, ...] | None:
-        """The live rank files it was rendered from (None: unknown)."""
+    def names(self) -> tuple[tuple[str, bool], ...] | None:
+        """The rank files it was rendered from, each with whether its rank was alive (None: unknown)."""
         if self.key is None:
             return None
         state: spool.SpoolState = self.key[0]  # type: ignore[assignment]
-        return tuple(name for name, _ in state)
+        return tuple((name, alive) for name, _, alive in state)
 
     def format(self, ctype: str, encoder: Encoder, gzip_ok: bool) -> _Format:
         with self.lock:
@@ -296,8 +296,8 @@ class CachedExposition:
         r = self._render
         if r is not None and self.refreshing and not r.expired(self._clock()):
             if r.names is not None and self._names() == r.names:
-                # the same rank files: a newer sample comes with the refresher's next render, but a
-                # rank that appeared or whose final sample left is rendered now
+                # the same rank files, alive or dead as before: a newer sample comes with the
+                # refresher's next render, but a rank that appeared or died is rendered now
                 return self._serve(r)
         with self._build_lock:  # concurrent scrapes wait for one render instead of each doing its own
             r = self._render
@@ -307,9 +307,9 @@ class CachedExposition:
                 r = self._render = self._build(snapshots, key)
         return self._serve(r)
 
-    def _names(self) -> tuple[str, ...] | None:
+    def _names(self) -> tuple[tuple[str, bool], ...] | None:
         state = spool.spool_state(self.exporter.spool_dir, headers=False)
-        return None if state is None else tuple(name for name, _ in state)
+        return None if state is None else tuple((name, alive) for name, _, alive in state)
 
     def _serve(self, r: _Render) -> _Render:
         self.exporter.mark_served(r.ctx)

@@ -6,17 +6,18 @@ import os
 
 from vramwatch.spool import files
 
-SpoolState = tuple[tuple[str, bytes | None], ...]
+SpoolState = tuple[tuple[str, bytes | None, bool], ...]  # (file name, record header, alive)
 
 
 def spool_state(spool_dir: str, headers: bool = True) -> SpoolState | None:
-    """What names the ranks' samples now: each live rank file with its record header (length + CRC32;
-    None without ``headers``: then only which ranks are there, alive).
+    """What names the ranks' samples now: each rank file with its record header (length + CRC32;
+    None without ``headers``: then only which ranks are there) and whether its rank is alive (its
+    lock held; a dead rank's file is its final sample, served for its grace window).
 
     Equal states mean equal samples (up to a CRC32 collision), so a reader may reuse what it decoded
-    last time. None when only a read will do: a rank whose lock is free (a read reaps it) or an
-    unreadable spool. A header rather than the file's mtime, which the kernel keeps at timer-tick
-    granularity: two publishes of the same size within a tick would look unchanged.
+    last time. None when only a read will do: an unreadable spool. A header rather than the file's
+    mtime, which the kernel keeps at timer-tick granularity: two publishes of the same size within a
+    tick would look unchanged.
     """
     try:
         names = os.listdir(spool_dir)
@@ -27,8 +28,7 @@ def spool_state(spool_dir: str, headers: bool = True) -> SpoolState | None:
         if not files.RANK_FILE.match(name):
             continue
         path = os.path.join(spool_dir, name)
-        if files.lock_is_free(files.lock_path_of(path)):
-            return None
-        state.append((name, files.record_header(path) if headers else None))
+        alive = not files.lock_is_free(files.lock_path_of(path))
+        state.append((name, files.record_header(path) if headers else None, alive))
     state.sort()
     return tuple(state)
