@@ -303,6 +303,15 @@ class MonitoringConfig:
         '\'job="pp-train", rank=~"0|15"\' exempts given ranks.',
         _matcher_list,
     )
+    straggler_ratio: float = setting(
+        1.2,
+        "Straggler: a rank whose mean step time over straggler_window is above this many times the median "
+        "of its job's ranks (job_labels) warns. Ranks in lock-step collectives share one step time: the "
+        "skew shows where they are not (independent ranks, a rank blocked outside the collectives).",
+        _above_one,
+    )
+    straggler_window: str = setting("10m", "The window of each rank's mean step time (straggler rule).", _window)
+    straggler_for: str = setting("15m", "How long a rank must stay a straggler before it warns.", _for)
     target_down_for: str = setting("5m", "How long a target must fail its scrapes before it warns.", _for)
     target_absent_for: str = setting(
         "",
