@@ -81,7 +81,11 @@ for _ in range(5):  # warm-up: the allocator series exist, the energy counter ha
     train_step()
     loop_tokens += tokens_per_step
 torch.cuda.synchronize()
-m0 = wait(lambda: (lambda m: m if rank0(m, "torch_cuda_memory_allocated_bytes") and m.get("gpu_energy_joules_total") else None)(scrape(port)), 30, "allocator and energy series")
+def ready():
+    m = scrape(port)
+    return m if rank0(m, "torch_cuda_memory_allocated_bytes") and m.get("gpu_energy_joules_total") else None
+
+m0 = wait(ready, 30, "allocator and energy series")
 uuid = rank0(m0, "torch_cuda_memory_allocated_bytes")[0][0]["uuid"]
 # the scrape serves the newest sample: wait until it shows the loop's count, so both figures are of one time
 wait(lambda: energy_and_tokens(scrape(port), uuid)[1] == loop_tokens, 10, "the warm-up's tokens")
@@ -140,9 +144,7 @@ done(res)
 
 def test_roles_tokens_and_energy_per_token_against_independent_figures(tmp_path):
     port = free_port()
-    r = run_job(
-        INSIGHTS_JOB, str(port), str(tmp_path / "spool"), "8", env=job_env(one_device=True), timeout=240
-    )
+    r = run_job(INSIGHTS_JOB, str(port), str(tmp_path / "spool"), "8", env=job_env(one_device=True), timeout=240)
     print(json.dumps(r, indent=1))
     out = os.environ.get("OUT")
     if out:

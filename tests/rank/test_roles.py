@@ -121,6 +121,20 @@ def test_walks_keep_their_cadence():
     assert w.passes == 2
 
 
+def test_a_costly_walk_puts_off_the_next_one(monkeypatch):
+    from vramwatch.rank import roles
+
+    model = SimModel(1 << 20, layers=4)
+    w = RoleWalker(model, None, 30.0, 4096)
+    clock = iter([0.0, 0.05])  # one pass of 50 ms
+    monkeypatch.setattr(roles.time, "perf_counter", lambda: next(clock))
+    w.poll(0.0)
+    assert w._walk is None
+    assert w._next == pytest.approx(0.05 / roles.MAX_CORE_SHARE)  # 500 s, not 30: at most 0.01% of a core
+    w.poll(499.0)
+    assert w.passes == 1
+
+
 def test_a_walk_reads_no_cuda():
     model, opt = _trained()
     _walk(model, opt, types=("cuda",))

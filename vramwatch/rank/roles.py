@@ -10,7 +10,8 @@
 - Only the model and the optimizer are held weakly: a deleted model is never kept alive, its figures
   disappear. The parameter list is cached (refreshed every ``_REFRESH_WALKS`` walks).
 - One pass reads at most ``max_tensors`` tensors; a larger model is walked over several passes and its
-  figures publish when the walk completes, so a pass's cost is bounded whatever the model.
+  figures publish when the walk completes, so a pass's cost is bounded whatever the model; and the next
+  walk waits until the walks have used at most ``MAX_CORE_SHARE`` of a core.
 
 ``other`` is the device's allocated bytes at the sample minus the three roles of the newest walk, at
 least 0: activations, autograd's saved tensors, workspaces and temporaries. With the cache (reserved -
@@ -21,12 +22,15 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vramwatch.spool import CollectorHealth, DeviceSample
 
 _REFRESH_WALKS = 10
+# The walks' share of one core, at most: a model of many tensors is walked less often than role_interval
+# (a walk of 30 ms waits 300 s for the next), so the in-process cost guarantee holds whatever the model.
+MAX_CORE_SHARE = 1e-4
 _ALLOCATED = "torch_cuda_memory_allocated_bytes"
 
 
@@ -61,6 +65,8 @@ class RoleWalker:
         self._next = 0.0
         self.result: dict[int, tuple[int, int, int]] | None = None
         self.passes = 0  # passes run (a walk is one pass or more)
+        self._walk_start = 0.0
+        self._walk_cost = 0.0  # seconds the walk under way has taken, over its passes
         self.health = CollectorHealth(1, 0, 0.0)
 
     # --- on the sampler thread ---
@@ -71,6 +77,7 @@ class RoleWalker:
                 return
             self._next = now + self.interval
             self._walk = self._walk_all()
+            self._walk_start, self._walk_cost = now, 0.0
         t0 = time.perf_counter()
         up, errors = 1, self.health.errors
         try:
@@ -80,10 +87,14 @@ class RoleWalker:
         except Exception:  # noqa: BLE001 - reported as vramwatch_collector_up{collector="roles"} 0
             self._walk = None
             up, errors = 0, errors + 1
+        took = time.perf_counter() - t0
+        self._walk_cost += took
+        if self._walk is None:  # done: the next waits for the share of a core it may use
+            self._next = max(self._next, self._walk_start + self._walk_cost / MAX_CORE_SHARE)
         self.passes += 1
-        self.health = CollectorHealth(up, errors, time.perf_counter() - t0)
+        self.health = CollectorHealth(up, errors, took)
 
-    def apply(self, devices: list[DeviceSample]) -> list[DeviceSample]:
+    def apply(self, devices: Sequence[DeviceSample]) -> Sequence[DeviceSample]:
         """``devices`` with the newest walk's roles, ``other`` from each device's allocated bytes now."""
         result = self.result
         if not result:

@@ -52,8 +52,11 @@ class SampleAssembler:
         collectors = {"allocator": health}
         roles = self.roles
         if roles is not None:  # memory by role: a bounded pass on its own cadence, off the training thread
-            roles.poll(time.monotonic())
-            merged = roles.apply(merged)
+            roles.poll(time.monotonic())  # never raises: a failed walk is its health's up 0
+            try:
+                merged = roles.apply(merged)
+            except Exception as e:  # noqa: BLE001 - the sample goes out without the roles
+                self.log_once("roles:" + type(e).__name__, "vramwatch: memory by role failed: %r", e)
             collectors["roles"] = roles.health
         ident = self.identity
         # positional, in the schema's field order: keyword arguments cost a microsecond per sample here
