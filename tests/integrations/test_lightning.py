@@ -114,3 +114,18 @@ def test_pytorch_lightning_name_gets_its_own_base_class():
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_the_callback_watches_the_module_and_its_optimizer(tmp_path):
+    from vramwatch.integrations.lightning import VramwatchCallback
+
+    h = vramwatch.start(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05, rank=0)
+    try:
+        module = Tiny()
+        t = trainer([VramwatchCallback()])
+        t.fit(module)
+        w = h.roles
+        assert w is not None and w._model() is module
+        assert w._optimizer() is t.optimizers[0]
+    finally:
+        vramwatch.stop()
