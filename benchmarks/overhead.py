@@ -110,6 +110,8 @@ def build_launch_bound(sz: dict, dev: Any) -> tuple[Any, dict]:
         return loss
 
     n = sum(p.numel() for p in model.parameters())
+    step.watched = (model, opt)  # type: ignore[attr-defined]  # for vramwatch.watch() in B runs
+    step.tokens = sz["mlp_batch"]  # type: ignore[attr-defined]
     return step, {"model": f"MLP {sz['mlp_layers']}x{w} + AdamW", "parameters": n, "batch": sz["mlp_batch"]}
 
 
@@ -189,6 +191,8 @@ def build_transformer(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any
         return loss
 
     n = sum(p.numel() for p in model.parameters())
+    step.watched = (model, opt)  # type: ignore[attr-defined]
+    step.tokens = sz["tf_batch"] * sz["tf_seq"]  # type: ignore[attr-defined]
     return step, {
         "model": impl,
         "parameters": n,
@@ -295,7 +299,7 @@ def instrument_sample_parts() -> dict[str, float]:
     allocator read, the largest-free-block snapshot inside it, the heartbeat (loss read) and the publish.
     Wraps vramwatch's classes in this (benchmark) process only; a few clock reads per sample."""
     from vramwatch import spool
-    from vramwatch.rank import allocator, heartbeat
+    from vramwatch.rank import allocator, heartbeat, roles
     from vramwatch.rank import handle as runtime
 
     acc: dict[str, float] = {}
@@ -317,6 +321,7 @@ def instrument_sample_parts() -> dict[str, float]:
     wrap(allocator.TorchSource, "snapshot", "largest_block_snapshot")
     wrap(heartbeat.Heartbeat, "snapshot", "heartbeat_and_loss")
     wrap(spool.RankPublisher, "publish", "publish")
+    wrap(roles.RoleWalker, "poll", "memory_by_role_walk")
     return acc
 
 
@@ -362,8 +367,25 @@ def _measure(
     return r
 
 
-def _with_step(vw: Any, step_fn: Any, pass_loss: bool) -> Any:
+def _with_step(vw: Any, step_fn: Any, pass_loss: bool, watch: bool = True) -> Any:
+    """The B runs' step: the workload, then vramwatch.step(); with ``watch`` (the default) the model and
+    optimizer are watched (memory by role) and each step reports its tokens, as a job using both would."""
     vstep = vw.step
+    if watch:
+        model, opt = step_fn.watched
+        vw.watch(model, opt, flops_per_token=6.0 * sum(p.numel() for p in model.parameters()))
+        tokens = step_fn.tokens
+        if pass_loss:
+
+            def fn():
+                vstep(loss=step_fn(), tokens=tokens)
+        else:
+
+            def fn():
+                step_fn()
+                vstep(tokens=tokens)
+
+        return fn
     if pass_loss:
 
         def fn():
@@ -424,7 +446,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     out["model"] = winfo
     phases["build"] = time.perf_counter() - tp
     sync = torch.cuda.synchronize if dev.type == "cuda" else _noop
-    fn = _with_step(vw, step_fn, spec.get("pass_loss", True)) if vw is not None else step_fn
+    fn = _with_step(vw, step_fn, spec.get("pass_loss", True), spec.get("watch", True)) if vw is not None else step_fn
     run_s = spec["direct_s"] if spec.get("direct") else spec["run_s"]
     r = _measure(fn, sync, spec, run_s, server_pid, watched=vw is not None, parts=parts)
     phases["warmup"] = r.pop("warmup_s")
@@ -498,7 +520,7 @@ def _b_segment(
         seg["scrape_url"] = url
         seg.update(
             _measure(
-                _with_step(vw, step_fn, spec.get("pass_loss", True)),
+                _with_step(vw, step_fn, spec.get("pass_loss", True), spec.get("watch", True)),
                 sync,
                 spec,
                 spec["run_s"],
@@ -543,6 +565,7 @@ def _time_step_calls(vw: Any, step_fn: Any, number: int, repeats: int) -> dict[s
 
     plain = per_call_us("step()", {"step": vw.step})
     with_loss = per_call_us("step(loss=loss)", {"step": vw.step, "loss": loss})
+    with_tokens = per_call_us("step(loss=loss, tokens=4096, samples=8)", {"step": vw.step, "loss": loss})
     noop = per_call_us("f()", {"f": _noop})
     return {
         "number": number,
@@ -552,6 +575,8 @@ def _time_step_calls(vw: Any, step_fn: Any, number: int, repeats: int) -> dict[s
         "min_us": min(plain),
         "step_with_loss_us": with_loss,
         "with_loss_median_us": statistics.median(with_loss),
+        "step_with_tokens_us": with_tokens,
+        "with_tokens_median_us": statistics.median(with_tokens),
         "noop_call_us": statistics.median(noop),
     }
 
@@ -600,6 +625,7 @@ class Runner:
             "run_s": a.run_seconds,
             "result": result,
             "pass_loss": not a.no_loss,
+            "watch": not a.no_watch,
             "pin_core": a.pin,
             **extra,
         }
@@ -1189,6 +1215,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "or hf when importable (auto)",
     )
     p.add_argument("--no-loss", action="store_true", help="call step() without the loss tensor")
+    p.add_argument(
+        "--no-watch",
+        action="store_true",
+        help="B runs without vramwatch.watch(model, optimizer) and step(tokens=) (both on by default)",
+    )
     p.add_argument(
         "--sham",
         action="store_true",

@@ -158,10 +158,14 @@ def rank_main(argv: list[str] | None = None) -> int:
 
     import vramwatch
     from vramwatch.sim.allocator import SimOutOfMemoryError
+    from vramwatch.sim.model import SimAdam, SimModel
 
     sim = vramwatch.start(simulate=True).sim
     sim.init(0)
     sim.allocate(int(a.fill_gib * GIB))
+    model = SimModel(int(a.fill_gib * GIB / 10))  # memory by role, the MFU: a watched model
+    optimizer = SimAdam(model)
+    vramwatch.watch(model, optimizer, flops_per_token=6.0 * model.param_count)
     t0 = time.monotonic()
     fragmented = oomed = False
     step = 0
@@ -184,7 +188,7 @@ def rank_main(argv: list[str] | None = None) -> int:
                 pass
             oomed = True
         step += 1
-        vramwatch.step(loss=2.0 / (1 + 0.01 * step))
+        vramwatch.step(loss=2.0 / (1 + 0.01 * step), tokens=4096, samples=2)
         time.sleep(0.05 * (1.5 if step % 7 == 0 else 1.0))
     vramwatch.stop()
     return 0

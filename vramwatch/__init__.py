@@ -22,7 +22,18 @@ from vramwatch.config import ConfigError, Settings
 if TYPE_CHECKING:
     from vramwatch.rank.handle import Handle
 
-__all__ = ["ConfigError", "Handle", "Settings", "__version__", "current", "start", "step", "stop", "track"]
+__all__ = [
+    "ConfigError",
+    "Handle",
+    "Settings",
+    "__version__",
+    "current",
+    "start",
+    "step",
+    "stop",
+    "track",
+    "watch",
+]
 
 T = TypeVar("T")
 _lock = threading.Lock()
@@ -68,17 +79,39 @@ def stop() -> None:
             log.warning("vramwatch: stop failed: %r", e)
 
 
-def step(loss: Any = None, grad_norm: Any = None) -> None:
-    """Report one training step (the heartbeat). Costs about a microsecond; never raises."""
+def step(loss: Any = None, grad_norm: Any = None, tokens: Any = None, samples: Any = None) -> None:
+    """Report one training step (the heartbeat). Costs about a microsecond; never raises.
+
+    ``tokens`` / ``samples``: how many the step processed on this rank (Python numbers), summed into
+    ``vramwatch_training_tokens_total`` / ``_samples_total``.
+    """
     h = _handle
     if h is not None:
         try:
-            h.heartbeat.step(loss, grad_norm)
+            h.heartbeat.step(loss, grad_norm, tokens, samples)
             if h.step_hooks:  # status line / hygiene, only when enabled
                 for hook in h.step_hooks:
                     hook()
         except Exception:  # noqa: BLE001
             pass
+
+
+def watch(model: Any, optimizer: Any = None, flops_per_token: float | None = None) -> None:
+    """Publish the device memory of ``model``'s parameters and gradients and ``optimizer``'s state.
+
+    Walked on the sampler thread every ``role_interval`` seconds (never on the training thread), held
+    through weak references (a deleted model is never kept alive). ``flops_per_token``: the model's
+    training FLOPs per token (about 6 x parameters for a dense transformer), for the MFU panel.
+    Call after ``start()``; a later call replaces the watched objects. Never raises.
+    """
+    h = _handle
+    if h is None:
+        log.warning("vramwatch.watch() before vramwatch.start(): nothing is watched")
+        return
+    try:
+        h.watch(model, optimizer, flops_per_token)
+    except Exception as e:  # noqa: BLE001 - never into training code
+        log.warning("vramwatch: cannot watch the model: %r", e)
 
 
 def track(iterable: Iterable[T]) -> Iterator[T]:

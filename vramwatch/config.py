@@ -120,6 +120,18 @@ class Settings:
         "Seconds between allocator snapshots for the largest free block (they walk every block; 0 turns them off).",
         Within(0.01, 86400.0, off=0, unit=" s"),
     )
+    role_interval: float = _opt(
+        30.0,
+        "Seconds between walks of the model and optimizer given to vramwatch.watch() (memory by role; "
+        "0 turns them off).",
+        Within(0.01, 86400.0, off=0, unit=" s"),
+    )
+    role_max_tensors: int = _opt(
+        4096,
+        "Most tensors one sample's walk pass reads; a larger model is walked over several samples "
+        "(its figures publish once the walk completes).",
+        Within(1, 10**8),
+    )
     nvml: bool = _opt(True, "Collect NVML device readings in the server.")
     nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _seconds)
     nvml_slow_interval: float = _opt(

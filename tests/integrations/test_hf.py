@@ -177,3 +177,16 @@ def test_a_retried_inner_loop_keeps_ownership(tmp_path):
     assert (first.heartbeat.steps, first.heartbeat.loss, first.heartbeat.grad_norm) == (1, 1.25, 0.5)
     cb.on_train_end(args, None, None)
     assert vramwatch.current() is None
+
+
+def test_the_callback_watches_the_trainers_model_and_optimizer(tmp_path):
+    from vramwatch.integrations.hf import VramwatchCallback
+
+    h = vramwatch.start(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05, rank=0)
+    try:
+        t = train(tmp_path, [VramwatchCallback()])
+        w = h.roles
+        assert w is not None and w._model() is t.model
+        assert w._optimizer() is t.optimizer
+    finally:
+        vramwatch.stop()

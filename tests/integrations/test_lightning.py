@@ -148,3 +148,18 @@ def test_setup_labels_the_exporter_with_the_trainers_identity(tmp_path, monkeypa
     finally:
         cb.teardown(trainer, None, "fit")
     assert vramwatch.current() is None
+
+
+def test_the_callback_watches_the_module_and_its_optimizer(tmp_path):
+    from vramwatch.integrations.lightning import VramwatchCallback
+
+    h = vramwatch.start(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05, rank=0)
+    try:
+        module = Tiny()
+        t = trainer([VramwatchCallback()])
+        t.fit(module)
+        w = h.roles
+        assert w is not None and w._model() is module
+        assert w._optimizer() is t.optimizers[0]
+    finally:
+        vramwatch.stop()

@@ -35,6 +35,7 @@ EXPECTED = {
     "vramwatch-training-memory": {
         "Memory": [
             ("timeseries", "Allocated, reserved, card total and limit"),
+            ("timeseries", "Memory by role"),
             ("timeseries", "Memory pressure"),
             ("timeseries", "Memory outside PyTorch"),
             ("timeseries", "Fragmentation"),
@@ -48,6 +49,10 @@ EXPECTED = {
         "Progress": [
             ("timeseries", "Step time"),
             ("timeseries", "Steps per second"),
+            ("timeseries", "Tokens per second"),
+            ("timeseries", "Energy per token"),
+            ("timeseries", "Model FLOPs utilisation"),
+            ("timeseries", "Step-time skew by rank"),
             ("timeseries", "Heartbeat age"),
             ("timeseries", "Sample age"),
         ],

@@ -5,7 +5,8 @@
 
 At ``on_train_begin`` it starts the exporter (unless the script already did), labelled with the
 Trainer's process index, local process index and world size; ``on_step_end`` (once per optimiser
-step, after gradient accumulation) is the heartbeat; the loss and grad norm the Trainer logs
+step, after gradient accumulation) is the heartbeat; the Trainer's model and optimizer are watched
+(``vramwatch.watch``: memory by role); the loss and grad norm the Trainer logs
 (every ``logging_steps``) become ``vramwatch_training_loss`` / ``_grad_norm``. At ``on_train_end``
 it stops the exporter it started, so a finished run leaves no stale heartbeat behind.
 
@@ -56,6 +57,8 @@ class VramwatchCallback(TrainerCallback):
             )
         except Exception as e:  # noqa: BLE001
             log.warning("vramwatch: callback could not start: %r", e)
+        if self.handle is not None:  # memory by role: the Trainer passes its model and optimizer here
+            vramwatch.watch(kwargs.get("model"), kwargs.get("optimizer"))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         vramwatch.step()

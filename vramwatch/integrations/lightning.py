@@ -8,7 +8,8 @@ trainer's global rank, local rank and world size. The heartbeat beats once per o
 (``trainer.global_step`` advancing, so gradient accumulation counts one step); the loss is the
 ``loss`` of ``training_step``'s output, passed as the tensor it is and converted on the sampler
 thread; a grad norm is taken from the logged metrics when the module logs one (``grad_norm``, or
-``grad_2.0_norm_total`` from ``lightning.pytorch.utilities.grad_norm``). ``teardown`` stops the
+``grad_2.0_norm_total`` from ``lightning.pytorch.utilities.grad_norm``). At ``on_train_start`` the
+module and its (first) optimizer are watched (``vramwatch.watch``: memory by role). ``teardown`` stops the
 exporter it started.
 
 The base class is ``lightning.pytorch.Callback`` when ``lightning`` is installed (or is the one the
@@ -74,6 +75,16 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001
             log.warning("vramwatch: callback could not start: %r", e)
         self._last_global_step = _attr(trainer, "global_step") or 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.handle is None:
+            return
+        try:  # the optimizers exist from here on (configure_optimizers has run)
+            optimizers = trainer.optimizers
+            optimizer = optimizers[0] if optimizers else None
+        except Exception:  # noqa: BLE001
+            optimizer = None
+        vramwatch.watch(pl_module, optimizer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         try:

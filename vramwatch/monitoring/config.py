@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramwatch.errors import ConfigError
-from vramwatch.monitoring import contract
+from vramwatch.monitoring import contract, peaks
 
 GIB = 1 << 30
 
@@ -134,6 +134,18 @@ def _base_url(v: str) -> None:
         _url(v, frozenset())
         if v.endswith("/"):
             raise ValueError("must not end with / (paths are appended)")
+
+
+def _peak_flops(v: tuple[tuple[str, float], ...]) -> None:
+    for pattern, flops in v:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{pattern!r} is not a regex ({e})") from None
+        if '"' in pattern or "\\" in pattern:
+            raise ValueError(f"{pattern!r}: a GPU name pattern must not hold quotes or backslashes")
+        if not flops > 0:
+            raise ValueError(f"{pattern!r}: the peak must be FLOP/s above 0, not {flops!r}")
 
 
 def _alert_names(v: tuple[str, ...]) -> None:
@@ -302,6 +314,22 @@ class MonitoringConfig:
         'the pod label vramwatch.io/rank-skew: "off" (the shipped PodMonitor copies it); a set such as '
         '\'job="pp-train", rank=~"0|15"\' exempts given ranks.',
         _matcher_list,
+    )
+    straggler_ratio: float = setting(
+        1.2,
+        "Straggler: a rank whose mean step time over straggler_window is above this many times the median "
+        "of its job's ranks (job_labels) warns. Ranks in lock-step collectives share one step time: the "
+        "skew shows where they are not (independent ranks, a rank blocked outside the collectives).",
+        _above_one,
+    )
+    straggler_window: str = setting("10m", "The window of each rank's mean step time (straggler rule).", _window)
+    straggler_for: str = setting("15m", "How long a rank must stay a straggler before it warns.", _for)
+    gpu_peak_flops: tuple[tuple[str, float], ...] = setting(
+        peaks.DENSE_BF16,
+        "Peak dense BF16 FLOP/s by GPU name (a regex on gpu_info's name, the first match wins): the MFU "
+        "panel divides the model's FLOP/s by it. The defaults are NVIDIA's datasheet figures (A100, H100, "
+        "H200), a mapping in YAML.",
+        _peak_flops,
     )
     target_down_for: str = setting("5m", "How long a target must fail its scrapes before it warns.", _for)
     target_absent_for: str = setting(

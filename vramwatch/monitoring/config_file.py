@@ -51,6 +51,15 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
         if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
             raise _fail(key, raw, source, "must be a mapping of label names to strings, e.g. {team: ml-infra}")
         return tuple((str(k), v) for k, v in raw.items())
+    if key == "gpu_peak_flops":
+        ok = isinstance(raw, dict) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw.values()
+        )
+        if not ok:
+            raise _fail(
+                key, raw, source, "must be a mapping of GPU name regexes to FLOP/s, e.g. {'NVIDIA H200.*': 989e12}"
+            )
+        return tuple((str(k), float(v)) for k, v in raw.items())
     (item,) = {a for a in typing.get_args(kind) if a is not Ellipsis}
     if not isinstance(raw, list):
         raise _fail(key, raw, source, "must be a list")
@@ -96,7 +105,7 @@ def _plain(v: Any) -> Any:
     if isinstance(v, float) and v.is_integer() and abs(v) >= 1 << 20:
         return int(v)
     if isinstance(v, tuple) and v and all(isinstance(x, tuple) for x in v):
-        return dict(v)
+        return {k: _plain(x) for k, x in v}
     if isinstance(v, tuple):
         return list(v) if v else []
     return v

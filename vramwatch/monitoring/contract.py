@@ -246,6 +246,18 @@ METRICS: tuple[MetricSpec, ...] = (
         "no OOM has happened in this rank",
     ),
     _m(
+        "vramwatch_memory_role_bytes",
+        "gauge",
+        "bytes",
+        RANK_DEVICE + ("role",),
+        "Device memory of the watched model by role (vramwatch.watch()): parameters, gradients and "
+        "optimizer_state (each storage once; a DTensor's local shard), and other = allocated minus those "
+        "three (activations, autograd's saved tensors, workspaces). With the cache (reserved - allocated) "
+        "they add up to reserved. Walked every role_interval seconds.",
+        "allocator",
+        "the job did not call vramwatch.watch(), or its first walk has not completed; other: " + _NOT_INIT,
+    ),
+    _m(
         "torch_cuda_allocator_info",
         "info",
         "",
@@ -280,6 +292,34 @@ METRICS: tuple[MetricSpec, ...] = (
         RANK,
         "Training steps reported by the job (vramwatch.step()).",
         "heartbeat",
+    ),
+    _m(
+        "vramwatch_training_tokens_total",
+        "counter",
+        "",
+        RANK,
+        "Tokens the job reported processing on this rank (vramwatch.step(tokens=N)).",
+        "heartbeat",
+        "the job passes no tokens",
+    ),
+    _m(
+        "vramwatch_training_samples_total",
+        "counter",
+        "",
+        RANK,
+        "Samples the job reported processing on this rank (vramwatch.step(samples=N)).",
+        "heartbeat",
+        "the job passes no samples",
+    ),
+    _m(
+        "vramwatch_model_flops_per_token",
+        "gauge",
+        "",
+        RANK,
+        "Training FLOPs per token of the watched model, as the job declared it (vramwatch.watch("
+        "flops_per_token=...)): with the tokens rate and the GPU's peak, the MFU.",
+        "heartbeat",
+        "the job declared no FLOPs per token",
     ),
     _m(
         "vramwatch_training_last_step_timestamp_seconds",

@@ -58,6 +58,9 @@ TEMPLATED: tuple[str, ...] = (
     "foreign_process_for",
     "rank_skew_ratio",
     "rank_skew_for",
+    "straggler_ratio",
+    "straggler_window",
+    "straggler_for",
     "target_down_for",
     "collector_down_for",
 )

@@ -23,6 +23,7 @@ from vramwatch.rank.heartbeat import Heartbeat
 from vramwatch.rank.identity import RankIdentity, identify
 from vramwatch.rank.plugin_api import RankContext
 from vramwatch.rank.plugins import Plugins, attach
+from vramwatch.rank.roles import RoleWalker
 from vramwatch.rank.sample import SampleAssembler
 from vramwatch.rank.sampler import SamplerThread
 from vramwatch.rank.server_spawn import ServerSpawner
@@ -134,10 +135,25 @@ class Handle:
             self._publisher.close()
         self._publisher = None
 
-    def step(self, loss: Any = None, grad_norm: Any = None) -> None:
-        self.heartbeat.step(loss, grad_norm)
+    def step(self, loss: Any = None, grad_norm: Any = None, tokens: Any = None, samples: Any = None) -> None:
+        self.heartbeat.step(loss, grad_norm, tokens, samples)
         for hook in self.step_hooks:
             hook()
+
+    def watch(self, model: Any, optimizer: Any = None, flops_per_token: float | None = None) -> None:
+        """Publish memory by role for ``model`` (and ``optimizer``); see :mod:`.roles`. A later call replaces it."""
+        interval = self.settings.role_interval
+        if interval and (model is not None or optimizer is not None):
+            self._assembler.roles = RoleWalker(model, optimizer, interval, self.settings.role_max_tensors)
+        else:
+            self._assembler.roles = None
+        fpt = flops_per_token
+        ok = isinstance(fpt, (int, float)) and not isinstance(fpt, bool) and 0 < fpt < float("inf")
+        self._assembler.flops_per_token = float(fpt) if ok and fpt is not None else None
+
+    @property
+    def roles(self) -> RoleWalker | None:
+        return self._assembler.roles
 
     def wake(self) -> None:
         """Publish a sample soon, on the sampler thread, rather than at the next interval (any thread)."""

@@ -40,7 +40,18 @@ BUCKETS: tuple[float, ...] = (
 
 
 class Heartbeat:
-    __slots__ = ("steps", "last_step_time", "_last_mono", "counts", "sum", "loss", "grad_norm", "_reads")
+    __slots__ = (
+        "steps",
+        "last_step_time",
+        "_last_mono",
+        "counts",
+        "sum",
+        "loss",
+        "grad_norm",
+        "tokens",
+        "samples",
+        "_reads",
+    )
 
     def __init__(self) -> None:
         self.steps = 0
@@ -50,9 +61,11 @@ class Heartbeat:
         self.sum = 0.0
         self.loss: Any = None
         self.grad_norm: Any = None
+        self.tokens: int | float | None = None  # None until the job passes any: the counter stays absent
+        self.samples: int | float | None = None
         self._reads = (DeviceScalar(), DeviceScalar())  # loss, grad norm: on the sampler thread only
 
-    def step(self, loss: Any = None, grad_norm: Any = None) -> None:
+    def step(self, loss: Any = None, grad_norm: Any = None, tokens: Any = None, samples: Any = None) -> None:
         now = time.monotonic()
         last = self._last_mono
         if last is not None:
@@ -66,6 +79,10 @@ class Heartbeat:
             self.loss = _keep(loss)
         if grad_norm is not None:
             self.grad_norm = _keep(grad_norm)
+        if tokens is not None:  # two adds: the counts are Python numbers (a tensor is dropped at the snapshot)
+            self.tokens = tokens if self.tokens is None else self.tokens + tokens
+        if samples is not None:
+            self.samples = samples if self.samples is None else self.samples + samples
 
     def snapshot(self) -> HeartbeatSnapshot:
         steps = self.steps
@@ -77,7 +94,16 @@ class Heartbeat:
             self.sum,
             self._reads[0].read(self.loss, steps),
             self._reads[1].read(self.grad_norm, steps),
+            _count(self.tokens),
+            _count(self.samples),
         )
+
+
+def _count(v: Any) -> float | None:
+    """A token or sample total as published: a finite number 0 or more, else nothing (never a sync)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"):
+        return float(v)
+    return None
 
 
 def _keep(v: Any) -> Any:

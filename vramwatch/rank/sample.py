@@ -10,6 +10,7 @@ from vramwatch.rank.allocator import AllocatorSampler
 from vramwatch.rank.heartbeat import Heartbeat
 from vramwatch.rank.identity import RankIdentity
 from vramwatch.rank.plugins import Plugins
+from vramwatch.rank.roles import RoleWalker
 from vramwatch.spool import CollectorHealth, DeviceSample, RankSample
 
 
@@ -33,6 +34,8 @@ class SampleAssembler:
         self.log_once = log_once
         # the allocator is the one collector inside the rank: its health travels in each sample
         self.errors = 0
+        self.roles: RoleWalker | None = None  # set by vramwatch.watch()
+        self.flops_per_token: float | None = None
 
     def assemble(self) -> RankSample:
         t0 = time.perf_counter()
@@ -46,6 +49,15 @@ class SampleAssembler:
             self.log_once("allocator:" + type(e).__name__, "vramwatch: reading the allocator failed: %r", e)
         health = CollectorHealth(up, self.errors, time.perf_counter() - t0)
         merged, oom_snapshot = self.plugins.on_sample(devices)
+        collectors = {"allocator": health}
+        roles = self.roles
+        if roles is not None:  # memory by role: a bounded pass on its own cadence, off the training thread
+            roles.poll(time.monotonic())  # never raises: a failed walk is its health's up 0
+            try:
+                merged = roles.apply(merged)
+            except Exception as e:  # noqa: BLE001 - the sample goes out without the roles
+                self.log_once("roles:" + type(e).__name__, "vramwatch: memory by role failed: %r", e)
+            collectors["roles"] = roles.health
         ident = self.identity
         # positional, in the schema's field order: keyword arguments cost a microsecond per sample here
         return RankSample(
@@ -58,6 +70,7 @@ class SampleAssembler:
             tuple(merged),
             self.sampler.info() if merged else None,
             self.heartbeat.snapshot(),
-            {"allocator": health},
+            collectors,
             oom_snapshot,
+            self.flops_per_token,
         )

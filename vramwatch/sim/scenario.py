@@ -19,10 +19,13 @@ import time
 
 import vramwatch
 from vramwatch.sim.allocator import SimAllocator, SimOutOfMemoryError
+from vramwatch.sim.model import SimAdam, SimModel
 from vramwatch.sim.state import SimNode
 
 GIB = 1 << 30
 CYCLE = 120.0
+SAMPLES_PER_STEP = 8  # sequences of 2048 tokens per step and rank
+TOKENS_PER_STEP = SAMPLES_PER_STEP * 2048
 BUDGET_FRACTION = 0.5  # of the simulated card: 60 GiB held leaves room for fragmentation, not for much more
 PHASES = ((0.0, "warmup"), (20.0, "finetune"), (70.0, "pressure"), (80.0, "stall"), (95.0, "recover"))
 # device events of one cycle: name -> (start, end) in seconds of the CYCLE-long story (an Xid is one instant)
@@ -156,6 +159,10 @@ def run_rank(
     h = vramwatch.start(simulate=True)
     assert h.sim is not None
     story = RankStory(h.sim, fill_gib, steps_per_second, cycle)
+    # a bf16 model with Adam: parameters and gradients a tenth of the fill each, the moments 4/10
+    model = SimModel(int(fill_gib * GIB / 10))
+    optimizer = SimAdam(model)
+    vramwatch.watch(model, optimizer, flops_per_token=6.0 * model.param_count)
     period = 1.0 / steps_per_second
     end = time.time() + duration if duration > 0 else float("inf")
     while time.time() < end:
@@ -166,7 +173,9 @@ def run_rank(
             time.sleep(0.2)  # no steps: the heartbeat ages
             continue
         story.step(t)
-        vramwatch.step(loss=0.7 + 1.5 * math.exp(-story.steps / 500.0))
+        vramwatch.step(
+            loss=0.7 + 1.5 * math.exp(-story.steps / 500.0), tokens=TOKENS_PER_STEP, samples=SAMPLES_PER_STEP
+        )
         time.sleep(period)
     vramwatch.stop()
 

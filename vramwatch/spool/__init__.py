@@ -34,6 +34,7 @@ from vramwatch.spool.readings import (
     write_node_readings,
 )
 from vramwatch.spool.schema import (
+    MEMORY_ROLES,
     SCHEMA_VERSION,
     AllocatorInfo,
     CollectorHealth,
@@ -44,6 +45,7 @@ from vramwatch.spool.schema import (
 )
 
 __all__ = [
+    "MEMORY_ROLES",
     "SCHEMA_VERSION",
     "SERVER_INFO",
     "SERVER_LOCK",

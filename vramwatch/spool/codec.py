@@ -16,6 +16,7 @@ from itertools import pairwise
 from typing import Any
 
 from vramwatch.spool.schema import (
+    MEMORY_ROLES,
     SCHEMA_VERSION,
     AllocatorInfo,
     CollectorHealth,
@@ -65,7 +66,7 @@ def encode_sample(sample: RankSample) -> bytes:
         "local_rank": sample.local_rank,
         "world_size": sample.world_size,
         "hostname": sample.hostname,
-        "devices": [{"device": d.device, "uuid": d.uuid, "values": d.values} for d in sample.devices],
+        "devices": [_encoded_device(d) for d in sample.devices],
         "allocator_info": None
         if ai is None
         else {
@@ -87,9 +88,23 @@ def encode_sample(sample: RankSample) -> bytes:
             name: {"up": h.up, "errors": h.errors, "duration": h.duration} for name, h in sample.collectors.items()
         },
     }
+    # the optional fields appear only when set, so a job that uses none of them publishes what it did before
+    if hb.tokens is not None:
+        doc["heartbeat"]["tokens"] = hb.tokens
+    if hb.samples is not None:
+        doc["heartbeat"]["samples"] = hb.samples
+    if sample.flops_per_token is not None:
+        doc["flops_per_token"] = sample.flops_per_token
     if sample.oom_snapshot is not None:
         doc["oom_snapshot"] = {"path": sample.oom_snapshot.path, "time": sample.oom_snapshot.time}
     return _ENCODER.encode(doc).encode().replace(_BUCKETS_MARK_JSON, _encoded_buckets(hb.buckets), 1)
+
+
+def _encoded_device(d: DeviceSample) -> dict[str, Any]:
+    doc: dict[str, Any] = {"device": d.device, "uuid": d.uuid, "values": d.values}
+    if d.roles:
+        doc["roles"] = d.roles
+    return doc
 
 
 def decode_sample(payload: bytes) -> RankSample:
@@ -176,6 +191,7 @@ def _sample(doc: Mapping[str, Any]) -> RankSample:
     hb = _object(_field(doc, "heartbeat"), "heartbeat")
     ai = _field(doc, "allocator_info")
     oom = doc.get("oom_snapshot")
+    fpt = doc.get("flops_per_token")
     return RankSample(
         rank=_int(_field(doc, "rank"), "rank", 0, _MAX_ID),
         local_rank=_int(_field(doc, "local_rank"), "local_rank", 0, _MAX_ID),
@@ -191,17 +207,28 @@ def _sample(doc: Mapping[str, Any]) -> RankSample:
             for name, h in _object(_field(doc, "collectors"), "collectors").items()
         },
         oom_snapshot=None if oom is None else _oom(_object(oom, "oom_snapshot")),
+        flops_per_token=None if fpt is None else _float(fpt, "flops_per_token", 0.0),
     )
 
 
 def _device(d: Any, where: str) -> DeviceSample:
     d = _object(d, where)
     values = _object(_field(d, "values", where + "."), where + ".values")
+    roles = d.get("roles")
     return DeviceSample(
         _int(_field(d, "device", where + "."), where + ".device", 0, _MAX_ID),
         _text(_field(d, "uuid", where + "."), where + ".uuid"),
         _numbers(values),
+        {} if roles is None else _roles(_object(roles, where + ".roles"), where + ".roles"),
     )
+
+
+def _roles(roles: Mapping[str, Any], where: str) -> dict[str, float]:
+    # the role names are a closed set: a label value the server renders, so nothing else gets through
+    for k in roles:
+        if k not in MEMORY_ROLES:
+            raise _Bad(f"{where} key {k[:32]!r} is not one of {', '.join(MEMORY_ROLES)}")
+    return {k: _float(v, f"{where}.{k}", 0.0) for k, v in roles.items()}
 
 
 def _allocator_info(ai: Mapping[str, Any]) -> AllocatorInfo:
@@ -220,6 +247,7 @@ def _heartbeat(hb: Mapping[str, Any]) -> HeartbeatSnapshot:
     if any(b >= nxt for b, nxt in pairwise(buckets)):
         raise _Bad(f"{w}buckets must increase")
     loss, grad_norm = _field(hb, "loss", w), _field(hb, "grad_norm", w)
+    tokens, samples = hb.get("tokens"), hb.get("samples")
     return HeartbeatSnapshot(
         steps=_int(_field(hb, "steps", w), w + "steps"),
         last_step_time=_float(_field(hb, "last", w), w + "last", 0.0),
@@ -228,6 +256,8 @@ def _heartbeat(hb: Mapping[str, Any]) -> HeartbeatSnapshot:
         sum=_float(_field(hb, "sum", w), w + "sum", 0.0),
         loss=None if loss is None else _float(loss, w + "loss"),
         grad_norm=None if grad_norm is None else _float(grad_norm, w + "grad_norm"),
+        tokens=None if tokens is None else _float(tokens, w + "tokens", 0.0),
+        samples=None if samples is None else _float(samples, w + "samples", 0.0),
     )
 
 

@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # optional fields (absent in older samples, ignored by older readers) keep the version
+
+# What the bytes of a watched model's device memory hold (vramwatch.watch): its parameters, their
+# gradients, the optimizer's state, and the allocated rest (activations, autograd's saved tensors,
+# workspaces, temporaries). The allocator's cache (reserved - allocated) is not a role.
+MEMORY_ROLES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "other")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +27,7 @@ class DeviceSample:
     device: int  # CUDA index inside the process
     uuid: str  # GPU-... or MIG-...: the join key with NVML's series
     values: Mapping[str, float]  # contract family name -> value
+    roles: Mapping[str, float] = field(default_factory=dict)  # MEMORY_ROLES name -> bytes; empty: not watched
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,8 @@ class HeartbeatSnapshot:
     sum: float = 0.0
     loss: float | None = None
     grad_norm: float | None = None
+    tokens: float | None = None  # totals the job passed to step(tokens=, samples=); None: it passes none
+    samples: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +91,7 @@ class RankSample:
     heartbeat: HeartbeatSnapshot = HeartbeatSnapshot()
     collectors: Mapping[str, CollectorHealth] = field(default_factory=dict)
     oom_snapshot: OomSnapshot | None = None
+    flops_per_token: float | None = None  # the model's, as vramwatch.watch() was told; None: not told
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.time)

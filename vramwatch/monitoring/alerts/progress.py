@@ -23,7 +23,10 @@ from vramwatch.monitoring import contract
 from vramwatch.monitoring.alerts.promql import (
     CRITICAL,
     RANK_WHERE,
+    STEP_MEAN_RECORD,
+    STEP_SKEW_RECORD,
     VALUE_DURATION,
+    VALUE_RATIO,
     WARNING,
     alert,
     label,
@@ -31,6 +34,8 @@ from vramwatch.monitoring.alerts.promql import (
     num,
     percent,
     stall_bound,
+    step_mean,
+    step_skew,
 )
 from vramwatch.monitoring.config import MonitoringConfig
 
@@ -67,6 +72,44 @@ def _why(cfg: MonitoringConfig, floor: float) -> str:
     return f"(bound: {cfg.stall_factor:g}x its mean step time over {cfg.stall_window}, at least {floor:g}s)"
 
 
+def first_stopped(cfg: MonitoringConfig) -> str:
+    """An annotation naming the rank of the alert's job whose newest step is the oldest: the one that
+    stopped first (in a hung collective the others wait for it). Empty when the query finds none."""
+    hb = "vramwatch_training_last_step_timestamp_seconds"
+    matchers = [m for m in (cfg.selector,) if m] + [f"{name}=%q" for name in cfg.job_labels]
+    query = f"bottomk(1, {hb}{{{', '.join(matchers)}}})"
+    args = " ".join(f"$labels.{name}" for name in cfg.job_labels)
+    return (
+        f"{{{{ with printf {_go_string(query)} {args} | query }}}}{{{{ with first . }}}}"
+        " The first of its job's ranks to stop: rank {{ .Labels.rank }} on {{ .Labels.instance }}."
+        "{{ end }}{{ end }}"
+    )
+
+
+def _go_string(text: str) -> str:
+    """``text`` as a Go template string literal."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def stragglers(cfg: MonitoringConfig) -> list[dict]:
+    """The recording rules of step-time skew and the warning on them."""
+    mean = step_mean(cfg, lambda name: metric(cfg, name))
+    return [
+        {"record": STEP_MEAN_RECORD, "expr": mean},
+        {"record": STEP_SKEW_RECORD, "expr": step_skew(cfg, STEP_MEAN_RECORD)},
+        alert(
+            "TrainingRankStraggler",
+            f"{STEP_SKEW_RECORD} > {num(cfg.straggler_ratio)}",
+            WARNING,
+            "One rank's steps are slower than its job's.",
+            f"{RANK_WHERE} takes {VALUE_RATIO}x the median step time of its job's ranks (mean over "
+            f"{cfg.straggler_window}; warns above {num(cfg.straggler_ratio)}x for {cfg.straggler_for}): a slow or "
+            "throttled GPU, a contended host, a slower input pipeline on that rank, or uneven work.",
+            cfg.straggler_for,
+        ),
+    ]
+
+
 def rules(cfg: MonitoringConfig) -> list[dict]:
     return [
         alert(
@@ -78,7 +121,7 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             f"{_why(cfg, cfg.busy_stall_min_seconds)}, while its GPU "
             f"{label('uuid')} reads at least {percent(cfg.busy_utilization_ratio)} utilisation at no more "
             f"than {percent(cfg.busy_power_ratio)} of its power limit: the hang signature. "
-            "Checkpoint-less work is being lost.",
+            "Checkpoint-less work is being lost." + first_stopped(cfg),
             cfg.busy_stall_for,
         ),
         alert(
@@ -89,7 +132,8 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {_why(cfg, cfg.stall_min_seconds)}; "
             "its GPU does not show the "
             "busy-at-low-power hang signature (idle, input pipeline, evaluation, checkpointing, or no "
-            "NVML reading).",
+            "NVML reading)." + first_stopped(cfg),
             cfg.stall_for,
         ),
+        *stragglers(cfg),
     ]

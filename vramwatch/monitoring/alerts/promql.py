@@ -109,3 +109,21 @@ def stall_bound(cfg: MonitoringConfig, series: Callable[[str], str], floor: floa
     low = num(cfg.stall_min_seconds if floor is None else floor)
     last = series("vramwatch_training_last_step_timestamp_seconds")
     return f"clamp_min({num(cfg.stall_factor)} * ({mean} > 0), {low})\n  or {last} * 0 + {low}"
+
+
+# recorded by the progress group (vramwatch_training_step_duration_seconds over straggler_window)
+STEP_MEAN_RECORD = "vramwatch:training_step_duration_seconds:mean"
+STEP_SKEW_RECORD = "vramwatch:training_step_duration_seconds:skew_ratio"
+
+
+def step_mean(cfg: MonitoringConfig, series: Callable[[str], str]) -> str:
+    """Per rank: the mean step time over ``straggler_window`` (absent while the rank makes no steps)."""
+    w = duration(cfg.straggler_window)
+    h = "vramwatch_training_step_duration_seconds"
+    return f"(rate({series(h + '_sum')}[{w}]) / rate({series(h + '_count')}[{w}]) > 0)"
+
+
+def step_skew(cfg: MonitoringConfig, mean: str) -> str:
+    """Per rank: its mean step time over the median of its job's ranks (1: in step with them)."""
+    by = ", ".join(cfg.job_labels)
+    return f"{mean}\n/ on({by}) group_left()\nquantile by ({by}) (0.5, {mean})"

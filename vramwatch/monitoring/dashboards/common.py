@@ -475,3 +475,36 @@ def stall_bound(cfg: MonitoringConfig, s: Scope) -> str:
 
 def memory_limits(cfg: MonitoringConfig) -> dashboard.ThresholdsConfig:
     return thresholds((cfg.memory_warning_ratio, "orange"), (cfg.memory_critical_ratio, "red"))
+
+
+_ON_RANK = "job, instance, rank, local_rank"  # a rank's series: the target's labels and contract.RANK
+
+
+def tokens_per_gpu(s: Scope) -> str:
+    """Tokens/s of the ranks on each GPU (uuid), through the allocator series that carry rank and uuid."""
+    tokens = f"rate({m('vramwatch_training_tokens_total')}{s.rank}[$__rate_interval])"
+    alloc = f"{m('torch_cuda_memory_allocated_bytes')}{s.device}"
+    return f"sum by (job, instance, uuid) ({tokens} * on({_ON_RANK}) group_right() ({alloc} * 0 + 1))"
+
+
+def gpu_peak_flops(cfg: MonitoringConfig, s: Scope) -> str:
+    """Per GPU: its peak FLOP/s from ``cfg.gpu_peak_flops`` (the first pattern its name matches)."""
+    info = m("gpu_info")
+    node = s.gpu[1:-1]
+    prefix = node + ", " if node else ""
+    return " or ".join(f'({info}{{{prefix}name=~"{p}"}} * 0 + {num(f)})' for p, f in cfg.gpu_peak_flops)
+
+
+def rank_mfu(cfg: MonitoringConfig, s: Scope) -> str:
+    """Per rank: tokens/s x the model's FLOPs per token / the peak of the GPUs the rank uses."""
+    tokens = f"rate({m('vramwatch_training_tokens_total')}{s.rank}[$__rate_interval])"
+    fpt = f"{m('vramwatch_model_flops_per_token')}{s.rank}"
+    alloc = f"{m('torch_cuda_memory_allocated_bytes')}{s.device}"
+    peak = f"sum by ({_ON_RANK}) (({gpu_peak_flops(cfg, s)}) * on(job, instance, uuid) group_right() ({alloc} * 0 + 1))"
+    return f"{tokens} * on({_ON_RANK}) {fpt}\n/ on({_ON_RANK}) {peak}"
+
+
+def step_skew(cfg: MonitoringConfig, s: Scope) -> str:
+    """The straggler rule's skew, with the dashboard's variables (the median over the selected ranks)."""
+    mean = promql.step_mean(cfg, lambda name: f"{name}{s.rank}")
+    return promql.step_skew(cfg, mean)

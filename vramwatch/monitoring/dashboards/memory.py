@@ -17,9 +17,12 @@ from vramwatch.monitoring.dashboards.common import (
     num,
     q,
     qt,
+    rank_mfu,
     stall_bound,
+    step_skew,
     table_panel,
     thresholds,
+    tokens_per_gpu,
     ts,
     units,
 )
@@ -27,6 +30,7 @@ from vramwatch.monitoring.dashboards.common import (
 UID = ids.TRAINING_MEMORY_UID
 TITLE = "vramwatch / Training memory"
 RANK = "rank {{rank}}"
+RANK_DEVICE_ON = "job, instance, uuid, device, rank, local_rank"
 
 
 def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
@@ -81,6 +85,29 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             ),
             "D",
             "orange",
+        )
+    )
+    roles = m("vramwatch_memory_role_bytes")
+    d = d.with_panel(
+        ts(
+            "Memory by role",
+            "What reserved holds, stacked (the top is reserved), summed over the selected ranks (pick a rank "
+            "to see one): parameters, gradients and optimizer state of the model given to vramwatch.watch() "
+            "(each storage once, a sharded tensor's local shard; walked every role_interval seconds), other = "
+            "allocated minus those (activations, autograd's saved tensors, workspaces), and the allocator's "
+            "cache = reserved - allocated. Empty until the job calls vramwatch.watch().",
+            units.BytesIEC,
+            [
+                q(f"sum by (role) ({roles}{s.device})", "{{role}}", "A"),
+                q(
+                    f"sum(({reserved}{s.device} - {alloc}{s.device})\n"
+                    f'  and on({RANK_DEVICE_ON}) {roles}{s.device[:-1]}, role="parameters"}})',
+                    "cache (reserved - allocated)",
+                    "B",
+                ),
+            ],
+            min_=0,
+            stack=True,
         )
     )
     d = d.with_panel(
@@ -230,6 +257,60 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             units.Short,
             [q(f"rate({m('vramwatch_training_steps_total')}{s.rank}[$__rate_interval])", RANK)],
             min_=0,
+        )
+    )
+    tokens = f"rate({m('vramwatch_training_tokens_total')}{s.rank}[$__rate_interval])"
+    jobs = ", ".join(cfg.job_labels)
+    d = d.with_panel(
+        ts(
+            "Tokens per second",
+            "Tokens the ranks reported with vramwatch.step(tokens=N), per rank and summed per job (the job_labels).",
+            units.Short,
+            [q(tokens, RANK, "A"), q(f"sum by ({jobs}) ({tokens})", "job total", "B")],
+            min_=0,
+        )
+    )
+    energy = f"rate({m('gpu_energy_joules_total')}{s.gpu}[$__rate_interval])"
+    d = d.with_panel(
+        ts(
+            "Energy per token",
+            "Joules per token: each GPU's energy counter (NVML, the slow cadence) over the tokens of the ranks "
+            "on it, and the job's GPUs together over the job's tokens. No extra sampling: both are counters "
+            "already exported.",
+            "joule",  # Grafana's unit id for J (the SDK's units module has no constant for it)
+            [
+                q(f"{energy}\n/ on(job, instance, uuid) {tokens_per_gpu(s)}", "gpu {{uuid}}", "A"),
+                q(
+                    f"sum({energy} and on(job, instance, uuid) {tokens_per_gpu(s)})\n/ sum({tokens})",
+                    "all selected",
+                    "B",
+                ),
+            ],
+            min_=0,
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Model FLOPs utilisation",
+            "Tokens/s x the FLOPs per token the job declared (vramwatch.watch(flops_per_token=...)) over the peak "
+            "dense BF16 FLOP/s of the rank's GPUs (MonitoringConfig.gpu_peak_flops, from NVIDIA's datasheets). "
+            "Empty when the job declares no FLOPs per token or the GPU is not in the table.",
+            units.PercentUnit,
+            [q(rank_mfu(cfg, s), RANK)],
+            min_=0,
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Step-time skew by rank",
+            f"Each rank's mean step time over {cfg.straggler_window} / the median of its job's ranks (the "
+            f"job_labels); 1 is in step. The straggler alert warns above {num(cfg.straggler_ratio)} (dashed) "
+            f"for {cfg.straggler_for}. Ranks in lock-step collectives share one step time: skew shows where "
+            "they are not.",
+            units.Short,
+            [q(step_skew(cfg, s), RANK)],
+            min_=0,
+            limits=thresholds((cfg.straggler_ratio, "orange")),
         )
     )
     d = d.with_panel(

@@ -18,7 +18,7 @@ from prometheus_client.core import Metric
 from vramwatch.monitoring import contract
 from vramwatch.server.collectors import ScrapeContext
 from vramwatch.server.collectors.rank_view import CARRIED, DeviceKey, device_key
-from vramwatch.spool import CollectorHealth, OomSnapshot, RankSample
+from vramwatch.spool import MEMORY_ROLES, CollectorHealth, OomSnapshot, RankSample
 
 DEVICE_METRICS = [m for m in contract.METRICS if m.collector == "allocator" and m.labels == contract.RANK_DEVICE]
 # what a dead rank's device exports besides its counters: the values of the OOM that ended it
@@ -33,11 +33,16 @@ def _rank_labels(s: RankSample) -> list[str]:
 
 RankFailed = Callable[[RankSample, Exception], None]
 
+_ROLE_FAMILY = "vramwatch_memory_role_bytes"
 _RANK_FAMILIES = (
+    _ROLE_FAMILY,
     "torch_cuda_allocator_info",
     "vramwatch_oom_snapshot_info",
     "vramwatch_oom_snapshot_timestamp_seconds",
     "vramwatch_training_steps_total",
+    "vramwatch_training_tokens_total",
+    "vramwatch_training_samples_total",
+    "vramwatch_model_flops_per_token",
     "vramwatch_training_last_step_timestamp_seconds",
     "vramwatch_training_step_duration_seconds",
     "vramwatch_training_loss",
@@ -95,6 +100,9 @@ def _live_rank(fams: dict[str, Any], s: RankSample, ctx: ScrapeContext, finals: 
         for name, value in values.items():
             if name in _DEVICE_FAMILIES:
                 fams[name].add_metric(labels, value)
+        for role in MEMORY_ROLES:  # the codec admits no other role: bounded label values
+            if role in dev.roles:
+                fams[_ROLE_FAMILY].add_metric(labels + [role], dev.roles[role])
     if s.allocator_info is not None:
         fams["torch_cuda_allocator_info"].add_metric(rl + list(s.allocator_info.labels()), 1.0)
     snapshot = s.oom_snapshot
@@ -103,6 +111,12 @@ def _live_rank(fams: dict[str, Any], s: RankSample, ctx: ScrapeContext, finals: 
     _snapshot(fams, rl, snapshot)
     hb = s.heartbeat
     fams["vramwatch_training_steps_total"].add_metric(rl, float(hb.steps))
+    if hb.tokens is not None:
+        fams["vramwatch_training_tokens_total"].add_metric(rl, hb.tokens)
+    if hb.samples is not None:
+        fams["vramwatch_training_samples_total"].add_metric(rl, hb.samples)
+    if s.flops_per_token is not None:
+        fams["vramwatch_model_flops_per_token"].add_metric(rl, s.flops_per_token)
     if hb.last_step_time:
         fams["vramwatch_training_last_step_timestamp_seconds"].add_metric(rl, hb.last_step_time)
     if hb.buckets and len(hb.counts) == len(hb.buckets) + 1:

@@ -1,0 +1,181 @@
+"""Memory by role: the bytes of a watched model's parameters, gradients and optimizer state per device.
+
+``vramwatch.watch(model, optimizer)`` hands both over; the sampler thread walks them every
+``role_interval`` seconds, never the training thread. A walk reads only tensor metadata
+(``.device``, ``untyped_storage().data_ptr()`` and ``.nbytes()``): no CUDA call, no context, no sync.
+
+- Each storage counts once (tied weights, views, a flat parameter's views: keyed by device and data
+  pointer), in the first role that holds it (parameters, then gradients, then optimizer state).
+- A DTensor (FSDP2, tensor parallel) counts its local shard (``_local_tensor``): the bytes on this rank.
+- Only the model and the optimizer are held weakly: a deleted model is never kept alive, its figures
+  disappear. The parameter list is cached (refreshed every ``_REFRESH_WALKS`` walks).
+- One pass reads at most ``max_tensors`` tensors; a larger model is walked over several passes and its
+  figures publish when the walk completes, so a pass's cost is bounded whatever the model; and the next
+  walk waits until the walks have used at most ``MAX_CORE_SHARE`` of a core.
+
+``other`` is the device's allocated bytes at the sample minus the three roles of the newest walk, at
+least 0: activations, autograd's saved tensors, workspaces and temporaries. With the cache (reserved -
+allocated) the four roles stack up to reserved.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from vramwatch.spool import CollectorHealth, DeviceSample
+
+_REFRESH_WALKS = 10
+# The walks' share of one core, at most: a model of many tensors is walked less often than role_interval
+# (a walk of 30 ms waits 300 s for the next), so the in-process cost guarantee holds whatever the model.
+MAX_CORE_SHARE = 1e-4
+_ALLOCATED = "torch_cuda_memory_allocated_bytes"
+
+
+def _weak(obj: Any) -> Any:
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # an object without weak references: held strongly (documented in watch())
+        return lambda: obj
+
+
+class RoleWalker:
+    """Walks the watched objects on the sampler thread; :meth:`apply` adds the roles to a sample's devices."""
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        interval: float,
+        max_tensors: int,
+        device_types: tuple[str, ...] = ("cuda",),
+    ) -> None:
+        self._model = _weak(model)
+        self._optimizer = _weak(optimizer)
+        self.interval = interval
+        self.max_tensors = max_tensors
+        self.device_types = device_types
+        self._params: list[Any] = []  # weak references to the model's parameters
+        self._walks = 0
+        self._walk: Iterator[None] | None = None
+        self._next = 0.0
+        self.result: dict[int, tuple[int, int, int]] | None = None
+        self.passes = 0  # passes run (a walk is one pass or more)
+        self._walk_start = 0.0
+        self._walk_cost = 0.0  # seconds the walk under way has taken, over its passes
+        self.health = CollectorHealth(1, 0, 0.0)
+
+    # --- on the sampler thread ---
+    def poll(self, now: float) -> None:
+        """Run one bounded pass if a walk is due or under way. Never raises."""
+        if self._walk is None:
+            if now < self._next:
+                return
+            self._next = now + self.interval
+            self._walk = self._walk_all()
+            self._walk_start, self._walk_cost = now, 0.0
+        t0 = time.perf_counter()
+        up, errors = 1, self.health.errors
+        try:
+            next(self._walk)
+        except StopIteration:
+            self._walk = None
+        except Exception:  # noqa: BLE001 - reported as vramwatch_collector_up{collector="roles"} 0
+            self._walk = None
+            up, errors = 0, errors + 1
+        took = time.perf_counter() - t0
+        self._walk_cost += took
+        if self._walk is None:  # done: the next waits for the share of a core it may use
+            self._next = max(self._next, self._walk_start + self._walk_cost / MAX_CORE_SHARE)
+        self.passes += 1
+        self.health = CollectorHealth(up, errors, took)
+
+    def apply(self, devices: Sequence[DeviceSample]) -> Sequence[DeviceSample]:
+        """``devices`` with the newest walk's roles, ``other`` from each device's allocated bytes now."""
+        result = self.result
+        if not result:
+            return devices
+        out = []
+        for d in devices:
+            r = result.get(d.device)
+            if r is None:
+                out.append(d)
+                continue
+            p, g, o = r
+            allocated = d.values.get(_ALLOCATED)
+            roles = {"parameters": float(p), "gradients": float(g), "optimizer_state": float(o)}
+            if allocated is not None:
+                roles["other"] = max(0.0, allocated - p - g - o)
+            out.append(DeviceSample(d.device, d.uuid, d.values, roles))
+        return out
+
+    # --- the walk ---
+    def _walk_all(self) -> Iterator[None]:
+        model = self._model() if self._model is not None else None
+        if model is None and self._model is not None:
+            self.result = None  # the model is gone: so are its figures
+            return
+        if model is not None and (not self._params or self._walks % _REFRESH_WALKS == 0):
+            self._params = [weakref.ref(p) for p in model.parameters()]
+        del model  # hold nothing across passes
+        self._walks += 1
+        seen: set[tuple[int, int]] = set()
+        totals: dict[int, list[int]] = {}
+        budget = self.max_tensors
+        for role, tensors in enumerate((self._parameters(), self._gradients(), self._optimizer_state())):
+            for t in tensors:
+                self._count(t, role, seen, totals)
+                budget -= 1
+                if budget <= 0:
+                    budget = self.max_tensors
+                    yield  # the rest on the next pass
+        self.result = {dev: (v[0], v[1], v[2]) for dev, v in totals.items()}
+
+    def _parameters(self) -> Iterator[Any]:
+        for ref in self._params:
+            p = ref()
+            if p is not None:
+                yield p
+
+    def _gradients(self) -> Iterator[Any]:
+        for ref in self._params:
+            p = ref()
+            g = getattr(p, "grad", None) if p is not None else None
+            if g is not None:
+                yield g
+
+    def _optimizer_state(self) -> Iterator[Any]:
+        opt = self._optimizer() if self._optimizer is not None else None
+        state = getattr(opt, "state", None)
+        if not state:
+            return
+        per_param = list(state.values())  # one C-level copy under the GIL: safe against a concurrent step
+        del opt, state
+        for entry in per_param:
+            if isinstance(entry, dict):
+                for v in list(entry.values()):
+                    if hasattr(v, "untyped_storage") or hasattr(v, "_local_tensor"):
+                        yield v
+
+    def _count(self, t: Any, role: int, seen: set[tuple[int, int]], totals: dict[int, list[int]]) -> None:
+        local = getattr(t, "_local_tensor", None)  # a DTensor: this rank's shard
+        if local is not None:
+            t = local
+        dev = t.device
+        if dev.type not in self.device_types:
+            return  # CPU-offloaded state is not device memory
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        index = dev.index or 0
+        key = (index, ptr)
+        if ptr == 0 or key in seen:  # 0: an empty or meta tensor
+            return
+        seen.add(key)
+        row = totals.get(index)
+        if row is None:
+            row = totals[index] = [0, 0, 0]
+        row[role] += storage.nbytes()
