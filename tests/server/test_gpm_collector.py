@@ -199,6 +199,8 @@ def test_no_nvlink_is_remembered_and_logged_once(tmp_path, caplog):
     assert rig.nv.calls["nvmlDeviceGetNvLinkState"] == 2  # link 0 of each GPU, once
     logged = [r.getMessage() for r in caplog.records if "no NVLink error counters" in r.getMessage()]
     assert len(logged) == 2 and all("NOT_SUPPORTED (NVML error 3)" in m for m in logged)
+    assert isinstance(rig.nvlink.collector, NvlinkCollector)
+    assert set(rig.nvlink.collector.unavailable.values()) == {"nvmlDeviceGetNvLinkState: NOT_SUPPORTED (NVML error 3)"}
 
 
 def test_an_nvlink_counter_the_gpu_lacks_is_dropped(rig):

@@ -63,7 +63,7 @@ def _m(
 
 
 _NOT_INIT = "the rank has not initialised CUDA on that device"
-_NO_GPM = "the GPU has no GPM (before Hopper, MIG on, or a VM that hides it); before the second slow sample"
+_NO_GPM = "GPM is not supported (before Hopper, MIG on, or a VM that hides it); before the second slow sample"
 _ASYNC = "the backend is cudaMallocAsync (always reported as zero there)"
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -543,7 +543,7 @@ METRICS: tuple[MetricSpec, ...] = (
         GPU,
         "NVLink traffic received over all links in the last slow interval (NVML GPM NVLINK_TOTAL_RX_PER_SEC).",
         "gpm",
-        _NO_GPM + "; the GPU has no NVLink",
+        _NO_GPM + "; no NVLink",
     ),
     _m(
         "gpu_nvlink_tx_bytes_per_second",
@@ -552,7 +552,7 @@ METRICS: tuple[MetricSpec, ...] = (
         GPU,
         "NVLink traffic sent over all links in the last slow interval (NVML GPM NVLINK_TOTAL_TX_PER_SEC).",
         "gpm",
-        _NO_GPM + "; the GPU has no NVLink",
+        _NO_GPM + "; no NVLink",
     ),
     _m(
         "gpu_nvlink_errors_total",
@@ -563,7 +563,7 @@ METRICS: tuple[MetricSpec, ...] = (
         + ", ".join(NVLINK_ERROR_TYPES)
         + " (crc: flit and data CRC errors together).",
         "nvlink",
-        "the GPU has no active NVLink, or NVML does not report its links (as in some VMs)",
+        "NVLink is not supported or no link is active (also in VMs that hide the links)",
     ),
     _m(
         "gpu_foreign_processes",

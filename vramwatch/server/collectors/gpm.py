@@ -76,7 +76,7 @@ class GpmCollector(Collector[tuple[GpmReading, ...]]):
         self.settings = settings
         self.session = session or nb.session_for(settings)
         self._samplers: dict[str, _Sampler] = {}
-        self._unsupported: set[str] = set()  # uuids without GPM, until NVML re-initialises
+        self.unavailable: dict[str, str] = {}  # uuid -> why it has no GPM (the NVML call and code), until re-init
         self._generation = -1
 
     def read(self, tick: Tick) -> tuple[GpmReading, ...] | None:
@@ -91,13 +91,13 @@ class GpmCollector(Collector[tuple[GpmReading, ...]]):
             return None, bool(s.absent_reason())  # no NVML on this node: a state, not a failure
         if self._generation != s.generation:  # (re)initialised: old buffers belong to the old session
             self._free_all()
-            self._unsupported.clear()
+            self.unavailable.clear()
             self._generation = s.generation
         ok = True
         out = []
         lost = s.lost
         for d in s.devices:
-            if d.uuid in self._unsupported:
+            if d.uuid in self.unavailable:
                 continue
             if d.lost or d.uuid in lost:  # the NVML collector probes it; our buffers start over when it is back
                 self._free(d.uuid)
@@ -107,7 +107,7 @@ class GpmCollector(Collector[tuple[GpmReading, ...]]):
                 values = self._read_gpu(d)
             except _Unsupported as u:
                 self._free(d.uuid)
-                self._unsupported.add(d.uuid)
+                self.unavailable[d.uuid] = u.detail
                 s.once(
                     ("unsupported", d.uuid, "gpm"),
                     "vramwatch: GPU %d %s: GPM is unavailable (%s); the GPU activity families are absent for it, "

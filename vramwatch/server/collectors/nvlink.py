@@ -49,6 +49,7 @@ class NvlinkCollector(Collector[tuple[LinkErrors, ...]]):
         self.session = session or nb.session_for(settings)
         self._links: dict[str, tuple[int, ...]] = {}  # uuid -> its active links
         self._skip: dict[str, set[int]] = {}  # uuid -> counters it does not report
+        self.unavailable: dict[str, str] = {}  # uuid -> why it has no NVLink counters, until NVML re-inits
         self._generation = -1
 
     def read(self, tick: Tick) -> tuple[LinkErrors, ...] | None:
@@ -64,6 +65,7 @@ class NvlinkCollector(Collector[tuple[LinkErrors, ...]]):
         if self._generation != s.generation:
             self._links.clear()
             self._skip.clear()
+            self.unavailable.clear()
             self._generation = s.generation
         ok = True
         out = []
@@ -118,6 +120,7 @@ class NvlinkCollector(Collector[tuple[LinkErrors, ...]]):
         return tuple(links)
 
     def _no_links(self, d: nb.Device, detail: str) -> None:
+        self.unavailable[d.uuid] = detail
         self.session.once(
             ("unsupported", d.uuid, "nvlink"),
             "vramwatch: GPU %d %s: no NVLink error counters (%s); not asked again until NVML re-inits",
