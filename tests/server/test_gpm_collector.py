@@ -117,10 +117,23 @@ def test_a_gpu_without_gpm_is_remembered_logged_once_and_keeps_up(tmp_path, capl
     assert want in logged[0]
 
 
-def test_a_metric_the_gpu_lacks_is_dropped_for_it_alone(rig):
+def test_a_metric_the_gpu_lacks_is_dropped_for_it_alone(rig, caplog):
+    caplog.set_level(logging.INFO, "vramwatch")
+    asked: list[tuple[int, int]] = []
+    real = rig.nv.nv.nvmlGpmMetricsGet
+
+    def metrics_get(req):
+        asked.append((req.sample2.index, req.numMetrics))
+        return real(req)
+
+    rig.nv.nv.nvmlGpmMetricsGet = metrics_get
     rig.node.gpu(1).nvlink_links = 0  # no NVLink: its throughput metrics answer NOT_SUPPORTED
-    for _ in range(3):
+    for _ in range(4):
         rig.poll(10)
+    assert [n for i, n in asked if i == 1] == [8, 6, 6]  # asked once, then not again
+    assert [n for i, n in asked if i == 0] == [8, 8, 8]
+    logged = [r.getMessage() for r in caplog.records if "GPM metric" in r.getMessage()]
+    assert len(logged) == 2 and all("GPU 1" in m and "NOT_SUPPORTED" in m for m in logged)
     assert rig.value("gpu_nvlink_rx_bytes_per_second", gpu=1) is None
     assert rig.value("gpu_pcie_rx_bytes_per_second", gpu=1) == 0.0
     assert rig.value("gpu_nvlink_rx_bytes_per_second", gpu=0) == pytest.approx(2.0e11)
@@ -175,6 +188,7 @@ def test_nvlink_errors_per_active_link_and_type(rig):
     assert {lab["type"] for lab in series} == set(contract.NVLINK_ERROR_TYPES) == set(COUNTERS)
     assert rig.nvlink.health.up == 1
     state_calls = rig.nv.calls["nvmlDeviceGetNvLinkState"]
+    assert state_calls == 5 + 18  # GPU 0: links 0-3 and the first past its end; GPU 1: its 18 (NVML's max is 36)
     g.nvlink_errors["2:0"] = 6
     rig.poll(10)
     assert rig.value("gpu_nvlink_errors_total", link="2", type="replay") == 6.0

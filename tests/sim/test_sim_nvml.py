@@ -296,11 +296,11 @@ def test_nvlink_states_and_error_counters(node, nv):
     g = node.gpu(0)
     g.nvlink_links, g.nvlink_errors = 2, {"1:2": 4}
     h = nv.nvmlDeviceGetHandleByIndex(0)
-    assert [nv.nvmlDeviceGetNvLinkState(h, link) for link in range(3)] == [1, 1, 0]
+    assert [nv.nvmlDeviceGetNvLinkState(h, link) for link in range(2)] == [1, 1]
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nv.nvmlDeviceGetNvLinkState(h, 2)  # past the part's last link
     assert nv.nvmlDeviceGetNvLinkErrorCounter(h, 1, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT) == 4
     assert nv.nvmlDeviceGetNvLinkErrorCounter(h, 0, pynvml.NVML_NVLINK_ERROR_DL_REPLAY) == 0
-    with pytest.raises(pynvml.NVMLError_InvalidArgument):
-        nv.nvmlDeviceGetNvLinkState(h, pynvml.NVML_NVLINK_MAX_LINKS)
     g.nvlink_links = 0
     with pytest.raises(pynvml.NVMLError_NotSupported):
         nv.nvmlDeviceGetNvLinkState(h, 0)

@@ -348,9 +348,9 @@ class SimNvml:
         g = self._call("nvmlDeviceGetNvLinkState", h)[1]
         if g.nvlink_links <= 0:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if not 0 <= link < pynvml.NVML_NVLINK_MAX_LINKS:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return pynvml.NVML_FEATURE_ENABLED if link < g.nvlink_links else pynvml.NVML_FEATURE_DISABLED
+        if not 0 <= link < min(g.nvlink_links, pynvml.NVML_NVLINK_MAX_LINKS):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # the part has no such link
+        return pynvml.NVML_FEATURE_ENABLED
 
     def nvmlDeviceGetNvLinkErrorCounter(self, h: SimHandle, link: int, counter: int) -> int:
         g = self._call("nvmlDeviceGetNvLinkErrorCounter", h)[1]

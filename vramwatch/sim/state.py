@@ -95,7 +95,7 @@ class SimGpu:
     pcie_tx_bytes_per_second: float = 0.0
     nvlink_rx_bytes_per_second: float = 0.0
     nvlink_tx_bytes_per_second: float = 0.0
-    nvlink_links: int = 18  # active NVLinks (an H200 SXM has 18); 0: no NVLink (NOT_SUPPORTED)
+    nvlink_links: int = 18  # NVLinks, all active (an H200 SXM has 18); 0: no NVLink (NOT_SUPPORTED)
     nvlink_errors: dict[str, int] = field(default_factory=dict)  # "link:counter" -> count (NVML_NVLINK_ERROR_DL_*)
 
     def tick(self, seconds: float) -> None:
