@@ -188,7 +188,7 @@ def test_nvlink_errors_per_active_link_and_type(rig):
     assert {lab["type"] for lab in series} == set(contract.NVLINK_ERROR_TYPES) == set(COUNTERS)
     assert rig.nvlink.health.up == 1
     state_calls = rig.nv.calls["nvmlDeviceGetNvLinkState"]
-X
+    assert state_calls == 5 + 19  # links 0-3 of GPU 0, 0-17 of GPU 1, and one past each end (NVML's max is 36)
     g.nvlink_errors["2:0"] = 6
     rig.poll(10)
     assert rig.value("gpu_nvlink_errors_total", link="2", type="replay") == 6.0
