@@ -123,7 +123,9 @@ class Settings:
     nvml: bool = _opt(True, "Collect NVML device readings in the server.")
     nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _seconds)
     nvml_slow_interval: float = _opt(
-        10.0, "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes).", _seconds
+        10.0,
+        "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes, GPM, NVLink errors).",
+        _seconds,
     )
     gpus: str = _opt("all", "all: every GPU of the node; job: only GPUs a rank uses.", _choice("all", "job"))
     xid: bool = _opt(True, "Watch Xid events on every GPU.")
