@@ -243,6 +243,7 @@ def test_gpm_follows_a_real_load(tmp_path):
             "gpus_read": len(session.devices) - len(gpm.unavailable),
         },
         families_seen=sorted({n for vs in by_phase.values() for v in vs for n in v}),
+        collector={"up": runner.health.up, "errors": runner.health.errors, "last_failure": gpm.last_failure},
     )
     write_out(result)
 
@@ -256,9 +257,10 @@ def test_gpm_follows_a_real_load(tmp_path):
                 if name.startswith("gpu_pcie"):
                     assert x <= PCIE_MAX, f"{name} beyond a PCIe Gen5 x16 link in {phase}: {x}"
     assert set(FAMILIES[:4]) <= set(result["families_seen"]), result["families_seen"]
-    assert by_phase.get("idle") and by_phase.get("matmul") and by_phase.get("copy"), {
-        k: len(v) for k, v in by_phase.items()
-    }
+    assert by_phase.get("idle") and by_phase.get("matmul") and by_phase.get("copy"), (
+        {k: len(v) for k, v in by_phase.items()},
+        result["collector"],
+    )
 
     # --- it follows the load ---
     idle_sm = min(v.get("gpu_sm_activity_ratio", 1.0) for v in by_phase["idle"])

@@ -18,6 +18,10 @@ from vramwatch.server.collectors.nvlink import COUNTERS, NvlinkCollector
 MIB = 1 << 20
 
 
+def _name(code: int) -> str:
+    return {E.NVML_ERROR_UNKNOWN: "UNKNOWN (NVML error 999)", E.NVML_ERROR_TIMEOUT: "TIMEOUT (NVML error 10)"}[code]
+
+
 class GpmRig(Rig):
     """The NVML rig plus the GPM and NVLink collectors on the same session and clock."""
 
@@ -148,6 +152,8 @@ def test_errors_mid_run_fail_the_read_and_recover(rig, call, code):
     rig.node.inject_error(call, code, gpu=0)
     rig.poll(10)
     assert rig.gpm.health.up == 0 and rig.gpm.health.errors == 1
+    assert isinstance(rig.gpm.collector, GpmCollector)
+    assert rig.gpm.collector.last_failure == {rig.node.gpu(0).uuid: _name(code)}
     assert rig.value("gpu_sm_activity_ratio", gpu=0) is None  # no stale rate
     assert rig.value("gpu_sm_activity_ratio", gpu=1) == 0.0  # the other GPU goes on
     rig.node.clear_error()

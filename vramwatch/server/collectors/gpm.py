@@ -77,6 +77,7 @@ class GpmCollector(Collector[tuple[GpmReading, ...]]):
         self.session = session or nb.session_for(settings)
         self._samplers: dict[str, _Sampler] = {}
         self.unavailable: dict[str, str] = {}  # uuid -> why it has no GPM (the NVML call and code), until re-init
+        self.last_failure: dict[str, str] = {}  # uuid -> the newest failed read's NVML error (kept after recovery)
         self._generation = -1
 
     def read(self, tick: Tick) -> tuple[GpmReading, ...] | None:
@@ -127,6 +128,7 @@ class GpmCollector(Collector[tuple[GpmReading, ...]]):
                 self._free(d.uuid)  # lost or failed: the next read primes afresh
                 if kind != "quiet":
                     ok = False
+                    self.last_failure[d.uuid] = _code(e)
                     s.once(
                         ("transient", d.uuid, "gpm", nb.error_name(e)),
                         "vramwatch: GPU %d %s: reading GPM failed (%s)",
