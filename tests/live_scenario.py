@@ -45,6 +45,7 @@ WAIT_FOR = (
     'ALERTS{alertstate="firing"}',
     "gpu_foreign_processes > 0",
     "gpu_ecc_errors_total > 0",
+    "gpu_sm_activity_ratio > 0",
     'time() - vramwatch_training_last_step_timestamp_seconds{rank="0"} > 3',
 )  # rank 0 has stalled
 
@@ -73,6 +74,10 @@ def _drive(exp, t0: float, stop: threading.Event, stall_at: float) -> None:
                     g.utilization = 1.0
                     g.power_w = max(110.0, 520.0 - 90.0 * (t - stall_at))
                 g.memory_utilization = 0.6 * g.utilization
+                # GPM: a matmul-heavy step (tensor work near SM activity, DRAM well below its ceiling)
+                g.sm_activity, g.sm_occupancy = 0.85 * g.utilization, 0.45 * g.utilization
+                g.tensor_activity, g.dram_bandwidth_utilization = 0.7 * g.utilization, 0.35 * g.utilization
+                g.pcie_rx_bytes_per_second, g.nvlink_tx_bytes_per_second = 2e9 + 1e8 * wobble, 1.2e11
                 g.temperature_c = min(80.0, 45.0 + 2.0 * t + 3 * g.index)
                 g.tick(0.5)
             if t >= 2 and "foreign" not in done:

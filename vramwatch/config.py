@@ -135,11 +135,17 @@ class Settings:
     nvml: bool = _opt(True, "Collect NVML device readings in the server.")
     nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _seconds)
     nvml_slow_interval: float = _opt(
-        10.0, "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes).", _seconds
+        10.0,
+        "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes, GPM, NVLink errors).",
+        _seconds,
     )
     gpus: str = _opt("all", "all: every GPU of the node; job: only GPUs a rank uses.", _choice("all", "job"))
     xid: bool = _opt(True, "Watch Xid events on every GPU.")
     processes: bool = _opt(True, "Count foreign compute processes on the job's GPUs.")
+    gpm: bool = _opt(
+        True, "Read GPU activity from NVML GPM (SM, tensor, DRAM, PCIe, NVLink; Hopper and newer) on the slow cadence."
+    )
+    nvlink: bool = _opt(True, "Read NVLink error counters of each active link on the slow cadence.")
     simulate: bool = _opt(False, "Use the simulated GPU instead of torch and NVML (tests, demo).")
     hostname: str = _opt("", "hostname label (default: this host's name).", _label_value)
     rank: int = _opt(-1, "Global rank (-1: from RANK, SLURM_PROCID, ...).", Within(0, MAX_INT32, off=-1))

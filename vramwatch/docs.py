@@ -15,6 +15,8 @@ _SECTIONS = (
     ("allocator", "Allocator (in each rank, per CUDA device it initialised)"),
     ("heartbeat", "Heartbeat (per rank)"),
     ("nvml", "Device (NVML, in the server, per GPU)"),
+    ("gpm", "GPU activity (NVML GPM, in the server, per GPU; Hopper and newer)"),
+    ("nvlink", "NVLink errors (NVML, in the server, per GPU and link)"),
     ("processes", "Processes on the GPU"),
     ("xid", "Xid events"),
     ("self", "Self-health"),

@@ -41,6 +41,7 @@ EXPECTED = {
             ("timeseries", "Fragmentation"),
             ("timeseries", "Largest free block and split leftovers"),
             ("table", "Allocator settings in force"),
+            ("timeseries", "Compute- or memory-bound?"),
         ],
         "Allocator events and leaks": [
             ("timeseries", "cudaMalloc retries and OOMs"),
@@ -65,9 +66,13 @@ EXPECTED = {
             ("timeseries", "Clock throttle reasons"),
             ("timeseries", "GPU memory utilisation"),
         ],
+        "Activity (NVML GPM, Hopper and newer)": [
+            ("timeseries", "Compute- or memory-bound?"),
+            ("timeseries", "PCIe and NVLink throughput"),
+        ],
         "Errors and other processes": [
             ("table", "Xid events"),
-            ("timeseries", "ECC errors, remapped rows, PCIe replays"),
+            ("timeseries", "ECC errors, remapped rows, PCIe replays, NVLink errors"),
             ("timeseries", "Foreign processes"),
             ("timeseries", "GPU answering"),
             ("table", "GPUs"),

@@ -96,8 +96,8 @@ def test_fast_reads_are_told_when_slow_fields_are_due_and_slow_reads_always_are(
 
 def test_builtin_collectors_follow_their_flags_in_exposition_order(tmp_path):
     s = Settings(simulate=True, spool_dir=str(tmp_path))
-    assert [r.name for r in enabled_collectors(s)] == ["processes", "xid", "nvml"]
-    off = Settings(simulate=True, spool_dir=str(tmp_path), xid=False, processes=False)
+    assert [r.name for r in enabled_collectors(s)] == ["processes", "xid", "nvml", "gpm", "nvlink"]
+    off = Settings(simulate=True, spool_dir=str(tmp_path), xid=False, processes=False, gpm=False, nvlink=False)
     assert [r.name for r in enabled_collectors(off)] == ["nvml"]
 
 

@@ -44,7 +44,7 @@ def test_constants_are_pynvmls_and_unknown_functions_are_absent(nv):
     assert nv.nvmlMemory_v2 == pynvml.nvmlMemory_v2
     assert nv.NVMLError is pynvml.NVMLError
     with pytest.raises(AttributeError):
-        nv.nvmlDeviceGetNvLinkState  # noqa: B018 - not faked: a typo must not pass silently
+        nv.nvmlDeviceGetFanSpeed  # noqa: B018 - not faked: a typo must not pass silently
 
 
 def test_readings_in_nvml_units(node, nv):
@@ -239,3 +239,68 @@ def test_state_round_trips_and_keeps_the_xid_sequence(tmp_path):
     again = SimNode.load(path)
     again.inject_xid(0, 64)
     assert again.xids[-1]["seq"] == 301
+
+
+def _gpm_pair(nv, index):
+    h = nv.nvmlDeviceGetHandleByIndex(index)
+    a, b = nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc()
+    nv.nvmlGpmSampleGet(h, a)
+    nv.nvmlGpmSampleGet(h, b)
+    return a, b
+
+
+def _gpm_get(nv, a, b, ids):
+    req = nv.c_nvmlGpmMetricsGet_t()
+    req.version, req.numMetrics, req.sample1, req.sample2 = pynvml.NVML_GPM_METRICS_GET_VERSION, len(ids), a, b
+    for i, mid in enumerate(ids):
+        req.metrics[i].metricId = mid
+    nv.nvmlGpmMetricsGet(req)
+    return [(m.nvmlReturn, m.value) for m in req.metrics[: len(ids)]]
+
+
+def test_gpm_in_nvml_units_between_two_samples(node, nv):
+    g = node.gpu(1)
+    g.sm_activity, g.dram_bandwidth_utilization, g.pcie_rx_bytes_per_second = 0.9, 0.25, 3 * (1 << 30)
+    assert nv.nvmlGpmQueryDeviceSupport(nv.nvmlDeviceGetHandleByIndex(1)).isSupportedDevice == 1
+    a, b = _gpm_pair(nv, 1)
+    ids = [pynvml.NVML_GPM_METRIC_SM_UTIL, pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC]
+    assert _gpm_get(nv, a, b, ids) == [(0, pytest.approx(90.0)), (0, pytest.approx(25.0)), (0, 3072.0)]  # %, MiB/s
+    g.nvlink_links = 0  # no NVLink: its throughput is NOT_SUPPORTED per metric, the rest answers
+    nv.nvmlGpmSampleGet(nv.nvmlDeviceGetHandleByIndex(1), b)
+    got = _gpm_get(nv, a, b, [pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC, pynvml.NVML_GPM_METRIC_SM_UTIL])
+    assert got == [(pynvml.NVML_ERROR_NOT_SUPPORTED, 0.0), (0, pytest.approx(90.0))]
+    assert nv.gpm_samples_live == 2
+    nv.nvmlGpmSampleFree(a)
+    nv.nvmlGpmSampleFree(b)
+    assert nv.gpm_samples_live == 0
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nv.nvmlGpmSampleFree(a)  # a double free is an error, as a leak is a count
+
+
+def test_gpm_refuses_mixed_or_freed_samples_and_parts_without_it(node, nv):
+    a, _ = _gpm_pair(nv, 0)
+    _, b = _gpm_pair(nv, 1)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        _gpm_get(nv, a, b, [pynvml.NVML_GPM_METRIC_SM_UTIL])  # samples of two GPUs
+    node.gpu(1).gpm = False
+    h = nv.nvmlDeviceGetHandleByIndex(1)
+    assert nv.nvmlGpmQueryDeviceSupport(h).isSupportedDevice == 0
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nv.nvmlGpmSampleGet(h, b)
+    node.gpu(0).mig = True
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nv.nvmlGpmSampleGet(nv.nvmlDeviceGetHandleByIndex(0), a)
+
+
+def test_nvlink_states_and_error_counters(node, nv):
+    g = node.gpu(0)
+    g.nvlink_links, g.nvlink_errors = 2, {"1:2": 4}
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    assert [nv.nvmlDeviceGetNvLinkState(h, link) for link in range(2)] == [1, 1]
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nv.nvmlDeviceGetNvLinkState(h, 2)  # past the part's last link
+    assert nv.nvmlDeviceGetNvLinkErrorCounter(h, 1, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT) == 4
+    assert nv.nvmlDeviceGetNvLinkErrorCounter(h, 0, pynvml.NVML_NVLINK_ERROR_DL_REPLAY) == 0
+    g.nvlink_links = 0
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nv.nvmlDeviceGetNvLinkState(h, 0)

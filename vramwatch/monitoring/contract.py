@@ -35,6 +35,9 @@ XID_WARNING: tuple[int, ...] = (13, 31, 43, 45, 61, 63, 92, 94)
 # host), the library without its kernel driver, or NVML answering with no GPU. A state, not a failure.
 NVML_ABSENT_REASONS: tuple[str, ...] = ("library_not_found", "driver_not_loaded", "no_devices")
 
+# the `type` of gpu_nvlink_errors_total: NVML's data-link replay, recovery and CRC (flit + data) counters
+NVLINK_ERROR_TYPES: tuple[str, ...] = ("replay", "recovery", "crc")
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -60,6 +63,7 @@ def _m(
 
 
 _NOT_INIT = "the rank has not initialised CUDA on that device"
+_NO_GPM = "GPM is not supported (before Hopper, MIG on, or a VM that hides it); before the second slow sample"
 _ASYNC = "the backend is cudaMallocAsync (always reported as zero there)"
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -515,6 +519,92 @@ METRICS: tuple[MetricSpec, ...] = (
         "not supported (pre-Ampere, MIG)",
     ),
     _m("gpu_pcie_replays_total", "counter", "", GPU, "PCIe replay counter (slow cadence).", "nvml", "not supported"),
+    # --- GPU activity: NVML GPM (Hopper and newer), a rate over one slow interval between two samples ---
+    _m(
+        "gpu_sm_activity_ratio",
+        "gauge",
+        "",
+        GPU,
+        "Share of SMs busy over the last slow interval (NVML GPM SM_UTIL, 0..1); unlike gpu_utilization_ratio "
+        "(a kernel ran at all) it shows how much of the chip the kernels used.",
+        "gpm",
+        _NO_GPM,
+    ),
+    _m(
+        "gpu_sm_occupancy_ratio",
+        "gauge",
+        "",
+        GPU,
+        "Resident warps against the SMs' maximum over the last slow interval (NVML GPM SM_OCCUPANCY, 0..1).",
+        "gpm",
+        _NO_GPM,
+    ),
+    _m(
+        "gpu_tensor_activity_ratio",
+        "gauge",
+        "",
+        GPU,
+        "Share of time the SMs ran any tensor-core work over the last slow interval (NVML GPM ANY_TENSOR_UTIL, 0..1).",
+        "gpm",
+        _NO_GPM,
+    ),
+    _m(
+        "gpu_dram_bandwidth_utilization_ratio",
+        "gauge",
+        "",
+        GPU,
+        "Device-memory bandwidth used against the theoretical peak over the last slow interval (NVML GPM "
+        "DRAM_BW_UTIL, 0..1).",
+        "gpm",
+        _NO_GPM,
+    ),
+    _m(
+        "gpu_pcie_rx_bytes_per_second",
+        "gauge",
+        "bytes",
+        GPU,
+        "PCIe traffic into the GPU over the last slow interval (NVML GPM PCIE_RX_PER_SEC).",
+        "gpm",
+        _NO_GPM,
+    ),
+    _m(
+        "gpu_pcie_tx_bytes_per_second",
+        "gauge",
+        "bytes",
+        GPU,
+        "PCIe traffic out of the GPU over the last slow interval (NVML GPM PCIE_TX_PER_SEC).",
+        "gpm",
+        _NO_GPM,
+    ),
+    _m(
+        "gpu_nvlink_rx_bytes_per_second",
+        "gauge",
+        "bytes",
+        GPU,
+        "NVLink traffic received over all links in the last slow interval (NVML GPM NVLINK_TOTAL_RX_PER_SEC).",
+        "gpm",
+        _NO_GPM + "; no NVLink",
+    ),
+    _m(
+        "gpu_nvlink_tx_bytes_per_second",
+        "gauge",
+        "bytes",
+        GPU,
+        "NVLink traffic sent over all links in the last slow interval (NVML GPM NVLINK_TOTAL_TX_PER_SEC).",
+        "gpm",
+        _NO_GPM + "; no NVLink",
+    ),
+    _m(
+        "gpu_nvlink_errors_total",
+        "counter",
+        "",
+        GPU + ("type",),
+        "NVLink data-link errors of the GPU's active links together since the driver loaded (slow cadence), by type: "
+        + ", ".join(NVLINK_ERROR_TYPES)
+        + " (crc: flit and data CRC errors together).",
+        "nvlink",
+        "NVLink is not supported or no link is active (also in VMs that hide the links)",
+    ),
     _m(
         "gpu_foreign_processes",
         "gauge",

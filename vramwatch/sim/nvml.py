@@ -6,7 +6,8 @@ NVML's units (mW, mJ, %, MHz, bytes); errors are real ``pynvml.NVMLError``
 instances (so ``NVMLError_GpuIsLost`` and friends match), raised for the calls
 named in ``SimNode.errors``, for every call on a ``lost`` GPU, and at
 ``nvmlInit`` on a node without NVML (``nvml_absent``; with ``no_devices`` NVML
-answers and counts no GPU). Constants (``NVML_CLOCK_SM``,
+answers and counts no GPU). GPM samples are objects of their own (:class:`SimGpmSample`) whose
+allocations are counted, so a test sees a leak or a double free. Constants (``NVML_CLOCK_SM``,
 ``nvmlMemory_v2``, ``NVML_ERROR_*``, ...) are nvidia-ml-py's own.
 
 The ranks' compute processes come from their spool samples: each rank pid
@@ -59,6 +60,44 @@ class SimHandle:
     index: int
 
 
+# NVML_GPM_METRIC_* id -> the SimGpu field it reports and the factor to NVML's unit (percent, MiB/s)
+_GPM_FIELDS: dict[int, tuple[str, float]] = {
+    pynvml.NVML_GPM_METRIC_SM_UTIL: ("sm_activity", 100.0),
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: ("sm_occupancy", 100.0),
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: ("tensor_activity", 100.0),
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: ("dram_bandwidth_utilization", 100.0),
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: ("pcie_rx_bytes_per_second", 1.0 / (1 << 20)),
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: ("pcie_tx_bytes_per_second", 1.0 / (1 << 20)),
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: ("nvlink_rx_bytes_per_second", 1.0 / (1 << 20)),
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: ("nvlink_tx_bytes_per_second", 1.0 / (1 << 20)),
+}
+_NVLINK_METRICS = frozenset(
+    {pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC, pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC}
+)
+_GPM_METRIC_SLOTS = 98  # as many as one request may ask; NVML's array holds NVML_GPM_METRIC_MAX
+
+
+@dataclass
+class SimGpmSample:
+    """What nvmlGpmSampleAlloc returns; nvmlGpmSampleGet fills it with the GPU's rates of that moment."""
+
+    index: int = -1  # the GPU sampled into it; -1: never filled
+    taken: float = 0.0
+    values: dict[int, float] = field(default_factory=dict)  # metric id -> value in NVML's unit
+    freed: bool = False
+
+
+class SimGpmMetricsGet:
+    """nvmlGpmMetricsGet's request and answer, with pynvml's field names (``c_nvmlGpmMetricsGet_t``)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: Any = None
+        self.sample2: Any = None
+        self.metrics = [SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0) for _ in range(_GPM_METRIC_SLOTS)]
+
+
 @dataclass
 class SimEventSet:
     masks: dict[int, int] = field(default_factory=dict)  # gpu index -> registered event types
@@ -77,6 +116,7 @@ class SimNvml:
         self._poll = poll
         self._inits = 0
         self._lock = threading.Lock()
+        self.gpm_samples_live = 0  # allocated and not yet freed (a leak shows here)
 
     # --- construction ---
     @classmethod
@@ -255,6 +295,68 @@ class SimNvml:
 
     def nvmlDeviceGetPcieReplayCounter(self, h: SimHandle) -> int:
         return int(self._call("nvmlDeviceGetPcieReplayCounter", h)[1].pcie_replays)
+
+    # --- GPM and NVLink ---
+    c_nvmlGpmMetricsGet_t = SimGpmMetricsGet
+
+    def nvmlGpmQueryDeviceSupport(self, h: SimHandle) -> SimpleNamespace:
+        g = self._call("nvmlGpmQueryDeviceSupport", h)[1]
+        return SimpleNamespace(version=pynvml.NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(g.gpm))
+
+    def nvmlGpmSampleAlloc(self) -> SimGpmSample:
+        self._call("nvmlGpmSampleAlloc")
+        with self._lock:
+            self.gpm_samples_live += 1
+        return SimGpmSample()
+
+    def nvmlGpmSampleFree(self, sample: SimGpmSample) -> None:
+        self._call("nvmlGpmSampleFree")
+        if sample.freed:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # a double free
+        sample.freed = True
+        with self._lock:
+            self.gpm_samples_live -= 1
+
+    def nvmlGpmSampleGet(self, h: SimHandle, sample: SimGpmSample) -> SimGpmSample:
+        g = self._call("nvmlGpmSampleGet", h)[1]
+        if not g.gpm or g.mig:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if sample.freed:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        sample.index, sample.taken = h.index, time.monotonic()
+        sample.values = {
+            mid: float(getattr(g, name)) * scale
+            for mid, (name, scale) in _GPM_FIELDS.items()
+            if g.nvlink_links > 0 or mid not in _NVLINK_METRICS
+        }
+        return sample
+
+    def nvmlGpmMetricsGet(self, req: SimGpmMetricsGet) -> SimGpmMetricsGet:
+        a, b = req.sample1, req.sample2
+        if not isinstance(a, SimGpmSample) or not isinstance(b, SimGpmSample) or a.freed or b.freed:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if a.index < 0 or a.index != b.index or b.taken < a.taken or req.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._call("nvmlGpmMetricsGet", SimHandle(b.index))
+        for m in req.metrics[: req.numMetrics]:
+            value = b.values.get(m.metricId)
+            m.nvmlReturn = pynvml.NVML_SUCCESS if value is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            m.value = value if value is not None else 0.0
+        return req
+
+    def nvmlDeviceGetNvLinkState(self, h: SimHandle, link: int) -> int:
+        g = self._call("nvmlDeviceGetNvLinkState", h)[1]
+        if g.nvlink_links <= 0:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link < min(g.nvlink_links, pynvml.NVML_NVLINK_MAX_LINKS):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # the part has no such link
+        return pynvml.NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, h: SimHandle, link: int, counter: int) -> int:
+        g = self._call("nvmlDeviceGetNvLinkErrorCounter", h)[1]
+        if not 0 <= link < g.nvlink_links:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED if g.nvlink_links <= 0 else pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(g.nvlink_errors.get(f"{link}:{counter}", 0))
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: SimHandle) -> list[SimpleNamespace]:
         node, g = self._call("nvmlDeviceGetComputeRunningProcesses", h)

@@ -31,7 +31,11 @@ What each field means:
   correctable, uncorrectable, pending, failure), ``pcie_replays``, ``extra_used_bytes`` (device memory
   held by something that is neither a rank nor a foreign process), ``driver_reserved_bytes`` (what NVML's
   v2 memory call reports as reserved), ``lost`` (every device call raises GPU_IS_LOST), ``mig`` (MIG
-  mode on: utilisation and remapped rows become NOT_SUPPORTED, as on real MIG parents).
+  mode on: utilisation and remapped rows become NOT_SUPPORTED, as on real MIG parents; GPM too).
+  GPM: ``gpm`` (supported), ``sm_activity``/``sm_occupancy``/``tensor_activity``/``dram_bandwidth_utilization``
+  (0..1) and ``pcie_*``/``nvlink_*_bytes_per_second``, reported for the interval between two GPM samples
+  as they were when the newer one was taken; ``nvlink_links`` (active links, 0: none) and
+  ``nvlink_errors`` (``"link:counter"`` -> count, counter an ``NVML_NVLINK_ERROR_DL_*`` number).
 - ``SimNode.errors``: NVML function name -> NVML error code, raised as a real ``pynvml.NVMLError``.
   Keys: ``"nvmlDeviceGetPowerUsage"`` (every GPU), ``"nvmlDeviceGetPowerUsage:1"`` (GPU 1 only),
   ``"*"`` / ``"*:1"`` (every per-device call), ``"nvmlInit"``, ``"nvmlEventSetWait"``, ...
@@ -80,6 +84,19 @@ class SimGpu:
     driver_reserved_bytes: int = 615 * MIB
     lost: bool = False
     mig: bool = False
+    # GPM (NVML's performance counters, Hopper and newer): False makes nvmlGpmQueryDeviceSupport say
+    # isSupportedDevice=0; the rates are what the next GPM interval reports
+    gpm: bool = True
+    sm_activity: float = 0.0  # 0..1
+    sm_occupancy: float = 0.0
+    tensor_activity: float = 0.0
+    dram_bandwidth_utilization: float = 0.0
+    pcie_rx_bytes_per_second: float = 0.0
+    pcie_tx_bytes_per_second: float = 0.0
+    nvlink_rx_bytes_per_second: float = 0.0
+    nvlink_tx_bytes_per_second: float = 0.0
+    nvlink_links: int = 18  # NVLinks, all active (an H200 SXM has 18); 0: no NVLink (NOT_SUPPORTED)
+    nvlink_errors: dict[str, int] = field(default_factory=dict)  # "link:counter" -> count (NVML_NVLINK_ERROR_DL_*)
 
     def tick(self, seconds: float) -> None:
         """Advance the energy counter by ``seconds`` of the current power draw."""

@@ -51,6 +51,7 @@ __all__ = [
     "right_axis",
     "dashed",
     "units",
+    "timeseries",
     "dashboard",
     "base_dashboard",
     "dashboard_links",

@@ -16,6 +16,7 @@ from vramwatch.monitoring.dashboards.common import (
     right_axis,
     table_panel,
     thresholds,
+    timeseries,
     ts,
     units,
     xid_annotation,
@@ -27,13 +28,37 @@ GPU = "gpu{{gpu}} {{instance}}"
 SINCE_FROM = "${__from:date:seconds}"
 
 
+def bound_panel(s: Scope, legend: str, span: int) -> timeseries.Panel:
+    """SM and tensor activity against DRAM bandwidth: is the GPU compute- or memory-bound?"""
+    return ts(
+        "Compute- or memory-bound?",
+        "NVML GPM over one slow interval: the share of SMs busy and of time on tensor cores (compute) against "
+        "the share of peak DRAM bandwidth used (memory). Tensor activity near SM activity and high: bound by "
+        "matmuls (good for training). DRAM bandwidth near its ceiling while SM activity is lower: memory-bound "
+        "(small batches, elementwise or attention kernels without fusion). All of them low while utilisation "
+        "(a kernel ran at all) is high: the kernels are too small for the chip, or the GPU waits on the host, "
+        "input or communication. Empty on GPUs without GPM (before Hopper, MIG, some VMs).",
+        units.PercentUnit,
+        [
+            q(f"{m('gpu_sm_activity_ratio')}{s.gpu}", f"SM activity {legend}", "A"),
+            q(f"{m('gpu_tensor_activity_ratio')}{s.gpu}", f"tensor activity {legend}", "B"),
+            q(f"{m('gpu_dram_bandwidth_utilization_ratio')}{s.gpu}", f"DRAM bandwidth {legend}", "C"),
+            q(f"{m('gpu_sm_occupancy_ratio')}{s.gpu}", f"SM occupancy {legend}", "D"),
+        ],
+        span=span,
+        min_=0,
+        max_=1,
+    )
+
+
 def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     s = Scope(cfg)
     d = base_dashboard(
         UID,
         TITLE,
         "NVML readings of each GPU: power against utilisation (the busy-stall "
-        "signature), temperature, clocks and throttling, Xid events, memory and link errors, "
+        "signature), temperature, clocks and throttling, compute- or memory-bound (GPM), PCIe and NVLink traffic, "
+        "Xid events, memory and link errors, "
         "processes that are not the job's.",
         cfg,
     )
@@ -98,6 +123,25 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
         )
     )
 
+    d = d.with_row(dashboard.Row("Activity (NVML GPM, Hopper and newer)"))
+    d = d.with_panel(bound_panel(s, GPU, span=12))
+    p = ts(
+        "PCIe and NVLink throughput",
+        "Bytes per second over PCIe (host copies, data loading, offload) and over all NVLinks together "
+        "(collectives between GPUs), each averaged over one slow interval (NVML GPM). Empty on GPUs "
+        "without GPM; NVLink lines are absent on GPUs without NVLink.",
+        units.BytesPerSecondIEC,
+        [
+            q(f"{m('gpu_pcie_rx_bytes_per_second')}{s.gpu}", f"PCIe in {GPU}", "A"),
+            q(f"{m('gpu_pcie_tx_bytes_per_second')}{s.gpu}", f"PCIe out {GPU}", "B"),
+            q(f"{m('gpu_nvlink_rx_bytes_per_second')}{s.gpu}", f"NVLink in {GPU}", "C"),
+            q(f"{m('gpu_nvlink_tx_bytes_per_second')}{s.gpu}", f"NVLink out {GPU}", "D"),
+        ],
+        span=12,
+        min_=0,
+    )
+    d = d.with_panel(p)
+
     d = d.with_row(dashboard.Row("Errors and other processes"))
     last_xid = f"{m('gpu_last_xid_timestamp_seconds')}{s.gpu}"
     d = d.with_panel(
@@ -123,14 +167,16 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     )
     d = d.with_panel(
         ts(
-            "ECC errors, remapped rows, PCIe replays",
+            "ECC errors, remapped rows, PCIe replays, NVLink errors",
             "Volatile ECC error counters (since the driver loaded), remapped memory rows (pending: the GPU needs a "
-            "reset; failure: it needs service) and the PCIe replay counter. Any step up is worth a look.",
+            "reset; failure: it needs service), the PCIe replay counter and the NVLink replay, recovery and CRC "
+            "errors of the GPU's links together (which link: nvidia-smi nvlink -e). Any step up is worth a look.",
             units.Short,
             [
                 q(f"{m('gpu_ecc_errors_total')}{s.gpu}", f"ECC {{{{type}}}} {GPU}", "A"),
                 q(f"{m('gpu_remapped_rows')}{s.gpu}", f"remapped rows {{{{kind}}}} {GPU}", "B"),
                 q(f"{m('gpu_pcie_replays_total')}{s.gpu}", f"PCIe replays {GPU}", "C"),
+                q(f"{m('gpu_nvlink_errors_total')}{s.gpu}", f"NVLink {{{{type}}}} {GPU}", "D"),
             ],
             min_=0,
             stepped=True,

@@ -26,6 +26,7 @@ from vramwatch.monitoring.dashboards.common import (
     ts,
     units,
 )
+from vramwatch.monitoring.dashboards.health import bound_panel
 
 UID = ids.TRAINING_MEMORY_UID
 TITLE = "vramwatch / Training memory"
@@ -175,6 +176,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             hide=("Value",),
         )
     )
+    d = d.with_panel(bound_panel(s, "gpu{{gpu}} {{instance}}", span=12))  # is the allocator's GPU busy well?
 
     d = d.with_row(dashboard.Row("Allocator events and leaks"))
     d = d.with_panel(

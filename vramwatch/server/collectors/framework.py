@@ -39,7 +39,7 @@ log = logging.getLogger("vramwatch")
 S = TypeVar("S")
 
 # The built-in collector modules, in the order their families appear on /metrics.
-BUILTIN = ("processes", "xid", "nvml")
+BUILTIN = ("processes", "xid", "nvml", "gpm", "nvlink")
 
 
 class Cadence(Enum):
@@ -90,6 +90,9 @@ class Collector(ABC, Generic[S]):
     @abstractmethod
     def families(self, snapshot: S, ctx: ScrapeContext) -> Iterable[Metric]:
         """The families of one scrape, from the snapshot and the ranks' samples only."""
+
+    def close(self) -> None:
+        """Release what reads hold (NVML buffers); called once the runner's thread has stopped."""
 
 
 class Runner(Generic[S]):
@@ -151,6 +154,8 @@ class Runner(Generic[S]):
         self._stop.set()
         if self._poller is not None:
             self._poller.join(timeout=5.0)
+        if self._poller is None or not self._poller.is_alive():  # never while a read may still run
+            self.collector.close()
         watch = self.collector.watch
         if watch is not None and self._watcher is not None:
             self._watcher.join(timeout=watch.max_wait + 2.0)  # its loop closes the watch
