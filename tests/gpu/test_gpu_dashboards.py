@@ -29,15 +29,21 @@ JOB = r"""
 port, spool = int(sys.argv[1]), sys.argv[2]
 import torch
 import vramwatch
-h = vramwatch.start(port=port, spool_dir=spool, interval=0.2, largest_block_interval=0.5, linger=0)
+h = vramwatch.start(port=port, spool_dir=spool, interval=0.2, largest_block_interval=0.5, linger=0, role_interval=0.5)
 keep = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+model = torch.nn.Linear(1024, 1024, device="cuda")
+opt = torch.optim.Adam(model.parameters())
+vramwatch.watch(model, opt, flops_per_token=6 * sum(p.numel() for p in model.parameters()))
 for _ in range(30):
-    act = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
-    del act
-    vramwatch.step()
+    loss = model(torch.randn(64, 1024, device="cuda")).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    vramwatch.step(tokens=64, samples=64)
     time.sleep(0.1)
 need = ("gpu_power_watts", "torch_cuda_memory_largest_free_block_bytes",
-        "vramwatch_training_step_duration_seconds_bucket")
+        "vramwatch_training_step_duration_seconds_bucket", "vramwatch_memory_role_bytes",
+        "vramwatch_training_tokens_total", "vramwatch_model_flops_per_token")
 wait(lambda: (lambda m: m if all(m.get(n) for n in need) else None)(scrape(port)), 60,
      "NVML and allocator families")
 time.sleep(2.5)  # two more slow NVML reads (VRAMWATCH_NVML_SLOW_INTERVAL=1): energy, ECC, PCIe replays
