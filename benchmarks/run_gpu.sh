@@ -63,7 +63,7 @@ elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothin
   PAIRS=2; DIRECT=1.5; CALLS=20000; TESTS_CAP=120
   RUN_ARGS="--device cpu --run-seconds 0.2 --warmup-seconds 0.05 --step-repeats 3 --pairs-per-process 1"
   NP=$(nproc 2>/dev/null || echo 1); [ "$NP" -ge 2 ] && RUN_ARGS="$RUN_ARGS --pin-core $((NP - 1))"  # the pinning path too
-  SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5 --concurrency 4 --concurrent-seconds 0.5"
+  SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5 --concurrency 4 --concurrent-seconds 0.5 --mixed-seconds 0.5"
   FRAG_ARGS="--device cpu --seconds 1.5 --poll 0.2 --interval 0.2"
 else
   PAIRS=${PAIRS:-20}; DIRECT=60; CALLS=${STEP_CALLS:-1000000}; TESTS_CAP=200; SCRAPE_ARGS=""; FRAG_ARGS=""
@@ -221,6 +221,11 @@ if s:
         if c:
             print(f"  {c['clients']} at once: {c['scrapes']} scrapes, {c['status_503']} x 503, p50 {c['p50_ms']} ms, "
                   f"p99 {c['p99_ms']} ms, cpu/scrape {ms(c['cpu_per_scrape_s'])}")
+        m = v.get("mixed")
+        if m:
+            print(f"  {m['clients']} at once, half Prometheus: " + "; ".join(
+                f"{k} {h['requests']} requests, {h['ok']} x 200, {h['status_503']} x 503, p50 {h['p50_ms']} ms, "
+                f"p99 {h['p99_ms']} ms" for k, h in ((k, m[k]) for k in ("prometheus", "plain"))))
     nv = s.get("nvitop_exporter") or {}
     print("scrape nvitop-exporter:", nv.get("skipped") or f"p50 {nv['p50_ms']:.2f} ms, p99 {nv['p99_ms']:.2f} ms, "
           f"{nv['bytes']} B, cpu/scrape {ms(nv['cpu_per_scrape_s'])} (net {ms(nv['cpu_per_scrape_net_s'])}), "

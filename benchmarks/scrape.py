@@ -11,8 +11,10 @@ server's idle CPU, then ``--scrapes`` scrapes at ``--rate`` per second:
 latency from request to last byte (p50/p99), bytes (plain and gzip), and the
 server's CPU per scrape (utime+stime from /proc over the scrapes, divided by
 their number; ``net`` subtracts the idle rate), then ``--concurrency`` scrapers at once, each scraping
-back to back for ``--concurrent-seconds`` (latency, 503s, CPU per scrape), and the server's resident
-memory (VmRSS, and its peak VmHWM). nvitop-exporter
+back to back for ``--concurrent-seconds`` (latency, 503s, CPU per scrape), then overload
+(``mixed``): ``--mixed-clients`` (2 x the server's 8 ``max_connections``) at once for ``--mixed-seconds``,
+half with Prometheus' scrape headers and half plain ``GET /metrics``, each half's 200s, 503s and latency
+(the server serves scrapes first), and the server's resident memory (VmRSS, and its peak VmHWM). nvitop-exporter
 (``python3 -m nvitop_exporter``) is measured the same way in the same run,
 while the 8 ranks still hold their contexts, so both see the same processes.
 """
@@ -202,13 +204,21 @@ PROMETHEUS_REQUEST = (
 )
 
 
-def raw_get(port: int, timeout: float = 10.0) -> tuple[int, int, float]:
+# The same request without what marks a Prometheus scrape (the timeout header, an OpenMetrics Accept):
+# a plain `GET /metrics` (curl, a dashboard, a script), which the server sheds first under overload.
+PLAIN_REQUEST = (
+    b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: curl/8.5.0\r\nAccept: */*\r\n"
+    b"Accept-Encoding: gzip\r\nConnection: close\r\n\r\n"
+)
+
+
+def raw_get(port: int, timeout: float = 10.0, request: bytes = PROMETHEUS_REQUEST) -> tuple[int, int, float]:
     """(status, bytes, seconds to the last byte) of one scrape as Prometheus sends it, on a raw socket:
     the client's own work is a few system calls, so the latency is the server's (urllib adds ~0.3 ms)."""
     t0 = time.perf_counter()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.sendall(PROMETHEUS_REQUEST)
+            s.sendall(request)
             chunks = []
             while True:
                 b = s.recv(65536)
@@ -270,6 +280,73 @@ def measure_concurrent(port: int, pid: int, clients: int, seconds: float) -> dic
         "cpu_per_scrape_s": (c1 - c0) / total if total and c0 is not None and c1 is not None else None,
         "server_cpu_share": (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None and t1 > t0 else None,
     }
+
+
+def measure_mixed(port: int, pid: int, clients: int, seconds: float) -> dict[str, Any]:
+    """Overload: ``clients`` threads back to back for ``seconds``, the even ones sending Prometheus'
+    scrape headers (``PROMETHEUS_REQUEST``), the odd ones a plain ``GET /metrics``; per half its
+    requests, 200s, 503s and the 200s' latency (p50/p99)."""
+    halves = {"prometheus": PROMETHEUS_REQUEST, "plain": PLAIN_REQUEST}
+    lat: dict[str, list[float]] = {k: [] for k in halves}
+    statuses: dict[str, dict[str, int]] = {k: {} for k in halves}
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+    deadline = [0.0]
+
+    def client(kind: str) -> None:
+        request = halves[kind]
+        mine: list[float] = []
+        codes: dict[str, int] = {}
+        start.wait()
+        while time.monotonic() < deadline[0]:
+            status, _, elapsed = raw_get(port, request=request)
+            codes[str(status)] = codes.get(str(status), 0) + 1
+            if status == 200:
+                mine.append(elapsed)
+        with lock:
+            lat[kind].extend(mine)
+            for k, v in codes.items():
+                statuses[kind][k] = statuses[kind].get(k, 0) + v
+
+    kinds = ["prometheus" if i % 2 == 0 else "plain" for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in kinds]
+    for t in threads:
+        t.start()
+    c0, t0 = common.proc_cpu_seconds(pid), time.monotonic()
+    deadline[0] = t0 + seconds
+    start.wait()
+    for t in threads:
+        t.join(timeout=seconds + 30)
+    c1, t1 = common.proc_cpu_seconds(pid), time.monotonic()
+    out: dict[str, Any] = {
+        "clients": clients,
+        "seconds": t1 - t0,
+        "server_cpu_share": (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None and t1 > t0 else None,
+    }
+    for kind in halves:
+        st, total = statuses[kind], sum(statuses[kind].values())
+        out[kind] = {
+            "clients": kinds.count(kind),
+            "requests": total,
+            "ok": st.get("200", 0),
+            "status_503": st.get("503", 0),
+            "statuses": st,
+            "ok_per_s": st.get("200", 0) / (t1 - t0) if t1 > t0 else None,
+            "ok_share": st.get("200", 0) / total if total else None,
+            "p50_ms": _ms(common.percentile(lat[kind], 50)),
+            "p99_ms": _ms(common.percentile(lat[kind], 99)),
+        }
+    return out
+
+
+def _mixed_line(m: dict[str, Any]) -> str:
+    def half(h: dict[str, Any]) -> str:
+        return (
+            f"{h['requests']} requests, {h['ok']} x 200, {h['status_503']} x 503, "
+            f"p50 {h['p50_ms'] or 0:.2f} ms, p99 {h['p99_ms'] or 0:.2f} ms"
+        )
+
+    return f"{m['clients']} at once (half Prometheus): prometheus {half(m['prometheus'])}; plain {half(m['plain'])}"
 
 
 def memory_mb(pid: int) -> dict[str, float | None]:
@@ -379,7 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvitop-interval", type=float, default=1.0)
     p.add_argument("--concurrency", type=int, default=10, help="scrapers at once, back to back (0: skip)")
     p.add_argument("--concurrent-seconds", type=float, default=10.0, help="how long they scrape (default 10)")
-    p.add_argument("--quick", action="store_true", help="60 scrapes, 2 s idle windows, 5 s concurrent")
+    p.add_argument(
+        "--mixed-clients",
+        type=int,
+        default=16,
+        help="overload: clients at once, half with scrape headers (default 16 = 2 x max_connections; 0: skip)",
+    )
+    p.add_argument("--mixed-seconds", type=float, default=5.0, help="how long the overload lasts (default 5)")
+    p.add_argument("--quick", action="store_true", help="60 scrapes, 2 s idle windows, 5 s concurrent, 3 s mixed")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cut by `timeout`: save, clean up
@@ -388,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.scrapes, args.idle_seconds = min(args.scrapes, 60), min(args.idle_seconds, 2.0)
         args.concurrent_seconds = min(args.concurrent_seconds, 5.0)
+        args.mixed_seconds = min(args.mixed_seconds, 3.0)
     counts = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
     workdir = tempfile.mkdtemp(prefix="vwbench-scrape-")
     out: dict[str, Any] = {
@@ -397,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             scrapes=args.scrapes,
             rate_per_s=args.rate,
             idle_seconds=args.idle_seconds,
+            mixed_clients=args.mixed_clients,
+            mixed_seconds=args.mixed_seconds,
         ),
         "vramwatch": {},
         "notes": [
@@ -406,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
             "concurrent: --concurrency threads of this process scraping back to back on raw sockets, "
             "with Prometheus 2.42's request headers (OpenMetrics, gzip); p50/p99 over the 200s; "
             "status_503 counts the refused",
+            "mixed: --mixed-clients threads (2 x the server's max_connections, 8) back to back on raw sockets, "
+            "the even ones with Prometheus 2.42's request headers (scrape-timeout 10 s, OpenMetrics, gzip), the "
+            "odd ones a plain GET /metrics (gzip, no scrape headers); per half: requests, 200s, 503s, p50/p99 "
+            "of the 200s; a 503 is answered at once, so the shed half sends more requests",
             "rss_mb/hwm_mb: the server's VmRSS after the measurements, and its peak (VmHWM)",
         ],
     }
@@ -433,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{c['status_503']} answered 503, p50 {c['p50_ms'] or 0:.2f} ms, p99 {c['p99_ms'] or 0:.2f} ms, "
                     f"CPU/scrape {_fmt_ms(c['cpu_per_scrape_s'])}"
                 )
+            if args.mixed_clients > 0:
+                res["mixed"] = m = measure_mixed(node.port, node.server.pid, args.mixed_clients, args.mixed_seconds)
+                common.progress(f"vramwatch, {n} rank(s), {_mixed_line(m)}")
             res.update(memory_mb(node.server.pid))
             out["vramwatch"][str(n)] = res
             common.progress(

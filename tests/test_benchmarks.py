@@ -227,6 +227,11 @@ def test_smoke_scrape_json(smoke):
         c = r["concurrent"]
         assert c["clients"] == 4 and c["ok"] > 0 and c["scrapes"] == sum(c["statuses"].values())
         assert c["p50_ms"] <= c["p99_ms"] and c["cpu_per_scrape_s"] is not None
+        m = r["mixed"]  # overload: 2 x max_connections, half with Prometheus' scrape headers
+        assert m["clients"] == 16 and m["prometheus"]["clients"] == m["plain"]["clients"] == 8
+        for h in (m["prometheus"], m["plain"]):
+            assert h["requests"] == sum(h["statuses"].values()) and h["ok"] + h["status_503"] <= h["requests"]
+        assert m["prometheus"]["ok"] > 0 and m["prometheus"]["p50_ms"] <= m["prometheus"]["p99_ms"]
     assert two["bytes"] > one["bytes"] and two["series"] > one["series"], "a second rank adds its series"
     assert "skipped" in data["nvitop_exporter"]
 

@@ -268,6 +268,7 @@ LABEL_NAMES = {
     "expandable_segments",
     "garbage_collection_threshold",
     "max_split_size_mb",
+    "role",  # memory by role: the codec admits only spool.MEMORY_ROLES
 }
 
 

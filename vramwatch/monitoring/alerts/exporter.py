@@ -23,6 +23,18 @@ def target_down(cfg: MonitoringConfig) -> str:
     return f"{up(cfg)} == 0\nor {recent}" if cfg.target_selector else recent
 
 
+def impostor(cfg: MonitoringConfig) -> str:
+    """Targets answering their scrapes without vramwatch_build_info although they served it recently:
+    another process holds the port (a squatter serves Prometheus its own metrics, and this job's go
+    unseen while every alert of the job stays silent)."""
+    seen = metric(cfg, "vramwatch_build_info")
+    answering = f"{up(cfg)} == 1" if cfg.target_selector else "up == 1"
+    return (
+        f"{answering}\nunless on(job, instance) {seen}\n"
+        f"and on(job, instance) max_over_time({seen}[{duration(cfg.target_seen_window)}])"
+    )
+
+
 def nvml_absent_for_gpu_job(cfg: MonitoringConfig) -> dict:
     """No NVML is a state (a CPU-only target stays quiet) unless ranks of that target use CUDA devices:
     then the device readings and every alert on them are missing, and the collectors cannot say so."""
@@ -49,6 +61,17 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             f"Prometheus has failed to scrape {label('instance')} (job {label('job')}) for more than "
             f"{cfg.target_down_for}: the node, the job or its exporter is gone, and none of its alerts "
             "can fire.",
+            cfg.target_down_for,
+        ),
+        alert(
+            "VramwatchTargetImpostor",
+            impostor(cfg),
+            WARNING,
+            "A vramwatch target answers, but not with vramwatch's metrics.",
+            f"{label('instance')} (job {label('job')}) served vramwatch_build_info within the last "
+            f"{cfg.target_seen_window} and now answers its scrapes without it, for more than "
+            f"{cfg.target_down_for}: another process holds the port (the job's own server could not bind: its "
+            "log names the port's owner), and the job's series and alerts are missing.",
             cfg.target_down_for,
         ),
         alert(
