@@ -270,8 +270,6 @@ class CachedExposition:
         if state is None:
             return None
         health = tuple((c.health.up, c.health.errors, c.health.duration) for c in self.exporter.collectors)
-        spool_health = self.exporter.spool_health  # the spool guard counts a vanished spool here
-        health += ((spool_health.up, spool_health.errors, self.exporter.spool_trouble),)
         return state, tuple(map(id, snapshots)), health
 
     def _build(self, snapshots: list[object], key: tuple[object, ...] | None) -> _Render:
