@@ -59,9 +59,12 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
         return out
     best: dict[int, RankSample] = {}
     dead: list[tuple[RankSample, str]] = []
+    present = set(names)
     for name in names:
         m = files.RANK_FILE.match(name)
         if not m:
+            if reap and name.endswith(".tmp") and name[:-4] not in present and files.RANK_FILE.match(name[:-4]):
+                _reap_unpublished(os.path.join(spool_dir, name[:-4]))
             continue
         path = os.path.join(spool_dir, name)
         lock = files.lock_path_of(path)
@@ -91,6 +94,14 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
             files.remove_quietly(path, files.lock_path_of(path), path + ".tmp")
     out.final = [s for s, _ in dead[:room]]
     return out
+
+
+def _reap_unpublished(path: str) -> None:
+    """A rank that died inside its first publish left a temporary file and its lock, and no sample:
+    nothing to serve, so both go once the lock is free (a live rank mid-publish still holds it)."""
+    lock = files.lock_path_of(path)
+    if files.lock_is_free(lock):
+        files.remove_quietly(path + ".tmp", lock)
 
 
 def read_samples(
