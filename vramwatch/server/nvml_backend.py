@@ -254,6 +254,18 @@ class NvmlSession:
             level=logging.WARNING,
         )
 
+    def read_failed(self, d: Device, collector: str, what: str, e: BaseException, detail: str = "") -> None:
+        """One collector's read of one GPU failed for a reason worth a warning: logged once per error."""
+        self.once(
+            ("transient", d.uuid, collector, error_name(e)),
+            "vramwatch: GPU %d %s: %s failed (%s)",
+            d.index,
+            d.uuid,
+            what,
+            detail or error_name(e),
+            level=logging.WARNING,
+        )
+
     def next_try_in(self) -> float:
         return max(0.0, self._next_try - self._clock())
 

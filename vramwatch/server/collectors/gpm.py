@@ -129,14 +129,7 @@ class GpmCollector(Collector[tuple[GpmReading, ...]]):
                 if kind != "quiet":
                     ok = False
                     self.last_failure[d.uuid] = _code(e)
-                    s.once(
-                        ("transient", d.uuid, "gpm", nb.error_name(e)),
-                        "vramwatch: GPU %d %s: reading GPM failed (%s)",
-                        d.index,
-                        d.uuid,
-                        _code(e),
-                        level=logging.WARNING,
-                    )
+                    s.read_failed(d, "gpm", "reading GPM", e, detail=_code(e))
                 continue
             if values is not None:
                 out.append(GpmReading(d.index, d.uuid, values))

@@ -89,14 +89,7 @@ class NvlinkCollector(Collector[tuple[LinkErrors, ...]]):
                     return None, False
                 if kind != "quiet":
                     ok = False
-                    s.once(
-                        ("transient", d.uuid, "nvlink", nb.error_name(e)),
-                        "vramwatch: GPU %d %s: reading NVLink errors failed (%s)",
-                        d.index,
-                        d.uuid,
-                        nb.error_name(e),
-                        level=logging.WARNING,
-                    )
+                    s.read_failed(d, "nvlink", "reading NVLink errors", e)
         return tuple(out), ok
 
     def _discover(self, d: nb.Device) -> tuple[int, ...]:

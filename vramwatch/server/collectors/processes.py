@@ -84,14 +84,7 @@ class ProcessesCollector(Collector[tuple[GpuProcesses, ...]]):
                     return None, False
                 if kind != "quiet":
                     ok = False
-                    s.once(
-                        ("transient", d.uuid, "processes", nb.error_name(e)),
-                        "vramwatch: GPU %d %s: listing compute processes failed (%s)",
-                        d.index,
-                        d.uuid,
-                        nb.error_name(e),
-                        level=logging.WARNING,
-                    )
+                    s.read_failed(d, "processes", "listing compute processes", e)
                 continue
             rows = tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in list(procs)[:MAX_PROCESSES])
             out.append(GpuProcesses(d.index, d.uuid, rows))
