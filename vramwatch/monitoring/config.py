@@ -327,8 +327,9 @@ class MonitoringConfig:
     gpu_peak_flops: tuple[tuple[str, float], ...] = setting(
         peaks.DENSE_BF16,
         "Peak dense BF16 FLOP/s by GPU name (a regex on gpu_info's name, the first match wins): the MFU "
-        "panel divides the model's FLOP/s by it. The defaults are NVIDIA's datasheet figures (A100, H100, "
-        "H200), a mapping in YAML.",
+        "panel divides the model's FLOP/s by it. The defaults are half of NVIDIA's datasheet BF16 figures, "
+        "which are printed with 2:4 sparsity (A100, H100 SXM/PCIe/NVL, H200 SXM/NVL; sources in "
+        "vramwatch/monitoring/peaks.py). A mapping in YAML; set your own for another GPU or precision.",
         _peak_flops,
     )
     target_down_for: str = setting("5m", "How long a target must fail its scrapes before it warns.", _for)
