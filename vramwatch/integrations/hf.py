@@ -10,6 +10,14 @@ step, after gradient accumulation) is the heartbeat; the Trainer's model and opt
 (every ``logging_steps``) become ``vramwatch_training_loss`` / ``_grad_norm``. At ``on_train_end``
 it stops the exporter it started, so a finished run leaves no stale heartbeat behind.
 
+Tokens: with ``TrainingArguments(include_num_input_tokens_seen=True)`` (or ``"all"`` /
+``"non_padding"``) the Trainer counts the input tokens of every micro-batch into
+``state.num_input_tokens_seen``, summed over all processes (it gathers them). Each optimiser step
+passes this rank's share of the step's increase, ``tokens=delta / world_size``, to ``vramwatch.step``:
+exact on one process, the job's total exact on many (the dashboards sum the ranks), an even split
+per rank. Without the option the Trainer counts nothing and neither does the callback (no counter).
+Samples: the Trainer does not count them; pass them yourself with ``vramwatch.step`` in your own loop.
+
 It only observes: it returns no control changes, and nothing it does raises into training.
 Keyword arguments are vramwatch settings, checked here (``ConfigError``) before training starts.
 """
@@ -37,6 +45,17 @@ def _attr(obj: Any, name: str) -> int | None:
         return None
 
 
+def _tokens_seen(args: Any, state: Any) -> int | None:
+    """The Trainer's input-token count so far, or None when it does not count them."""
+    mode = getattr(args, "include_num_input_tokens_seen", "no")
+    if mode in ("no", False, None):
+        return None
+    seen = getattr(state, "num_input_tokens_seen", None)
+    if isinstance(seen, bool) or not isinstance(seen, (int, float)):
+        return None
+    return int(seen)
+
+
 class VramwatchCallback(TrainerCallback):
     def __init__(self, stop_on_end: bool = True, **settings: Any) -> None:
         framework_settings(settings, None, None, None)  # raises ConfigError now, not mid-run
@@ -44,6 +63,7 @@ class VramwatchCallback(TrainerCallback):
         self.stop_on_end = stop_on_end
         self.handle: Any = None
         self._owned = False
+        self._tokens_seen: int | None = None  # state.num_input_tokens_seen at the last step (None: not counted)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._owned and vramwatch.current() is self.handle:
@@ -59,9 +79,21 @@ class VramwatchCallback(TrainerCallback):
             log.warning("vramwatch: callback could not start: %r", e)
         if self.handle is not None:  # memory by role: the Trainer passes its model and optimizer here
             vramwatch.watch(kwargs.get("model"), kwargs.get("optimizer"))
+        # a resumed run starts from the checkpoint's count: only what this run adds is counted
+        self._tokens_seen = _tokens_seen(args, state)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        vramwatch.step()
+        tokens = None
+        try:
+            seen = _tokens_seen(args, state)
+            if seen is not None and self._tokens_seen is not None and seen >= self._tokens_seen:
+                delta = seen - self._tokens_seen
+                world = _attr(args, "world_size") or 1
+                tokens = delta if world == 1 else delta / world
+            self._tokens_seen = seen
+        except Exception:  # noqa: BLE001
+            tokens = None
+        vramwatch.step(tokens=tokens)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         h = self.handle

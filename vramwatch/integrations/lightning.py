@@ -12,6 +12,15 @@ thread; a grad norm is taken from the logged metrics when the module logs one (`
 module and its (first) optimizer are watched (``vramwatch.watch``: memory by role). ``teardown`` stops the
 exporter it started.
 
+Tokens and samples, per rank, summed over the micro-batches of each optimiser step and passed to
+``vramwatch.step(tokens=..., samples=...)``. Lightning does not count them, so they come from the
+batch: ``batch_size_fn(batch)`` (samples) and ``length_fn(batch)`` (tokens), the hooks of Lightning's
+own ``ThroughputMonitor``, when given; otherwise a mapping batch holding ``input_ids`` (or
+``attention_mask``) gives ``numel()`` tokens (padding included, as the Hugging Face Trainer's "all")
+and its first dimension as samples, and any other batch its first tensor's first dimension as samples
+and no tokens. Only tensor shapes are read: counting non-padding tokens would sum a mask on the GPU
+and wait for it, so pass ``length_fn`` for that (on a CPU mask, or a count the data loader carries).
+
 The base class is ``lightning.pytorch.Callback`` when ``lightning`` is installed (or is the one the
 script imported), else ``pytorch_lightning.Callback``. Keyword arguments are vramwatch settings,
 checked here (``ConfigError``). It only observes; nothing it does raises into training.
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import vramwatch
@@ -55,15 +65,79 @@ def _attr(obj: Any, name: str) -> int | None:
         return None
 
 
+def _first_dim(x: Any) -> int | None:
+    shape = getattr(x, "shape", None)
+    try:
+        return int(shape[0]) if shape is not None and len(shape) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _first_tensor(batch: Any) -> Any:
+    if hasattr(batch, "shape"):
+        return batch
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for x in items:
+        if hasattr(x, "shape"):
+            return x
+    return None
+
+
+def batch_counts(batch: Any) -> tuple[int | None, int | None]:
+    """(tokens, samples) a batch holds, from its tensors' shapes only (never a device sync)."""
+    if isinstance(batch, Mapping):
+        ids = batch.get("input_ids")
+        if ids is None:
+            ids = batch.get("attention_mask")
+        if ids is not None and hasattr(ids, "numel"):
+            return int(ids.numel()), _first_dim(ids)
+    return None, _first_dim(_first_tensor(batch))
+
+
+def _count(fn: Callable[[Any], Any], batch: Any) -> int | float | None:
+    v = fn(batch)
+    if hasattr(v, "item") and getattr(v, "device", None) is not None and str(v.device) != "cpu":
+        return None  # a device tensor: converting it would wait for the GPU
+    if hasattr(v, "item"):
+        v = v.item()
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
+
+
 class VramwatchCallback(_callback_base()):  # type: ignore[misc]
-    def __init__(self, stop_on_end: bool = True, **settings: Any) -> None:
+    def __init__(
+        self,
+        stop_on_end: bool = True,
+        batch_size_fn: Callable[[Any], Any] | None = None,
+        length_fn: Callable[[Any], Any] | None = None,
+        **settings: Any,
+    ) -> None:
         super().__init__()
         framework_settings(settings, None, None, None)  # raises ConfigError now, not mid-run
         self.settings = settings
         self.stop_on_end = stop_on_end
+        self.batch_size_fn = batch_size_fn
+        self.length_fn = length_fn
         self.handle: Any = None
         self._owned = False
         self._last_global_step = -1
+        self._tokens: int | float | None = None  # of the micro-batches since the last optimiser step
+        self._samples: int | float | None = None
+
+    def _add_batch(self, batch: Any) -> None:
+        tokens: int | float | None
+        samples: int | float | None
+        try:
+            tokens, samples = batch_counts(batch)
+            if self.length_fn is not None:
+                tokens = _count(self.length_fn, batch)
+            if self.batch_size_fn is not None:
+                samples = _count(self.batch_size_fn, batch)
+        except Exception:  # noqa: BLE001 - a hook that fails counts nothing
+            tokens = samples = None
+        if tokens is not None:
+            self._tokens = tokens + (self._tokens or 0)
+        if samples is not None:
+            self._samples = samples + (self._samples or 0)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or (self._owned and vramwatch.current() is self.handle):
@@ -87,6 +161,7 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
         vramwatch.watch(pl_module, optimizer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._add_batch(batch)
         try:
             gs = trainer.global_step
             if gs == self._last_global_step:
@@ -103,7 +178,8 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
                     break
         except Exception:  # noqa: BLE001
             loss = grad_norm = None
-        vramwatch.step(loss=loss, grad_norm=grad_norm)
+        tokens, samples, self._tokens, self._samples = self._tokens, self._samples, None, None
+        vramwatch.step(loss=loss, grad_norm=grad_norm, tokens=tokens, samples=samples)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
