@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -20,7 +21,7 @@ from harness import ROOT, tool
 from vramwatch import _version
 from vramwatch.monitoring import helm
 from vramwatch.monitoring.alerts.render import rule_file
-from vramwatch.monitoring.config import DEFAULT, GIB
+from vramwatch.monitoring.config import DEFAULT, GIB, MonitoringConfig
 
 CHART = DEPLOY / "helm" / "vramwatch"
 
@@ -96,38 +97,133 @@ def test_the_rules_are_the_python_rules_with_the_defaults():
     assert rule["spec"] == yaml_docs(K8S / "prometheusrule.yaml")[0]["spec"]
 
 
-def _other_thresholds() -> dict[str, object]:
-    """A value for every templated field that differs from its default."""
-    out: dict[str, object] = {}
-    for field in helm.TEMPLATED:
-        v = getattr(DEFAULT, field)
-        if isinstance(v, str):
-            out[field] = "7m" if v != "7m" else "9m"
-        elif field == "rank_skew_min_bytes":
-            out[field] = float(8 * GIB)
-        else:
-            out[field] = round(v * 0.9 + 0.0125, 4)
+def other_config() -> dict[str, Any]:
+    """A valid non-default value for every key the rules use (the dashboards-only keys apart)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(DEFAULT):
+        v = getattr(DEFAULT, f.name)
+        if isinstance(v, bool):
+            out[f.name] = not v
+        elif isinstance(v, float):
+            out[f.name] = float(8 * GIB) if f.name == "rank_skew_min_bytes" else round(v * 0.9 + 0.0125, 4)
+        elif f.name.endswith(("_for", "_window")):
+            out[f.name] = "7m" if v != "7m" else "9m"
+    out.update(
+        selector='namespace="ml"',  # quotes: also inside the hang alert's Go string
+        target_selector='job="train-vw"',
+        xid_critical=(48, 79),
+        xid_warning=(13, 31),
+        runbook_url="https://wiki.example.com/gpu/{alertname}#{anchor}",
+        dashboard_url="https://grafana.example.com",
+        extra_labels=(("team", "ml-infra"), ("tier", "gold")),
+        disabled_alerts=("GPUClockThrottled",),
+        job_labels=("job", "namespace"),
+        throttle_reasons=("hw_slowdown",),
+        rank_skew_exempt=('rank="0"', 'job="pp", rank=~"0|15"'),
+    )
+    for key in helm.DASHBOARD_ONLY:
+        out.pop(key, None)
     return out
 
 
-def test_every_threshold_value_reaches_the_rules(tmp_path):
-    """helm template with other thresholds == the Python rules of a MonitoringConfig with them; promtool
-    accepts the result."""
-    other = _other_thresholds()
-    values = {"monitoring": {helm.value_key(f): v for f, v in other.items()}}
-    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+# the other side of the keys that change the rules' shape
+SHAPES = {
+    "dashboard_url": "",  # no dashboard link annotation
+    "rank_skew_exempt": (),  # no `unless`
+    "disabled_alerts": ("GPUForeignProcess", "TrainingRankMemorySkew"),  # a whole group goes
+    "target_absent_for": "",  # the opt-in rule goes
+}
+
+
+def helm_values(changes: dict[str, Any]) -> dict[str, Any]:
+    return {"monitoring": {helm.value_key(k): helm._plain(k, v) for k, v in changes.items()}}
+
+
+def rules_through_helm(tmp_path: Path, changes: dict[str, Any], crd_validators=None) -> dict:
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(helm_values(changes)))
     (rule,) = kinds(objects("-f", str(tmp_path / "values.yaml")))["PrometheusRule"]
-    want = rule_file(dataclasses.replace(DEFAULT, **other))
-    assert rule["spec"] == want
-    assert rule["spec"] != rule_file(DEFAULT)
-    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule["spec"]))
+    if crd_validators is not None:
+        validate_object(rule, crd_validators)
+    return rule["spec"]
+
+
+def test_every_monitoring_config_key_is_a_chart_value():
+    """values.yaml and its schema hold every MonitoringConfig key (a new key fails here until the chart has it)."""
+    keys = {helm.value_key(f.name) for f in dataclasses.fields(MonitoringConfig)}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["monitoring"]
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["monitoring"]
+    assert set(values) == keys
+    assert set(schema["properties"]) == keys and set(schema["required"]) == keys
+    other = other_config()
+    assert set(other) | set(helm.DASHBOARD_ONLY) == {f.name for f in dataclasses.fields(MonitoringConfig)}
+    for key, v in other.items():  # every value the tests below set is a real change
+        assert v != getattr(DEFAULT, key), key
+
+
+@pytest.mark.parametrize("key", sorted(set(other_config()) | set(SHAPES)))
+def test_each_key_set_through_helm_reaches_the_rules(key, tmp_path, crd_validators):
+    """One key at a time, with the other value of it: helm template == the Python rules of that config."""
+    value = SHAPES[key] if key in SHAPES and key not in other_config() else other_config()[key]
+    spec = rules_through_helm(tmp_path, {key: value}, crd_validators)
+    cfg = dataclasses.replace(DEFAULT, **{key: value})
+    assert spec == rule_file(cfg)
+    assert spec != rule_file(DEFAULT), f"{key}: the value changed nothing"
+
+
+@pytest.mark.parametrize("shape", ["every key", "the other shapes"])
+def test_every_key_at_once_through_helm(shape, tmp_path, crd_validators):
+    """All keys changed together (the rules' shapes both ways); promtool accepts the result."""
+    changes = other_config()
+    if shape == "the other shapes":
+        changes.update(SHAPES, selector="", job_gpus_only=True)
+    spec = rules_through_helm(tmp_path, changes, crd_validators)
+    assert spec == rule_file(dataclasses.replace(DEFAULT, **changes))
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(spec))
     r = run(tool("promtool"), "check", "rules", str(tmp_path / "rules.yml"))
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_helm_set_on_the_command_line_reaches_the_rule():
+    """`helm template --set` / `--set-json`, as a user types them (--set reads 0.8 as a string: --set-json)."""
+    (rule,) = kinds(
+        objects(
+            "--set",
+            "monitoring.memoryWarningFor=10m",
+            "--set-json",
+            "monitoring.memoryWarningRatio=0.8",
+            "--set-json",
+            'monitoring.selector="namespace=\\"ml\\""',
+            "--set-json",
+            'monitoring.disabledAlerts=["GPUClockThrottled"]',
+            "--set",
+            "monitoring.extraLabels.team=ml-infra",
+        )
+    )["PrometheusRule"]
+    cfg = dataclasses.replace(
+        DEFAULT,
+        memory_warning_for="10m",
+        memory_warning_ratio=0.8,
+        selector='namespace="ml"',
+        disabled_alerts=("GPUClockThrottled",),
+        extra_labels=(("team", "ml-infra"),),
+    )
+    assert rule["spec"] == rule_file(cfg)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("nodeLabel", "host"), ("dashboardTags", ["gpu"]), ("gpuPeakFlops", {"NVIDIA L4": 121e12})],
+)
+def test_a_dashboards_only_key_is_refused_not_ignored(key, value, tmp_path):
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump({"monitoring": {key: value}}))
+    r = template("-f", str(tmp_path / "values.yaml"))
+    assert r.returncode != 0 and f"monitoring.{key} changes only the dashboards" in r.stderr, r.stderr
+
+
 def test_values_hold_the_monitoring_config_defaults():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["monitoring"] == {helm.value_key(f): getattr(DEFAULT, f) for f in helm.TEMPLATED}
+    want = {helm.value_key(f.name): helm._plain(f.name, getattr(DEFAULT, f.name)) for f in dataclasses.fields(DEFAULT)}
+    assert values["monitoring"] == want
 
 
 @pytest.mark.parametrize(
@@ -136,6 +232,8 @@ def test_values_hold_the_monitoring_config_defaults():
         ("monitoring.memoryWarningRatio=high", "memoryWarningRatio"),
         ("monitoring.memoryWarningFor=5 minutes", "memoryWarningFor"),
         ("monitoring.memoryWarningRatioo=0.8", "memoryWarningRatioo"),
+        ("monitoring.disabledAlerts[0]=NoSuchAlert", "disabledAlerts"),
+        ("monitoring.memoryCriticalRatio=1.5", "memoryCriticalRatio"),
     ],
 )
 def test_the_schema_rejects_a_bad_threshold(setting, message):

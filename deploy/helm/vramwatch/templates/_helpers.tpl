@@ -39,3 +39,19 @@ release: {{ .ctx.Values.release | quote }}
 {{- $p := round (mulf (float64 .) 100.0) 4 -}}
 {{- include "vramwatch.num" $p -}}%
 {{- end -}}
+
+{{/* A Prometheus duration in seconds (config.py parse_duration): 1h30m -> 5400, 500ms -> 0.5. */}}
+{{- define "vramwatch.seconds" -}}
+{{- $units := dict "ms" 0.001 "s" 1.0 "m" 60.0 "h" 3600.0 "d" 86400.0 "w" 604800.0 "y" 31536000.0 -}}
+{{- $total := 0.0 -}}
+{{- range regexFindAll "[0-9]+(ms|s|m|h|d|w|y)" . -1 -}}
+{{- $n := regexFind "^[0-9]+" . -}}
+{{- $total = addf $total (mulf (float64 $n) (get $units (trimPrefix $n .))) -}}
+{{- end -}}
+{{- include "vramwatch.num" $total -}}
+{{- end -}}
+
+{{/* A number as Python's format(v, "g") writes it (the rules' descriptions): 6 significant digits. */}}
+{{- define "vramwatch.g" -}}
+{{- printf "%.6g" (float64 .) -}}
+{{- end -}}
