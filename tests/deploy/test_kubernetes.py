@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -291,3 +292,84 @@ def test_example_train_script_runs_with_the_jobs_settings(tmp_path):
         "vramwatch example: pod vramwatch-example-x7k2p in training on node gpu-node-0001"
         in (tmp_path / "train.log").read_text()
     )
+
+
+# --- a monitoring config through kustomize: the README's overlay with every key changed ---
+
+
+def _every_key_changed():
+    """A config with a non-default value for every MonitoringConfig key (the Helm tests' values, plus the
+    keys that change only the dashboards)."""
+    import dataclasses
+
+    from test_helm import other_config
+
+    from vramwatch.monitoring.config import DEFAULT
+
+    return dataclasses.replace(
+        DEFAULT,
+        **other_config(),
+        node_label="host",
+        dashboard_tags=("gpu", "team-ml"),
+        gpu_peak_flops=(("NVIDIA H200.*", 900e12), ("NVIDIA L4", 121e12)),
+    )
+
+
+def test_every_monitoring_config_key_reaches_the_kustomize_overlay(tmp_path, crd_validators):
+    """deploy/kubernetes/README.md's overlay commands with a config file that changes every key: the
+    rendered PrometheusRule is the Python rules of that config, the dashboards ConfigMap its dashboards,
+    and every object still validates."""
+    import dataclasses
+    import json as json_
+
+    pytest.importorskip("grafana_foundation_sdk")
+    from vramwatch.monitoring import config_file
+    from vramwatch.monitoring.alerts.render import rule_file
+    from vramwatch.monitoring.config import DEFAULT
+    from vramwatch.monitoring.dashboards import build_all
+    from vramwatch.monitoring.dashboards.render import dashboard_json
+
+    cfg = _every_key_changed()
+    changed = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) == getattr(DEFAULT, f.name)]
+    assert not changed, f"keys left at their defaults: {changed}"
+    text = (K8S / "README.md").read_text()
+    block = re.search(r"<!-- config overlay[^\n]*-->\n```sh\n(.*?)```", text, re.S)
+    patches = re.search(r"```yaml\n(patches:\n.*?)```", text[block.end() :], re.S) if block else None
+    assert block and patches, "deploy/kubernetes/README.md lost its config overlay"
+    (tmp_path / "vramwatch").symlink_to(ROOT)
+    overlay = tmp_path / "my-gpu-monitoring"
+    overlay.mkdir()
+    cwd = tmp_path
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for line in block.group(1).splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv:
+            continue
+        if argv[0] == "cd":
+            cwd = cwd / argv[1]
+        elif argv[0] == "cp":  # the example, then every key changed
+            (cwd / argv[2]).write_text(config_file.example_yaml(cfg))
+        else:
+            out = argv.index(">") if ">" in argv else None
+            r = subprocess.run(
+                [sys.executable, "-m", *argv[:out]], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+            )
+            assert r.returncode == 0, f"{line}: {r.stderr}"
+            if out is not None:
+                (cwd / argv[out + 1]).write_text(r.stdout)
+    assert config_file.load(str(overlay / "monitoring.yaml")) == cfg
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        "resources:\n  - ../vramwatch/deploy/kubernetes\n" + patches.group(1)
+    )
+    objs = render(overlay)
+    for obj in objs:
+        validate_object(obj, crd_validators)
+    k = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    assert k[("PrometheusRule", "vramwatch")]["spec"] == rule_file(cfg)
+    data = k[("ConfigMap", "vramwatch-dashboards")]["data"]
+    want = {f"{d.uid}.json": dashboard_json(d) for d in build_all(cfg)}
+    assert data == want and data != {f"{d.uid}.json": dashboard_json(d) for d in build_all(DEFAULT)}
+    memory = json_.loads(data["vramwatch-training-memory.json"])
+    assert memory["tags"] == ["gpu", "team-ml"]
+    assert any(v.get("name") == "node" and "host" in json_.dumps(v) for v in memory["templating"]["list"])
