@@ -22,6 +22,12 @@ Cross-check of the H100 SXM figure from the architecture: 132 SMs x 4 tensor cor
 FLOP per clock per tensor core x 1.83 GHz boost = 989.4 TFLOP/s (the SM count and boost clock of
 NVIDIA's H100 architecture whitepaper), so the datasheet's sparse figure is indeed twice the dense one.
 
+Checked against stored copies of the tables: the A100 and H100 SXM/PCIe lines (the datasheets' tables
+as reproduced at glennklockwood.com/garden/processors/A100 and archive-lib.hpctech.co.jp/gpuproduct/
+nvidia-h100.html, footnote included), the H200 SXM's dense 989 (itkb.uw.cz's H200 datasheet reading).
+The two NVL lines (1,671 with sparsity) come from the NVL columns of NVIDIA's H100 and H200 datasheets
+but were not in those stored copies: confirm them against the current datasheet before relying on them.
+
 Patterns are RE2 regexes on NVML's device name (``gpu_info{name}``, e.g. ``NVIDIA H100 80GB HBM3``,
 ``NVIDIA H100 NVL``, ``NVIDIA H200``, ``NVIDIA A100-SXM4-80GB``), tried in order: the first match wins,
 so a specific name comes before its family. A GPU missing here shows no MFU; add it through
