@@ -126,7 +126,8 @@ def _split(cfg: MonitoringConfig) -> list[tuple[str, list[tuple[str | None, str]
     """[(group header text, [(alert name or None for a recording rule, rule text)])], escaped for Helm."""
     text = to_yaml({"spec": {"groups": groups(cfg)}})[len(HEADER) :]
     lines = text.splitlines(keepends=True)
-    assert lines[:2] == ["spec:\n", "  groups:\n"], lines[:2]
+    if lines[:2] != ["spec:\n", "  groups:\n"]:
+        raise ValueError(f"helm: the rule file starts {lines[:2]!r}, not with its groups")
     out: list[tuple[str, list[tuple[str | None, str]]]] = []
     for line in lines[2:]:
         if line.startswith("  - name: "):
@@ -331,7 +332,8 @@ def rule_spec_template(cfg: MonitoringConfig = DEFAULT) -> str:
             hunks = []
             for field, (when, other) in others.items():
                 o_header, o_rules = other[gi]
-                assert o_header == header and o_rules[ri][0] == name, (field, header, name)
+                if o_header != header or o_rules[ri][0] != name:
+                    raise ValueError(f"helm: {field} changes which rules exist, not only their text")
                 hunks += _conditional(text, o_rules[ri][1], when)
             text = _apply(text, hunks, "job_gpus_only/dashboard_url")
             cond: str | None = None
@@ -473,7 +475,11 @@ def _schema(field: str) -> dict[str, Any]:
         return {"type": "array", "items": {"type": "string", "pattern": r"^[a-z0-9_]+$"}}
     if field == "rank_skew_exempt":
         return {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": _MATCHERS_PATTERN}}
-    return {"type": "array", "items": {"type": "string"}}  # dashboard_tags
+    if kind is str:  # a key added since: its type at least (give it its pattern above)
+        return {"type": "string"}
+    if kind == tuple[str, ...]:  # dashboard_tags
+        return {"type": "array", "items": {"type": "string"}}
+    raise ValueError(f"helm: no schema for MonitoringConfig.{field} ({kind}): add one in helm._schema")
 
 
 # ratios of a whole (the others are multiples of a median, above 1)
