@@ -34,6 +34,16 @@ def test_device_uuid(raw, name, device, cvd, expected):
     assert device_uuid(raw, name, device, cvd) == expected
 
 
+def test_a_container_with_one_mig_device_named_by_nvidia_visible_devices():
+    other = "MIG-00000000-50b5-5ccf-b0a8-f93b3247ae9e"
+    mig_name = "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
+    assert device_uuid(BARE, mig_name, 0, None, MIG) == MIG
+    assert device_uuid(BARE, mig_name, 0, None, f"{MIG},{other}") == "MIG-" + BARE  # which one is device 0?
+    assert device_uuid(BARE, mig_name, 0, "0", MIG) == "MIG-" + BARE  # CUDA_VISIBLE_DEVICES rules
+    assert device_uuid(BARE, "NVIDIA H200", 0, None, MIG) == "GPU-" + BARE  # no container runtime applied it
+    assert device_uuid(BARE, mig_name, 0, None, "all") == "MIG-" + BARE
+
+
 def test_mig_entry():
     assert mig_entry(None) == "" and mig_entry("") == "" and mig_entry("0,1") == ""
     assert mig_entry("GPU-" + BARE) == ""

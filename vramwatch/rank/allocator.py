@@ -263,7 +263,9 @@ class TorchSource:
         props = self.torch.cuda.get_device_properties(device)
         raw = str(getattr(props, "uuid", ""))
         # NVML's spelling (GPU-... or, on a MIG instance, MIG-...), so the series join the device series
-        return device_uuid(raw, str(getattr(props, "name", "")), device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        env = os.environ
+        name = str(getattr(props, "name", ""))
+        return device_uuid(raw, name, device, env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES"))
 
     def limit_bytes(self, device: int) -> int:
         torch = self.torch

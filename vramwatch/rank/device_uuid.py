@@ -15,8 +15,13 @@ so the surest source comes first:
    CUDA device 0 and the entry, in NVML's ``MIG-<uuid>`` form, is its uuid (vllm-project/vllm PR #6582
    relies on the same). The legacy ``MIG-GPU-<uuid>/<gi>/<ci>`` form is no uuid: it falls through.
 2. A uuid that already has a prefix is kept.
-3. A device named ``... MIG <profile>``: ``MIG-`` + the bare uuid.
-4. Else ``GPU-`` + the bare uuid.
+3. A device named ``... MIG <profile>``, with ``CUDA_VISIBLE_DEVICES`` unset and ``NVIDIA_VISIBLE_DEVICES``
+   naming one MIG device: that one. The NVIDIA container runtime exposes to the container the GPUs that
+   variable lists (container-toolkit docs, "GPU Enumeration"; the Kubernetes device plugin sets it to the
+   MIG uuids it allocates), so a container with one MIG device sees it as CUDA device 0. Outside such a
+   container the variable does nothing, hence the name check.
+4. A device named ``... MIG <profile>``: ``MIG-`` + the bare uuid.
+5. Else ``GPU-`` + the bare uuid.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ def mig_entry(cuda_visible_devices: str | None) -> str:
     return ""
 
 
-def device_uuid(raw: str, name: str, device: int, cuda_visible_devices: str | None) -> str:
+def device_uuid(
+    raw: str, name: str, device: int, cuda_visible_devices: str | None, nvidia_visible_devices: str | None = None
+) -> str:
     """NVML's uuid of CUDA device ``device``, from torch's ``uuid`` and ``name`` and the environment."""
     if device == 0:
         mig = mig_entry(cuda_visible_devices)
@@ -44,5 +51,8 @@ def device_uuid(raw: str, name: str, device: int, cuda_visible_devices: str | No
     if raw.startswith(("GPU-", "MIG-")):
         return raw
     if " MIG " in f" {name} ":
+        parts = [p.strip() for p in (nvidia_visible_devices or "").split(",") if p.strip()]
+        if device == 0 and cuda_visible_devices is None and len(parts) == 1 and mig_entry(parts[0]):
+            return parts[0]
         return "MIG-" + raw
     return "GPU-" + raw
