@@ -10,6 +10,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
@@ -114,6 +115,17 @@ def test_instance_memory_is_its_own_and_follows_the_rank_on_it(tmp_path):
     # the rank's reservation counts on its card too: not "outside PyTorch" there
     non_torch = {lab["gpu"]: v for lab, v in rig.metrics()["gpu_non_torch_memory_bytes"]}
     assert non_torch["0"] < 20 * GIB
+
+
+def test_the_ranks_status_line_gets_its_instances_free_memory(tmp_path):
+    rig = MigRig(tmp_path)
+    a, _ = rig.node.gpu(0).mig_instances
+    rig.rank_on(a.uuid, 10 * GIB)
+    rig.poll(0)
+    readings = spool.read_node_readings(str(tmp_path))
+    mine = readings[a.uuid]
+    assert mine.memory_free_bytes == 71 * GIB - 10 * GIB - rig.node.context_bytes
+    assert mine.power_watts == rig.node.gpu(0).power_w  # the card's: an instance has no power reading
 
 
 def test_a_card_without_mig_changes_nothing_and_asks_once_per_slow_read(tmp_path):

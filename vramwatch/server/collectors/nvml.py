@@ -405,12 +405,18 @@ def _reading(d: nb.Device, up: bool, values: Mapping[Key, float]) -> GpuReading:
 
 
 def status_readings(snap: NvmlSnapshot) -> list[spool.GpuReadings]:
-    """Power and free memory of the GPUs that answered, for the ranks' console status lines."""
-    return [
+    """Power and free memory of the GPUs that answered, for the ranks' console status lines; a MIG instance
+    under its own uuid, with its own free memory and its card's power."""
+    out = [
         spool.GpuReadings(g.uuid, g.values.get(("gpu_power_watts", "")), g.values.get(("gpu_memory_free_bytes", "")))
         for g in snap.gpus
         if g.up
     ]
+    power = {r.uuid: r.power_watts for r in out}
+    for r in snap.mig:
+        if r.memory is not None:
+            out.append(spool.GpuReadings(r.instance.uuid, power.get(r.instance.parent_uuid), r.memory[2]))
+    return out
 
 
 def reserved_by_uuid(ctx: ScrapeContext) -> dict[str, float]:
