@@ -244,3 +244,29 @@ def test_profile_from_the_name():
     assert profile_of("NVIDIA H100 80GB HBM3 MIG 1g.10gb") == "1g.10gb"
     assert profile_of("NVIDIA H100 NVL MIG 1g.12gb+me") == "1g.12gb+me"
     assert profile_of("NVIDIA H200") == "" and profile_of("MIG 1g.10gb") == ""
+
+
+def test_the_simulated_nvml_answers_mig_handles_as_the_notes_say():
+    node = SimNode.default(1)
+    a, b = node.gpu(0).enable_mig(("3g.71gb", "4g.71gb"))
+    nv = SimNvml.from_node(node)
+    nv.nvmlInit()
+    card = nv.nvmlDeviceGetHandleByIndex(0)
+    assert nv.nvmlDeviceGetMigMode(card) == [1, 1] and nv.nvmlDeviceGetMaxMigDeviceCount(card) == 7
+    h = nv.nvmlDeviceGetMigDeviceHandleByIndex(card, 1)
+    assert nv.nvmlDeviceGetUUID(h) == b.uuid and nv.nvmlDeviceGetHandleByUUID(b.uuid) == h  # MIG-aware lookup
+    assert nv.nvmlDeviceIsMigDeviceHandle(h) and not nv.nvmlDeviceIsMigDeviceHandle(card)
+    assert nv.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h) == card
+    assert (nv.nvmlDeviceGetGpuInstanceId(h), nv.nvmlDeviceGetComputeInstanceId(h)) == (2, 0)
+    assert nv.nvmlDeviceGetName(h).endswith(" MIG 4g.71gb")
+    assert nv.nvmlDeviceGetMemoryInfo(h).total == 71 * GIB
+    for call in (nv.nvmlDeviceGetPowerUsage, nv.nvmlDeviceGetUtilizationRates, nv.nvmlDeviceGetRemappedRows):
+        with pytest.raises(E.NVMLError_NotSupported):
+            call(h)
+    with pytest.raises(E.NVMLError_NotFound):
+        nv.nvmlDeviceGetMigDeviceHandleByIndex(card, 2)  # an empty slot
+    with pytest.raises(E.NVMLError_InvalidArgument):
+        nv.nvmlDeviceGetGpuInstanceId(card)  # not a MIG handle
+    del node.gpu(0).mig_instances[1]
+    with pytest.raises(E.NVMLError_InvalidArgument):
+        nv.nvmlDeviceGetMemoryInfo(h)  # destroyed: the handle is invalid
