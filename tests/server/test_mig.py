@@ -206,6 +206,10 @@ def test_a_transient_enumeration_failure_fails_the_read_and_recovers(tmp_path, c
     rig.node.inject_error("nvmlDeviceGetMigDeviceHandleByIndex", code)
     rig.poll(10.0)
     assert rig.nvml.health.up == 0
+    assert len(rig.mig("gpu_mig_memory_total_bytes")) == 2  # a failed enumeration keeps what was there
+    rig.node.inject_error("nvmlDeviceGetMaxMigDeviceCount", code)
+    rig.poll(10.0)
+    assert rig.nvml.health.up == 0 and len(rig.mig("gpu_mig_memory_total_bytes")) == 2
     rig.node.clear_error()
     rig.poll(10.0)
     assert rig.nvml.health.up == 1 and len(rig.mig("gpu_mig_memory_total_bytes")) == 2

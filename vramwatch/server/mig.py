@@ -160,13 +160,21 @@ class MigTable:
                 elif kind == "transient":
                     ok = False
                     self.session.read_failed(d, "nvml", "MIG enumeration", e)
+                    out.extend(self._previous(d))  # keep the card's instances: one failed read is no change
                 continue
+            found: list[MigInstance] = []
+            card_ok = True
             for i in range(count):
-                found, inst_ok = self._instance(d, i)
-                ok = ok and inst_ok
-                if found is not None:
-                    out.append(found)
+                m, inst_ok = self._instance(d, i)
+                card_ok = card_ok and inst_ok
+                if m is not None:
+                    found.append(m)
+            ok = ok and card_ok
+            out.extend(found if card_ok else self._previous(d) or found)
         return tuple(out), ok
+
+    def _previous(self, d: nb.Device) -> list[MigInstance]:
+        return [m for m in self.instances if m.parent_uuid == d.uuid]
 
     def _instance(self, d: nb.Device, i: int) -> tuple[MigInstance | None, bool]:
         nv = self.session.nv
