@@ -4,8 +4,13 @@ allocator series to its instance's memory and to the parent card with the PromQL
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from vramwatch.monitoring.config import DEFAULT
+from vramwatch.monitoring.dashboards.common import GPU, variables
+from vramwatch.monitoring.dashboards.walk import label_values_query
 from vramwatch.monitoring.mig import to_parent
 
 pytestmark = pytest.mark.e2e
@@ -50,3 +55,9 @@ def test_a_rank_on_a_mig_instance_joins_its_instance_and_its_card(exporter, prom
     assert len(power) == 1 and float(power[0]["value"][1]) == node.gpu(0).power_w
     # the other card is not in MIG mode: no instances under it
     assert {r["metric"]["gpu"] for r in prom.query("gpu_mig_info")} == {"0"}
+    # the dashboards' GPU variable offers the instance (so picking it keeps the rank's series) and the cards
+    (query,) = [m.query for m in (v.build() for v in variables(DEFAULT)) if m.name == GPU]
+    selector, label = label_values_query(str(query))
+    selector = re.sub(r'=~"\$\w+"', '=~".*"', selector)  # every variable at All
+    offered = {r["metric"][label] for r in prom.query(f"group by ({label}) ({selector})")}
+    assert offered == {b.uuid, a.uuid, node.gpu(0).uuid, node.gpu(1).uuid}
