@@ -79,8 +79,12 @@ def test_enumeration_reads_the_mode_and_changes_nothing(tmp_path):
     assert runner.health.up == 1, session.last_error
     fams = {f.name: f for f in runner.collect(ScrapeContext((), time.time(), "gpu-test"))}
     info = {s.labels["uuid"]: s.labels["mig_mode"] for s in fams["gpu_info"].samples}
-    mig = {s.labels["uuid"]: s.labels for s in fams["gpu_mig_info"].samples}
-    totals = {s.labels["uuid"]: s.value for s in fams["gpu_mig_memory_total_bytes"].samples}
+    # (a node without a card in MIG mode has no gpu_mig_* family at all)
+    mig = {s.labels["uuid"]: s.labels for s in fams["gpu_mig_info"].samples} if "gpu_mig_info" in fams else {}
+    totals = {
+        s.labels["uuid"]: s.value
+        for s in fams.get("gpu_mig_memory_total_bytes", ()) and fams["gpu_mig_memory_total_bytes"].samples
+    }
     card_totals = {s.labels["uuid"]: s.value for s in fams["gpu_memory_total_bytes"].samples}
     print(f"MIG modes {before}; 3 reads {elapsed * 1000:.1f} ms; calls {dict(nv.calls)}")
 
@@ -89,7 +93,7 @@ def test_enumeration_reads_the_mode_and_changes_nothing(tmp_path):
         assert info[uuid] == expected, (uuid, mode, info)
     if all(isinstance(m, str) or not m[0] for m in before.values()):
         # no card in MIG mode: no instance series, and nothing asked beyond the mode
-        assert mig == {} and totals == {}
+        assert mig == {} and totals == {} and not [n for n in fams if n.startswith("gpu_mig_")]
         assert nv.calls["nvmlDeviceGetMaxMigDeviceCount"] == 0
         assert nv.calls["nvmlDeviceGetMigDeviceHandleByIndex"] == 0
         assert _smi_mig() == {}

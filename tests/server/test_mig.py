@@ -134,7 +134,8 @@ def test_a_card_without_mig_changes_nothing_and_asks_once_per_slow_read(tmp_path
     rig.nv.calls.clear()
     for _ in range(20):
         rig.poll(1.0)
-    assert not rig.metrics().get("gpu_mig_info") and not rig.metrics().get("gpu_mig_memory_total_bytes")
+    ctx = ScrapeContext((), time.time(), "node-a")
+    assert not [f.name for f in rig.nvml.collect(ctx) if f.name.startswith("gpu_mig_")]  # not even HELP lines
     assert rig.nv.calls["nvmlDeviceGetMigMode"] == 4  # 2 GPUs x every 10 s
     assert rig.nv.calls["nvmlDeviceGetMaxMigDeviceCount"] == 0
     assert rig.nv.calls["nvmlDeviceGetMigDeviceHandleByIndex"] == 0

@@ -476,4 +476,4 @@ def mig_families(readings: Iterable[MigReading], job: set[str] | None = None) ->
         info.add_metric(labels + [m.parent_uuid, m.gpu_instance_id, m.compute_instance_id, m.profile], 1.0)
         for fam, v in zip(mem, r.memory or (), strict=False):
             fam.add_metric(labels, v)
-    return [info, *mem]
+    return [info, *mem] if info.samples else []  # a node without MIG exposes nothing more, not even HELP lines
