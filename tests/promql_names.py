@@ -62,7 +62,9 @@ _PROMETHEUS_OWN = {"ALERTS", "ALERTS_FOR_STATE"}
 
 
 def metric_names(expr: str) -> set[str]:
-    """Identifiers in a PromQL expression that name series (not functions, labels or keywords)."""
+    """Identifiers in a PromQL expression that name series (not functions, labels or keywords), and the
+    names of a ``__name__`` matcher (``{__name__=~"a|b"}``: an alternation of plain names only)."""
+    named = {n for mt in re.finditer(r'__name__\s*=~?\s*"([^"]*)"', expr) for n in mt.group(1).split("|")}
     e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings
     e = re.sub(r"\$\{[^}]*\}|\$\w+", "1", e)  # template variables
     e = re.sub(r"\{[^}]*\}", "", e)  # label matchers
@@ -76,7 +78,7 @@ def metric_names(expr: str) -> set[str]:
         if re.fullmatch(r"\d*e\d*", word):
             continue
         names.add(word)
-    return names
+    return names | named
 
 
 def in_contract(name: str) -> bool:

@@ -136,7 +136,8 @@ class Settings:
     nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _seconds)
     nvml_slow_interval: float = _opt(
         10.0,
-        "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes, GPM, NVLink errors).",
+        "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes, GPM, NVLink errors, "
+        "MIG instances).",
         _seconds,
     )
     gpus: str = _opt("all", "all: every GPU of the node; job: only GPUs a rank uses.", _choice("all", "job"))

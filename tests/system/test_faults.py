@@ -89,6 +89,16 @@ GPM_AND_NVLINK_CALLS = {
     "nvmlDeviceGetNvLinkState",
     "nvmlDeviceGetNvLinkErrorCounter",
 }
+# the MIG calls: made only for a card in MIG mode (the simulated node here has none); their errors are
+# injected one by one in tests/server/test_mig.py
+MIG_CALLS = {
+    "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex",
+    "nvmlDeviceGetGpuInstanceId",
+    "nvmlDeviceGetComputeInstanceId",
+    "nvmlDeviceIsMigDeviceHandle",
+    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+}
 FAST = {"nvml_interval": 0.1, "nvml_slow_interval": 0.3, "dead_rank_grace_seconds": 2}
 
 
@@ -97,6 +107,7 @@ def test_the_lists_cover_every_simulated_nvml_call():
 
     calls = {n for n in dir(SimNvml) if n.startswith("nvml")}
     listed = set(RUNTIME_CALLS) | set(INIT_CALLS) | set(IDENTITY_CALLS) | NOT_ON_THE_READ_PATH | GPM_AND_NVLINK_CALLS
+    listed |= MIG_CALLS
     assert calls == listed, f"new: {sorted(calls - listed)}, gone: {sorted(listed - calls)}"
 
 

@@ -269,6 +269,11 @@ LABEL_NAMES = {
     "garbage_collection_threshold",
     "max_split_size_mb",
     "role",  # memory by role: the codec admits only spool.MEMORY_ROLES
+    # MIG instances: NVML's identities (a uuid, two numbers, the profile of the NVML name)
+    "parent_uuid",
+    "gpu_instance_id",
+    "compute_instance_id",
+    "profile",
 }
 
 

@@ -23,6 +23,9 @@ from vramwatch.monitoring.cadence import READ_MAX_GAP
 RANK = ("rank", "local_rank")
 RANK_DEVICE = ("uuid", "device", "rank", "local_rank")
 GPU = ("gpu", "uuid")
+# a MIG instance: gpu is its parent's index, uuid its own MIG-... uuid (what a rank on it labels its series with)
+MIG = ("gpu", "uuid")
+MIG_INFO = MIG + ("parent_uuid", "gpu_instance_id", "compute_instance_id", "profile")
 COLLECTOR = ("collector", "rank")
 
 # Xids that page (NVIDIA's catalogue: reset / reboot / RMA), and the app faults that only warn. The
@@ -64,6 +67,7 @@ def _m(
 
 _NOT_INIT = "the rank has not initialised CUDA on that device"
 _NO_GPM = "GPM is not supported (before Hopper, MIG on, or a VM that hides it); before the second slow sample"
+_NO_MIG = "no GPU of the node is in MIG mode (or NVML is unavailable, or does not enumerate MIG devices)"
 _ASYNC = "the backend is cudaMallocAsync (always reported as zero there)"
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -519,6 +523,46 @@ METRICS: tuple[MetricSpec, ...] = (
         "not supported (pre-Ampere, MIG)",
     ),
     _m("gpu_pcie_replays_total", "counter", "", GPU, "PCIe replay counter (slow cadence).", "nvml", "not supported"),
+    # --- MIG: one series per MIG instance (compute instance) of a GPU in MIG mode ---
+    _m(
+        "gpu_mig_info",
+        "info",
+        "",
+        MIG_INFO,
+        "A MIG instance of GPU gpu (value 1): uuid is the instance's MIG-... uuid (NVML's, the one a rank on "
+        "the instance labels its series with), parent_uuid the card's GPU-... uuid (the uuid of its gpu_* "
+        "series), gpu_instance_id and compute_instance_id NVML's ids (dcgm-exporter's GPU_I_ID is the first), "
+        "profile the MIG profile from the instance's name (e.g. 3g.71gb; dcgm-exporter's GPU_I_PROFILE).",
+        "nvml",
+        _NO_MIG,
+    ),
+    _m(
+        "gpu_mig_memory_total_bytes",
+        "gauge",
+        "bytes",
+        MIG,
+        "Memory of the MIG instance as NVML reports it for the instance's handle (its own share, not the card's).",
+        "nvml",
+        _NO_MIG,
+    ),
+    _m(
+        "gpu_mig_memory_used_bytes",
+        "gauge",
+        "bytes",
+        MIG,
+        "Memory of the MIG instance in use by its processes, as NVML reports it.",
+        "nvml",
+        _NO_MIG,
+    ),
+    _m(
+        "gpu_mig_memory_free_bytes",
+        "gauge",
+        "bytes",
+        MIG,
+        "Free memory of the MIG instance, as NVML reports it.",
+        "nvml",
+        _NO_MIG,
+    ),
     # --- GPU activity: NVML GPM (Hopper and newer), a rate over one slow interval between two samples ---
     _m(
         "gpu_sm_activity_ratio",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any, Protocol
 
+from vramwatch.rank.device_uuid import device_uuid
 from vramwatch.spool import AllocatorInfo, DeviceSample
 
 # Contract name -> path into the nested memory_stats dict. The one place the
@@ -261,7 +262,10 @@ class TorchSource:
     def uuid(self, device: int) -> str:
         props = self.torch.cuda.get_device_properties(device)
         raw = str(getattr(props, "uuid", ""))
-        return raw if raw.startswith(("GPU-", "MIG-")) else "GPU-" + raw
+        # NVML's spelling (GPU-... or, on a MIG instance, MIG-...), so the series join the device series
+        env = os.environ
+        name = str(getattr(props, "name", ""))
+        return device_uuid(raw, name, device, env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES"))
 
     def limit_bytes(self, device: int) -> int:
         torch = self.torch

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from vramwatch.rank.device_uuid import device_uuid
 from vramwatch.sim.state import SimNode
 
 MIB = 1 << 20
@@ -86,7 +87,10 @@ class SimAllocator:
             raise ValueError(f"no memory_stats() shape for torch {torch_version!r}; known: {', '.join(TORCH_SHAPES)}")
         self.torch_version = torch_version
         self.node = node
-        self.physical = _visible(node, os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible)
+        self.visible_env = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+        # CUDA index -> (node GPU index, MIG instance index or -1 for the whole GPU)
+        self.placement = _visible(node, self.visible_env)
+        self.physical = [gpu for gpu, _ in self.placement]
         self._devices: dict[int, _Device] = {}
         self.oom_observers: list[Callable[[int, int, int, int], None]] = []
         self.backend_name = "native"  # or "cudaMallocAsync", to simulate that backend
@@ -124,8 +128,15 @@ class SimAllocator:
         return self.backend_name
 
     def uuid(self, device: int) -> str:
+        """What the rank's uuid rule makes of what CUDA would report: torch's bare uuid (a MIG instance's own
+        bytes, cuDeviceGetUuid_v2's) and the device name (``... MIG <profile>`` on an instance)."""
         self._fault("uuid")
-        return self.node.gpus[self.physical[device]].uuid
+        gpu_index, mig = self.placement[device]
+        g = self.node.gpus[gpu_index]
+        uuid, name = g.uuid, g.name
+        if mig >= 0:
+            uuid, name = g.mig_instances[mig].uuid, f"{g.name} MIG {g.mig_instances[mig].profile}"
+        return device_uuid(uuid.split("-", 1)[1], name, device, self.visible_env)
 
     def limit_bytes(self, device: int) -> int:
         self._fault("limit_bytes")
@@ -305,7 +316,9 @@ class SimAllocator:
         if d is None:
             if not 0 <= device < len(self.physical):
                 raise ValueError(f"CUDA device {device} is not visible (simulated)")
-            total = self.node.gpus[self.physical[device]].total_bytes
+            gpu_index, mig = self.placement[device]
+            g = self.node.gpus[gpu_index]
+            total = g.mig_instances[mig].total_bytes if mig >= 0 else g.total_bytes  # torch: the instance's memory
             d = self._devices[device] = _Device(total, EXTRA_COUNTERS[self.torch_version])
         return d
 
@@ -316,21 +329,29 @@ def _round_segment(n: int) -> int:
     return (n + 2 * MIB - 1) // (2 * MIB) * (2 * MIB)
 
 
-def _visible(node: SimNode, cvd: str | None) -> list[int]:
-    """CUDA index -> node GPU index, as CUDA_VISIBLE_DEVICES maps them (ints or GPU- UUIDs)."""
+def _visible(node: SimNode, cvd: str | None) -> list[tuple[int, int]]:
+    """CUDA index -> (node GPU index, MIG instance or -1), as CUDA_VISIBLE_DEVICES maps them (ints, GPU- UUIDs,
+    or a MIG- UUID: then CUDA enumerates that one instance only)."""
     if cvd is None or cvd.strip() == "":
-        return list(range(len(node.gpus))) if cvd is None else []
+        return [(i, -1) for i in range(len(node.gpus))] if cvd is None else []
+    parts = [p.strip() for p in cvd.split(",")]
+    for part in parts:
+        if part.startswith("MIG-"):  # "Only single MIG instance enumeration is supported"
+            for g in node.gpus:
+                for i, m in enumerate(g.mig_instances if g.mig else ()):
+                    if m.uuid.startswith(part):
+                        return [(g.index, i)]
+            return []
     out = []
-    for part in cvd.split(","):
-        part = part.strip()
+    for part in parts:
         if part.isdigit():
             i = int(part)
             if i >= len(node.gpus):
                 break  # CUDA stops at the first invalid entry
-            out.append(i)
+            out.append((i, -1))
         else:
             match = [g.index for g in node.gpus if g.uuid.startswith(part)]
             if not match:
                 break
-            out.append(match[0])
+            out.append((match[0], -1))
     return out

@@ -55,9 +55,28 @@ def _err(code: int) -> pynvml.NVMLError:
 
 @dataclass(frozen=True)
 class SimHandle:
-    """What nvmlDeviceGetHandleBy* returns: a GPU index of the simulated node."""
+    """What nvmlDeviceGetHandleBy* returns: a GPU index of the simulated node; with ``mig`` >= 0, the MIG
+    device at that position of the GPU's ``mig_instances`` (nvmlDeviceGetMigDeviceHandleByIndex)."""
 
     index: int
+    mig: int = -1
+
+
+# what a MIG device handle answers; every other per-device call is NOT_SUPPORTED on one (torch-nvml.md B4:
+# memory and processes per MIG handle, no utilisation, remapped rows or per-instance events)
+_MIG_CALLS = frozenset(
+    {
+        "nvmlDeviceGetUUID",
+        "nvmlDeviceGetName",
+        "nvmlDeviceGetMemoryInfo",
+        "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlDeviceIsMigDeviceHandle",
+        "nvmlDeviceGetGpuInstanceId",
+        "nvmlDeviceGetComputeInstanceId",
+        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+    }
+)
+MAX_MIG_DEVICES = 7  # nvmlDeviceGetMaxMigDeviceCount of an H200 (7 GPU instances at most)
 
 
 # NVML_GPM_METRIC_* id -> the SimGpu field it reports and the factor to NVML's unit (percent, MiB/s)
@@ -155,17 +174,28 @@ class SimNvml:
         gpu = node.gpus[handle.index]
         if gpu.lost:
             raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if handle.mig >= 0:
+            if not gpu.mig or handle.mig >= len(gpu.mig_instances):
+                raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # the instance is gone: its handle is invalid
+            if fn not in _MIG_CALLS:
+                raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return node, gpu
 
-    def _processes(self, node: SimNode, gpu: Any) -> list[tuple[int, int]]:
+    @staticmethod
+    def _instance(gpu: Any, h: SimHandle) -> Any:
+        return gpu.mig_instances[h.mig] if h.mig >= 0 else None
+
+    def _processes(self, node: SimNode, gpu: Any, mig: Any = None) -> list[tuple[int, int]]:
+        # a MIG instance holds the ranks on it; its parent every rank on the card or on one of its instances
+        uuids = {mig.uuid} if mig is not None else {gpu.uuid} | {m.uuid for m in gpu.mig_instances if gpu.mig}
         out = []
         for s in self._samples():
             for dev in s.devices:
-                if dev.uuid == gpu.uuid:
+                if dev.uuid in uuids:
                     reserved = dev.values.get("torch_cuda_memory_reserved_bytes", 0)
                     out.append((s.pid, int(reserved) + node.context_bytes))
                     break
-        for f in node.foreign:
+        for f in node.foreign if mig is None else ():
             if int(f.get("gpu", -1)) == gpu.index:
                 out.append((int(f.get("pid", 0)), int(f.get("used_bytes", 0))))
         return out
@@ -208,14 +238,22 @@ class SimNvml:
             if g.uuid == text:
                 self._call("nvmlDeviceGetHandleByUUID", SimHandle(g.index))
                 return SimHandle(g.index)
+            for i, m in enumerate(g.mig_instances if g.mig else ()):
+                if m.uuid == text:  # MIG-aware since R470 (NVML change log)
+                    self._call("nvmlDeviceGetHandleByUUID", SimHandle(g.index))
+                    return SimHandle(g.index, i)
         raise _err(pynvml.NVML_ERROR_NOT_FOUND)
 
     # --- identity ---
     def nvmlDeviceGetUUID(self, h: SimHandle) -> str:
-        return self._call("nvmlDeviceGetUUID", h)[1].uuid
+        g = self._call("nvmlDeviceGetUUID", h)[1]
+        m = self._instance(g, h)
+        return m.uuid if m is not None else g.uuid
 
     def nvmlDeviceGetName(self, h: SimHandle) -> str:
-        return self._call("nvmlDeviceGetName", h)[1].name
+        g = self._call("nvmlDeviceGetName", h)[1]
+        m = self._instance(g, h)
+        return f"{g.name} MIG {m.profile}" if m is not None else g.name  # as "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
 
     def nvmlDeviceGetIndex(self, h: SimHandle) -> int:
         return self._call("nvmlDeviceGetIndex", h)[1].index
@@ -230,9 +268,54 @@ class SimNvml:
         g = self._call("nvmlDeviceGetMigMode", h)[1]
         return [1, 1] if g.mig else [0, 0]
 
+    # --- MIG devices ---
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: SimHandle) -> int:
+        self._call("nvmlDeviceGetMaxMigDeviceCount", h)
+        return MAX_MIG_DEVICES
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: SimHandle, index: int) -> SimHandle:
+        g = self._call("nvmlDeviceGetMigDeviceHandleByIndex", h)[1]
+        if h.mig >= 0 or not 0 <= int(index) < MAX_MIG_DEVICES:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not g.mig or int(index) >= len(g.mig_instances):
+            raise _err(pynvml.NVML_ERROR_NOT_FOUND)  # no MIG device at that index
+        return SimHandle(h.index, int(index))
+
+    def nvmlDeviceIsMigDeviceHandle(self, h: SimHandle) -> int:
+        self._call("nvmlDeviceIsMigDeviceHandle", h)
+        return 1 if h.mig >= 0 else 0
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: SimHandle) -> SimHandle:
+        self._call("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", h)
+        if h.mig < 0:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return SimHandle(h.index)
+
+    def nvmlDeviceGetGpuInstanceId(self, h: SimHandle) -> int:
+        g = self._call("nvmlDeviceGetGpuInstanceId", h)[1]
+        m = self._instance(g, h)
+        if m is None:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # not a MIG device handle
+        return int(m.gpu_instance_id)
+
+    def nvmlDeviceGetComputeInstanceId(self, h: SimHandle) -> int:
+        g = self._call("nvmlDeviceGetComputeInstanceId", h)[1]
+        m = self._instance(g, h)
+        if m is None:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(m.compute_instance_id)
+
     # --- readings ---
     def nvmlDeviceGetMemoryInfo(self, h: SimHandle, version: int | None = None) -> SimpleNamespace:
         node, g = self._call("nvmlDeviceGetMemoryInfo", h)
+        m = self._instance(g, h)
+        if m is not None:  # the instance's own memory: its processes and what else is on it
+            in_use = sum(used for _, used in self._processes(node, g, m)) + m.extra_used_bytes
+            used = min(m.total_bytes, in_use)
+            if not version:
+                return SimpleNamespace(total=m.total_bytes, free=m.total_bytes - used, used=used)
+            free = m.total_bytes - used
+            return SimpleNamespace(version=version, total=m.total_bytes, reserved=0, free=free, used=used)
         in_use = sum(used for _, used in self._processes(node, g))
         used = min(g.total_bytes, in_use + g.extra_used_bytes + g.driver_reserved_bytes)
         free = g.total_bytes - used
@@ -360,9 +443,12 @@ class SimNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: SimHandle) -> list[SimpleNamespace]:
         node, g = self._call("nvmlDeviceGetComputeRunningProcesses", h)
+        m = self._instance(g, h)
+        gi = m.gpu_instance_id if m is not None else _NO_INSTANCE
+        ci = m.compute_instance_id if m is not None else _NO_INSTANCE
         return [
-            SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=_NO_INSTANCE, computeInstanceId=_NO_INSTANCE)
-            for pid, used in self._processes(node, g)
+            SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=gi, computeInstanceId=ci)
+            for pid, used in self._processes(node, g, m)
         ]
 
     nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses

@@ -31,7 +31,10 @@ What each field means:
   correctable, uncorrectable, pending, failure), ``pcie_replays``, ``extra_used_bytes`` (device memory
   held by something that is neither a rank nor a foreign process), ``driver_reserved_bytes`` (what NVML's
   v2 memory call reports as reserved), ``lost`` (every device call raises GPU_IS_LOST), ``mig`` (MIG
-  mode on: utilisation and remapped rows become NOT_SUPPORTED, as on real MIG parents; GPM too).
+  mode on: utilisation and remapped rows become NOT_SUPPORTED, as on real MIG parents; GPM too),
+  ``mig_instances`` (:class:`SimMig`: the MIG devices NVML enumerates under it, each with its MIG- uuid,
+  GPU/compute instance ids, profile and memory; ``g.enable_mig(("3g.71gb", "3g.71gb"))`` sets both;
+  ``CUDA_VISIBLE_DEVICES=MIG-<uuid>`` puts a simulated rank on one).
   GPM: ``gpm`` (supported), ``sm_activity``/``sm_occupancy``/``tensor_activity``/``dram_bandwidth_utilization``
   (0..1) and ``pcie_*``/``nvlink_*_bytes_per_second``, reported for the interval between two GPM samples
   as they were when the newer one was taken; ``nvlink_links`` (active links, 0: none) and
@@ -58,6 +61,18 @@ from typing import Any
 MIB = 1 << 20
 STATE_FILE = "sim-node.json"
 MAX_XIDS = 256  # the queue keeps the newest events only
+
+
+@dataclass
+class SimMig:
+    """One MIG instance (a compute instance of a GPU instance) of a GPU in MIG mode."""
+
+    uuid: str  # MIG-..., what nvmlDeviceGetUUID gives for its handle (R470+)
+    gpu_instance_id: int
+    compute_instance_id: int = 0
+    profile: str = "3g.71gb"
+    total_bytes: int = 71 << 30
+    extra_used_bytes: int = 0  # memory used on the instance by something that is not a rank
 
 
 @dataclass
@@ -97,6 +112,16 @@ class SimGpu:
     nvlink_tx_bytes_per_second: float = 0.0
     nvlink_links: int = 18  # NVLinks, all active (an H200 SXM has 18); 0: no NVLink (NOT_SUPPORTED)
     nvlink_errors: dict[str, int] = field(default_factory=dict)  # "link:counter" -> count (NVML_NVLINK_ERROR_DL_*)
+    mig_instances: list[SimMig] = field(default_factory=list)  # with mig: the instances NVML enumerates
+
+    def enable_mig(self, profiles: tuple[str, ...] = ("3g.71gb", "3g.71gb")) -> list[SimMig]:
+        """MIG mode on with one instance per profile (a simulation only: nothing touches a real card)."""
+        self.mig = True
+        self.mig_instances = [
+            SimMig(_mig_uuid(self.index, i), gpu_instance_id=i + 1, profile=p, total_bytes=_profile_bytes(p))
+            for i, p in enumerate(profiles)
+        ]
+        return self.mig_instances
 
     def tick(self, seconds: float) -> None:
         """Advance the energy counter by ``seconds`` of the current power draw."""
@@ -132,6 +157,8 @@ class SimNode:
         with open(path, encoding="utf-8") as fh:
             raw = json.load(fh)
         raw["gpus"] = [SimGpu(**g) for g in raw["gpus"]]
+        for g in raw["gpus"]:
+            g.mig_instances = [SimMig(**m) for m in g.mig_instances]
         return cls(**raw)
 
     # --- driving ---
@@ -176,6 +203,18 @@ def _error_key(function: str, gpu: int | None) -> str:
 
 def _uuid(i: int) -> str:
     return f"GPU-5e1a0000-0000-4000-8000-{i:012x}"
+
+
+def _mig_uuid(gpu: int, i: int) -> str:
+    return f"MIG-5e1a0000-0000-4000-9000-{gpu:04x}{i:08x}"
+
+
+def _profile_bytes(profile: str) -> int:
+    """A profile's memory from its name ("3g.71gb": 71 GiB), 1 GiB when the name has no size."""
+    try:
+        return int(profile.split(".", 1)[1].lower().split("gb", 1)[0]) << 30
+    except (IndexError, ValueError):
+        return 1 << 30
 
 
 def state_path(spool_dir: str) -> str:

@@ -2,6 +2,8 @@
 
 - ``GPUMemoryUsageHigh``: NVML used / total of the card. It counts every process on the card
   (other jobs, CUDA contexts, NCCL buffers), so it is the one that sees a neighbour filling the card.
+  On a MIG instance it is the instance's used / the instance's own total (``gpu_mig_memory_*``, labelled
+  with the instance's uuid like the ranks on it): a full 3g.71gb slice of a 141 GB card is full, not half.
 - ``TorchMemoryBudgetHigh``: the allocator's reserved bytes / the rank's budget
   (``torch_cuda_memory_limit_bytes`` = memory fraction x total). It is the one that sees a capped
   job (``set_per_process_memory_fraction``, several ranks sharing a card) run out while the card
@@ -25,6 +27,7 @@ from vramwatch.monitoring.alerts.promql import (
     percent,
 )
 from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.mig import memory_ratio
 
 
 def _levels(cfg: MonitoringConfig) -> tuple[tuple[str, float, str], ...]:
@@ -39,16 +42,19 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
     total = metric(cfg, "gpu_memory_total_bytes")
     reserved = metric(cfg, "torch_cuda_memory_reserved_bytes")
     limit = metric(cfg, "torch_cuda_memory_limit_bytes")
+    ratio_expr = memory_ratio(
+        used, total, metric(cfg, "gpu_mig_memory_used_bytes"), metric(cfg, "gpu_mig_memory_total_bytes")
+    )
     out = []
     for severity, ratio, for_ in _levels(cfg):
         out.append(
             alert(
                 "GPUMemoryUsageHigh",
-                job_gpus(cfg, f"{used} / {total} > {num(ratio)}"),
+                job_gpus(cfg, f"{ratio_expr} > {num(ratio)}"),
                 severity,
                 f"GPU memory is above {percent(ratio)} of the card.",
                 f"{GPU_WHERE} has {VALUE_PERCENT} of its memory in use (NVML used / total, every process "
-                f"on the card) for more than {for_}.",
+                f"on the card; on a MIG instance, of the instance) for more than {for_}.",
                 for_,
             )
         )

@@ -150,7 +150,9 @@ def variables(cfg: MonitoringConfig) -> list:
     for var, label in target_variables(cfg):
         selector = s.before[var] if s.before[var] != "{}" else ""
         out.append(_query_variable(var, _label_values(f"{build_info}{selector}", label)))
-    out.append(_query_variable(GPU, _label_values(f"{m('gpu_info')}{s.node}", "uuid")))
+    # the cards and their MIG instances: a rank on an instance carries the instance's uuid (docs/MIG.md)
+    gpus = ", ".join(x for x in (f'__name__=~"{m("gpu_info")}|{m("gpu_mig_info")}"', s.node[1:-1]) if x)
+    out.append(_query_variable(GPU, _label_values("{" + gpus + "}", "uuid")))
     out.append(_query_variable(RANK, _label_values(f"{m('vramwatch_rank_info')}{s.node}", "rank")))
     return out
 

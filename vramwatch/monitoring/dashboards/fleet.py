@@ -24,6 +24,7 @@ from vramwatch.monitoring.dashboards.common import (
     units,
     xid_annotation,
 )
+from vramwatch.monitoring.mig import memory_ratio
 
 UID = ids.FLEET_UID
 TITLE = "vramwatch / Fleet overview"
@@ -34,6 +35,9 @@ ALERTS = "ALERTS"
 def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     s = Scope(cfg)
     used, total = m("gpu_memory_used_bytes"), m("gpu_memory_total_bytes")
+    mig_used, mig_total = m("gpu_mig_memory_used_bytes"), m("gpu_mig_memory_total_bytes")
+    # every card and every MIG instance, each against its own total
+    pressure = memory_ratio(f"{used}{s.gpu}", f"{total}{s.gpu}", f"{mig_used}{s.gpu}", f"{mig_total}{s.gpu}")
     reserved, limit = m("torch_cuda_memory_reserved_bytes"), m("torch_cuda_memory_limit_bytes")
     stalled = f"({heartbeat_age(s)}) > ({stall_bound(cfg, s)})"
     firing = f'{ALERTS}{{alertstate="firing", {s.alerts}}}'
@@ -74,13 +78,15 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
         table_panel(
             "GPUs by memory pressure",
             f"Every GPU of every selected job, the fullest first. NVML used / total covers every process on the "
-            f"card; reserved / limit is the highest of the job's ranks on the GPU (a capped job). Orange above "
+            f"card (a MIG instance has a row of its own, against its own memory); reserved / limit is the highest "
+            f"of the job's ranks on the GPU (a capped job). Orange above "
             f"{num(cfg.memory_warning_ratio)}, red above {num(cfg.memory_critical_ratio)}: the alert thresholds.",
             [
-                qt(f"sort_desc({used}{s.gpu} / {total}{s.gpu})", ref="A"),
+                qt(f"sort_desc({pressure})", ref="A"),
                 qt(
                     f"max by (job, instance, uuid) ({reserved}{s.device} / {limit}{s.device})"
-                    f" * on (job, instance, uuid) group_left (gpu) {m('gpu_info')}{s.gpu}",
+                    f" * on (job, instance, uuid) group_left (gpu)"
+                    f" ({m('gpu_info')}{s.gpu} or {m('gpu_mig_info')}{s.gpu})",  # a MIG instance's ranks too
                     ref="B",
                 ),
             ],
@@ -97,7 +103,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "Memory pressure, the ten fullest GPUs",
             "NVML used / total over time; dashed: the alert thresholds.",
             units.PercentUnit,
-            [q(f"topk(10, {used}{s.gpu} / {total}{s.gpu})", "{{instance}} gpu{{gpu}}")],
+            [q(f"topk(10, {pressure})", "{{instance}} gpu{{gpu}}")],
             min_=0,
             max_=1,
             limits=memory_limits(cfg),

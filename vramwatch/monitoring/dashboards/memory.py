@@ -27,6 +27,7 @@ from vramwatch.monitoring.dashboards.common import (
     units,
 )
 from vramwatch.monitoring.dashboards.health import bound_panel
+from vramwatch.monitoring.mig import memory_ratio
 
 UID = ids.TRAINING_MEMORY_UID
 TITLE = "vramwatch / Training memory"
@@ -66,14 +67,16 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                     "Allocated, reserved, card total and limit",
                     "Allocated: bytes in live tensors. Reserved: what the allocator took from the driver and keeps "
                     "cached (it is not given back on its own). Card total: the GPU's memory (NVML), for the GPUs the "
-                    "ranks use. Limit: the per-process budget (memory fraction x total). nvidia-smi's used memory is "
-                    "reserved plus what is outside PyTorch (see below).",
+                    "ranks use (a MIG instance's own, for a rank on one). Limit: the per-process budget (memory "
+                    "fraction x total). nvidia-smi's used memory is reserved plus what is outside PyTorch (see below).",
                     units.BytesIEC,
                     [
                         q(f"{alloc}{s.device}", f"allocated {RANK} cuda:{{{{device}}}}", "A"),
                         q(f"{reserved}{s.device}", f"reserved {RANK} cuda:{{{{device}}}}", "B"),
                         q(
-                            f"{m('gpu_memory_total_bytes')}{s.gpu} and on (job, instance, uuid) {reserved}{s.device}",
+                            # a rank on a MIG instance: the instance's total (its uuid is the instance's)
+                            f"({m('gpu_memory_total_bytes')}{s.gpu} or {m('gpu_mig_memory_total_bytes')}{s.gpu})"
+                            f" and on (job, instance, uuid) {reserved}{s.device}",
                             "card total gpu{{gpu}}",
                             "C",
                         ),
@@ -121,7 +124,12 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             [
                 q(f"{reserved}{s.device} / {limit}{s.device}", f"{RANK} reserved / limit", "A"),
                 q(
-                    f"{m('gpu_memory_used_bytes')}{s.gpu} / {m('gpu_memory_total_bytes')}{s.gpu}",
+                    memory_ratio(
+                        f"{m('gpu_memory_used_bytes')}{s.gpu}",
+                        f"{m('gpu_memory_total_bytes')}{s.gpu}",
+                        f"{m('gpu_mig_memory_used_bytes')}{s.gpu}",
+                        f"{m('gpu_mig_memory_total_bytes')}{s.gpu}",
+                    ),
                     "gpu{{gpu}} used / total",
                     "B",
                 ),

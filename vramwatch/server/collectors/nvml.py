@@ -35,6 +35,7 @@ from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
 from vramwatch.server.collectors import Collector, ReadFailed, ScrapeContext, Tick, register
 from vramwatch.server.collectors.xid import job_uuids
+from vramwatch.server.mig import MigReading, MigTable
 
 log = logging.getLogger("vramwatch")
 
@@ -173,7 +174,9 @@ VALUE_FAMILIES = tuple(
     for m in contract.METRICS
     if m.collector == "nvml"
     and m.name not in ("gpu_info", "gpu_up", "gpu_non_torch_memory_bytes", "vramwatch_nvml_available")
+    and not m.name.startswith("gpu_mig_")
 )
+MIG_MEMORY = ("gpu_mig_memory_total_bytes", "gpu_mig_memory_used_bytes", "gpu_mig_memory_free_bytes")
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,7 @@ class NvmlSnapshot:
     driver_version: str
     time: float
     absent: str = ""  # why the node has no NVML (contract.NVML_ABSENT_REASONS); "" when it has
+    mig: tuple[MigReading, ...] = ()  # the MIG instances of GPUs in MIG mode, with their memory
 
 
 class _SessionDown(Exception):
@@ -210,6 +214,7 @@ class NvmlCollector(Collector[NvmlSnapshot]):
         self._lost: dict[str, float] = {}  # uuid -> when to probe it again
         self._handles: dict[str, Any] = {}  # re-acquired handles of GPUs that came back
         self._known: tuple[nb.Device, ...] = ()
+        self._mig = MigTable(self.session)
 
     # --- reading (the framework's thread) ---
     def read(self, tick: Tick) -> NvmlSnapshot | None:
@@ -259,9 +264,17 @@ class NvmlCollector(Collector[NvmlSnapshot]):
                 reading, gpu_ok = self._read_gpu(d, tick.now, slow)
                 gpus.append(reading)
                 ok = ok and gpu_ok
+            lost = {g.uuid for g in gpus if not g.up} | set(s.lost)
+            mig, mig_ok = self._mig.read(s.devices, lost, slow)
         except _SessionDown:
             return self._down_snapshot(), False
-        return NvmlSnapshot(tuple(gpus), s.driver_version, time.time(), s.absent_reason()), ok and not s.incomplete
+        except Exception as e:
+            if nb.classify(e) != "session":
+                raise
+            s.mark_down(e)
+            return self._down_snapshot(), False
+        snap = NvmlSnapshot(tuple(gpus), s.driver_version, time.time(), s.absent_reason(), mig)
+        return snap, ok and mig_ok and not s.incomplete
 
     def _down_snapshot(self) -> NvmlSnapshot | None:
         """NVML is not answering: the GPUs we knew read gpu_up 0; never initialised, no device series."""
@@ -392,12 +405,18 @@ def _reading(d: nb.Device, up: bool, values: Mapping[Key, float]) -> GpuReading:
 
 
 def status_readings(snap: NvmlSnapshot) -> list[spool.GpuReadings]:
-    """Power and free memory of the GPUs that answered, for the ranks' console status lines."""
-    return [
+    """Power and free memory of the GPUs that answered, for the ranks' console status lines; a MIG instance
+    under its own uuid, with its own free memory and its card's power."""
+    out = [
         spool.GpuReadings(g.uuid, g.values.get(("gpu_power_watts", "")), g.values.get(("gpu_memory_free_bytes", "")))
         for g in snap.gpus
         if g.up
     ]
+    power = {r.uuid: r.power_watts for r in out}
+    for r in snap.mig:
+        if r.memory is not None:
+            out.append(spool.GpuReadings(r.instance.uuid, power.get(r.instance.parent_uuid), r.memory[2]))
+    return out
 
 
 def reserved_by_uuid(ctx: ScrapeContext) -> dict[str, float]:
@@ -418,6 +437,12 @@ def nvml_families(snap: NvmlSnapshot, ctx: ScrapeContext, job_only: bool = False
     fams = {name: contract.family(name) for name in VALUE_FAMILIES}
     job = job_uuids(ctx) if job_only else None
     reserved = reserved_by_uuid(ctx)
+    for r in snap.mig:  # a rank on a MIG instance holds memory of its card too
+        m = r.instance
+        if m.uuid in reserved:
+            reserved[m.parent_uuid] = reserved.get(m.parent_uuid, 0.0) + reserved[m.uuid]
+        if job is not None and m.uuid in job:
+            job.add(m.parent_uuid)  # the card of a job's instance is a job GPU
     available = contract.family("vramwatch_nvml_available")
     available.add_metric([snap.absent], 0.0 if snap.absent else 1.0)
     for g in snap.gpus:
@@ -436,4 +461,19 @@ def nvml_families(snap: NvmlSnapshot, ctx: ScrapeContext, job_only: bool = False
         if used is not None:
             # sampled at other moments than NVML: clamp the small negative a fresh allocation can leave
             non_torch.add_metric(labels, max(0.0, used - reserved.get(g.uuid, 0.0)))
-    return (available, info, up, non_torch, *fams.values())
+    return (available, info, up, non_torch, *fams.values(), *mig_families(snap.mig, job))
+
+
+def mig_families(readings: Iterable[MigReading], job: set[str] | None = None) -> list[Metric]:
+    """gpu_mig_info and the instances' memory (job: only the instances a rank of the job is on)."""
+    info = contract.family("gpu_mig_info")
+    mem = [contract.family(name) for name in MIG_MEMORY]
+    for r in readings:
+        m = r.instance
+        if job is not None and m.uuid not in job:
+            continue
+        labels = [str(m.gpu), m.uuid]
+        info.add_metric(labels + [m.parent_uuid, m.gpu_instance_id, m.compute_instance_id, m.profile], 1.0)
+        for fam, v in zip(mem, r.memory or (), strict=False):
+            fam.add_metric(labels, v)
+    return [info, *mem] if info.samples else []  # a node without MIG exposes nothing more, not even HELP lines
