@@ -30,7 +30,15 @@ KUBECTL       := $(KUBECTL_DIR)/bin/kubectl
 # Headless Chromium for the report test (Debian's package; it starts no service, so it is installed).
 CHROMIUM := $(TOOLS)/.chromium-installed
 
-tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM) $(KUBECTL)
+# systemd-analyze, to verify deploy/systemd/vramwatch.service (Debian's systemd package: installing it in a
+# container starts nothing, its postinst reloads a systemd only where one runs as PID 1).
+SYSTEMD_ANALYZE := $(TOOLS)/.systemd-installed
+
+tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM) $(KUBECTL) $(SYSTEMD_ANALYZE)
+$(SYSTEMD_ANALYZE):
+	command -v systemd-analyze >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends systemd; }
+	mkdir -p $(dir $@) && touch $@
 $(KUBECTL):
 	command -v npm >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nodejs npm; }

@@ -7,6 +7,7 @@ per spool, and it never imports torch, so it can never create a CUDA context.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -39,11 +40,14 @@ def _cause(e: OSError) -> str:
 
 class Server:
     def __init__(self, settings: Settings, node_daemon: bool = False) -> None:
-        self.settings = settings
         # node_daemon: the node's one long-running server for every user's ranks (deploy/systemd/), reading
-        # the node root; else the server of one user's ranks, reading their private spool
+        # the node root (every collector's spool: NVML readings, Xid attribution, the simulated node); else the
+        # server of one user's ranks, reading their private spool
+        if node_daemon:
+            settings = dataclasses.replace(settings, spool_dir=settings.node_dir)
+        self.settings = settings
         self.mode = "node" if node_daemon else "job"
-        self.spool_dir = settings.node_dir if node_daemon else settings.resolved_spool_dir()
+        self.spool_dir = settings.resolved_spool_dir()
         self.collectors: list[Runner] = []
         self.exporter: ExporterCollector | None = None
         self.http: ExporterHTTPServer | None = None
