@@ -58,6 +58,7 @@ class Handle:
                 self.spool_dir = node.user_dir(self.node_root)
             except OSError as e:
                 self._spool_error = e
+                self.spool_dir = self.node_root  # what the one log line names
         self.hostname = settings.resolved_hostname()
         self.source = allocator_source(settings, self.spool_dir)
         self.sampler = AllocatorSampler(self.source, settings.largest_block_interval)
