@@ -366,17 +366,31 @@ def test_prometheus_scrapes_the_daemon_and_sees_both_users(daemon: Daemon, base:
         prom.stop()
 
 
+def _servers_of(uid: int) -> list[str]:
+    """Command lines of ``vramwatch serve`` processes running as ``uid``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "vramwatch serve" in cmd:
+            out.append(cmd)
+    return out
+
+
 def test_a_rank_finds_the_daemon_and_starts_no_server(daemon: Daemon) -> None:
     alice = Rank(ALICE, 0, daemon)
     try:
         wait_until(lambda: daemon.ranks() == {"0"}, 15, "alice's rank on the daemon")
-        time.sleep(0.5)
-        assert not (daemon.root.parent / f"vramwatch-{daemon.port}").exists()
-        own = [p for p in Path("/dev/shm").glob(f"vramwatch-{daemon.port}")]
-        assert own == []  # no private spool, so no server of her own
+        time.sleep(2.5)  # a rank checks for a server on its first ticks (serve=auto)
+        assert _servers_of(ALICE) == []
+        assert not (alice.spool_dir / files.SERVER_LOG).exists()
+        assert not Path(f"/dev/shm/vramwatch-{daemon.port}").exists()  # no private spool either
     finally:
-        err = alice.stop()
-    assert "serving" not in err
+        alice.stop()
 
 
 def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:

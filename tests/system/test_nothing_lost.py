@@ -269,6 +269,7 @@ LABEL_NAMES = {
     "garbage_collection_threshold",
     "max_split_size_mb",
     "role",  # memory by role: the codec admits only spool.MEMORY_ROLES
+    "mode",  # vramwatch_server_mode: node or job, set by the server itself
 }
 
 

@@ -125,9 +125,9 @@ class Handle:
             self._log_once("spool", "vramwatch: cannot publish into %s (%s); exporting nothing", self.spool_dir, e)
             return
         try:
-            ctx = RankContext(
-                self.settings, self.identity, self.heartbeat, self.source, self.spool_dir, self.publish_now
-            )
+            # the server's spool, where its NVML readings are (the status line): the node root for the daemon
+            server_spool = self.node_root or self.spool_dir
+            ctx = RankContext(self.settings, self.identity, self.heartbeat, self.source, server_spool, self.publish_now)
             self.plugins = self._assembler.plugins = attach(ctx)
             self.step_hooks = self.plugins.step_hooks
         except Exception as e:  # noqa: BLE001 - the exporter still runs without them

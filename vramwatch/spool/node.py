@@ -20,6 +20,7 @@ a directory named for another uid, a writable-by-others entry, a FIFO) is refuse
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -128,15 +129,17 @@ class UserDir:
     def names(self) -> list[str]:
         return os.listdir(self.fd)
 
-    def _open(self, name: str) -> int | None:
+    def _open(self, name: str, unreadable: int | None = None) -> int | None:
+        """The checked file, or None; ``unreadable`` is returned when it exists but cannot be opened."""
         try:
             fd = os.open(name, _OPEN, dir_fd=self.fd)
         except FileNotFoundError:
             return None
         except OSError as e:
-            if e.errno == 40:  # ELOOP: the name is a symlink
+            if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
                 self._refused.append(Refused(f"{self.path}/{name}", "a symlink"))
-            return None
+                return None
+            return unreadable
         st = os.fstat(fd)
         why = ""
         if not stat.S_ISREG(st.st_mode):
@@ -152,7 +155,9 @@ class UserDir:
         return fd
 
     def lock_free(self, name: str) -> bool:
-        fd = self._open(name)
+        fd = self._open(name, unreadable=-1)
+        if fd == -1:
+            return False  # there, but not ours to open (mode 0600 from another tool): never reap what may live
         if fd is None:
             return True  # no lock of this owner: its rank is gone (or it never was one)
         try:
