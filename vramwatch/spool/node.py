@@ -92,10 +92,14 @@ class JobDir:
 
     uid: int | None = None
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, names: list[str] | None = None) -> None:
         self.path = path
+        self._names = names  # the listing open_dirs took: one listdir per read, as before
 
     def names(self) -> list[str]:
+        if self._names is not None:
+            names, self._names = self._names, None
+            return names
         return os.listdir(self.path)
 
     def lock_free(self, name: str) -> bool:
@@ -212,19 +216,24 @@ _DAEMON_FILES = frozenset(
 def open_dirs(spool_dir: str, refused: list[Refused] | None = None) -> Iterator[SpoolDir]:
     """The directories whose samples a server reads: its own spool, or each user's in a node root.
 
-    Raises OSError when the spool itself cannot be listed. Each directory is closed once the caller
-    moves on to the next (or stops)."""
+    Raises OSError at once when the spool itself cannot be listed (a read then has nothing). Each user's
+    directory is closed once the caller moves on to the next (or stops)."""
     if not is_node_root(spool_dir):
-        os.listdir(spool_dir)  # an unreadable spool raises here, as it did before there were node roots
-        yield JobDir(spool_dir)
-        return
-    sink: list[Refused] = [] if refused is None else refused
-    me = os.geteuid()
+        return iter([JobDir(spool_dir, os.listdir(spool_dir))])
     root_fd = os.open(spool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         names = sorted(os.listdir(root_fd))
+    except OSError:
+        os.close(root_fd)
+        raise
+    return _user_dirs(root_fd, names, spool_dir, [] if refused is None else refused)
+
+
+def _user_dirs(root_fd: int, names: list[str], root: str, refused: list[Refused]) -> Iterator[UserDir]:
+    me = os.geteuid()
+    try:
         for name in names:
-            d = _open_user_dir(root_fd, name, spool_dir, me, sink)
+            d = _open_user_dir(root_fd, name, root, me, refused)
             if d is None:
                 continue
             try:

@@ -60,13 +60,15 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
     best: dict[tuple[int, int], RankSample] = {}  # by (owner uid, rank): two users' jobs may both have a rank 0
     dead: list[tuple[RankSample, node.SpoolDir, str]] = []
     try:
-        for d in node.open_dirs(spool_dir, out.refused):
-            try:
-                _read_dir(d, now, grace, reap, out, best, dead)
-            except OSError:
-                continue  # one user's directory gone in between: the others are read
+        dirs = node.open_dirs(spool_dir, out.refused)
     except OSError:
         return out
+    for d in dirs:
+        try:
+            names = d.names()
+        except OSError:
+            continue  # a user's directory gone since the root's listing: the others are read
+        _read_dir(d, names, now, grace, reap, out, best, dead)
     keys = sorted(best, key=lambda k: (k[1], k[0]))
     if len(keys) > max_ranks:
         out.dropped["rank"] += len(keys) - max_ranks
@@ -85,6 +87,7 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
 
 def _read_dir(
     d: node.SpoolDir,
+    names: list[str],
     now: float,
     grace: float,
     reap: bool,
@@ -92,7 +95,6 @@ def _read_dir(
     best: dict[tuple[int, int], RankSample],
     dead: list[tuple[RankSample, node.SpoolDir, str]],
 ) -> None:
-    names = d.names()
     present = set(names)
     owner = -1 if d.uid is None else d.uid
     for name in names:
@@ -119,7 +121,11 @@ def _read_dir(
 
 def _evict(spool_dir: str, victims: set[tuple[int | None, str]]) -> None:
     """Remove the final samples the cap dropped (their directories are open again for it)."""
-    for d in node.open_dirs(spool_dir):
+    try:
+        dirs = node.open_dirs(spool_dir)
+    except OSError:
+        return  # the spool is gone: so are they
+    for d in dirs:
         for uid, name in victims:
             if uid == d.uid:
                 d.remove(name, files.lock_path_of(name), name + ".tmp")
