@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,20 @@ def test_a_job_spool_reads_as_before(tmp_path: Path) -> None:
     spool.ensure_dir(str(tmp_path / "s"))
     assert not node.is_node_root(str(tmp_path / "s"))
     assert [type(d).__name__ for d in node.open_dirs(str(tmp_path / "s"))] == ["JobDir"]
+
+
+def test_the_daemon_removes_a_users_directory_left_empty(tmp_path: Path) -> None:
+    """Jobs over, their files reaped: the user's directory goes after EMPTY_DIR_GRACE (a fallback one too)."""
+    root = tmp_path / "root"
+    node.ensure_root(str(root))
+    old, fresh, used = (root / f"u{os.geteuid()}{s}" for s in ("", "-0123456789abcdef", "-fedcba9876543210"))
+    for d in (old, fresh, used):
+        node.claim(str(d), os.geteuid())
+    (used / "rank-1-1.lock").touch()  # a rank's lock (a live rank's, or a dead one's until its sample is reaped)
+    now = time.time()
+    for d in (old, used):
+        os.utime(d, (now - node.EMPTY_DIR_GRACE - 1, now - node.EMPTY_DIR_GRACE - 1))
+    spool.read_spool(str(root), 64, 1.0, now=now, reap=False)
+    assert old.exists()  # only a reaping read removes
+    spool.read_spool(str(root), 64, 1.0, now=now)
+    assert not old.exists() and fresh.exists() and used.exists()

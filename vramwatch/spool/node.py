@@ -38,6 +38,7 @@ ROOT_MODE = 0o3733
 USER_DIR_MODE = 0o2770
 FILE_MODE = 0o640
 SHARED_MODE = 0o644  # the daemon's own files in the root: ranks flock and read them
+EMPTY_DIR_GRACE = 300.0  # seconds a user's directory stays empty before the daemon removes it
 
 USER_DIR = re.compile(r"^u(\d+)(?:-[0-9a-f]{16})?$")
 
@@ -118,6 +119,9 @@ class JobDir:
     def remove(self, *names: str) -> None:
         files.remove_quietly(*(os.path.join(self.path, n) for n in names))
 
+    def remove_if_stale(self, now: float) -> None:
+        pass  # a private spool stays: its server runs in it
+
     def close(self) -> None:
         pass
 
@@ -127,8 +131,9 @@ class UserDir:
     directory, never through a path the user could swap, and every file must be a regular one of the
     directory's owner that nobody else may write."""
 
-    def __init__(self, fd: int, uid: int, path: str, refused: list[Refused]) -> None:
+    def __init__(self, fd: int, uid: int, path: str, refused: list[Refused], root_fd: int = -1) -> None:
         self.fd, self.uid, self.path, self._refused = fd, uid, path, refused
+        self._root_fd = root_fd
 
     def names(self) -> list[str]:
         return os.listdir(self.fd)
@@ -200,6 +205,18 @@ class UserDir:
                 os.unlink(n, dir_fd=self.fd)
             except OSError:
                 pass
+
+    def remove_if_stale(self, now: float) -> None:
+        """Remove this directory once empty for ``EMPTY_DIR_GRACE`` s (the daemon owns the sticky root, so it
+        may): the user's jobs are over, and a fallback ``u<uid>-<hex>`` would otherwise stay until reboot.
+        A rank makes its lock in it right after making it, so a directory a rank is about to use is never
+        empty that long; a rank that finds its directory gone makes it again (RankPublisher)."""
+        try:
+            if os.listdir(self.fd) or now - os.fstat(self.fd).st_mtime < EMPTY_DIR_GRACE:
+                return
+            os.rmdir(os.path.basename(self.path), dir_fd=self._root_fd)
+        except OSError:
+            pass  # not empty any more (ENOTEMPTY), or gone
 
     def close(self) -> None:
         os.close(self.fd)
@@ -278,7 +295,7 @@ def _open_user_dir(root_fd: int, name: str, root: str, me: int, refused: list[Re
         os.close(fd)
         refused.append(Refused(entry, "replaced while it was opened"))
         return None
-    return UserDir(fd, st.st_uid, entry, refused)
+    return UserDir(fd, st.st_uid, entry, refused, root_fd)
 
 
 # ---------------------------------------------------------------- the rank's side

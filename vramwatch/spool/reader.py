@@ -69,6 +69,8 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
         except OSError:
             continue  # a user's directory gone since the root's listing: the others are read
         _read_dir(d, names, now, grace, reap, out, best, dead)
+        if reap and not names:
+            d.remove_if_stale(now)
     keys = sorted(best, key=lambda k: (k[1], k[0]))
     if len(keys) > max_ranks:
         out.dropped["rank"] += len(keys) - max_ranks
