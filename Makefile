@@ -30,7 +30,16 @@ KUBECTL       := $(KUBECTL_DIR)/bin/kubectl
 # Headless Chromium for the report test (Debian's package; it starts no service, so it is installed).
 CHROMIUM := $(TOOLS)/.chromium-installed
 
-tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM) $(KUBECTL)
+# systemd-analyze, to verify deploy/systemd/vramwatch.service (Debian's systemd package, installed only when
+# missing). It starts nothing in a container: its postinst (bookworm's systemd 252) calls systemctl only when
+# /run/systemd/system exists, i.e. systemd runs as PID 1; otherwise it only enables unit symlinks.
+SYSTEMD_ANALYZE := $(TOOLS)/.systemd-installed
+
+tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM) $(KUBECTL) $(SYSTEMD_ANALYZE)
+$(SYSTEMD_ANALYZE):
+	command -v systemd-analyze >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends systemd; }
+	mkdir -p $(dir $@) && touch $@
 $(KUBECTL):
 	command -v npm >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nodejs npm; }

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit once no rank has published for --linger seconds (how ranks start it)",
     )
+    s.add_argument(
+        "--node",
+        action="store_true",
+        help="run as the node's daemon for every user's ranks, on the node_dir spool (deploy/systemd/)",
+    )
     _add_settings_flags(s)
 
     d = sub.add_parser("demo", help="a short training job with the exporter (simulated GPU without CUDA)")
@@ -119,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             settings, _ = settings_from_args(args)
             logging.getLogger("vramwatch").setLevel(min(logging.INFO, logging.getLevelName(settings.log_level)))
-            return serve(settings, exit_when_idle=args.exit_when_idle)
+            return serve(settings, exit_when_idle=args.exit_when_idle, node_daemon=args.node)
         if args.command == "demo":
             from vramwatch import demo
 

@@ -114,6 +114,12 @@ class Settings:
         "Where ranks publish samples for the server (default "
         "/dev/shm/vramwatch-<port>, a tmpfs shared by the node's ranks).",
     )
+    node_dir: str = _opt(
+        "/run/vramwatch",
+        "The node daemon's spool root (`vramwatch serve --node`, deploy/systemd/). A rank with no spool_dir of "
+        "its own publishes there, into a directory of its user's, and starts no server, when the daemon set it "
+        "up; empty: never.",
+    )
     interval: float = _opt(1.0, "Seconds between allocator samples in each rank.", _seconds)
     largest_block_interval: float = _opt(
         30.0,

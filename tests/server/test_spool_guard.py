@@ -61,3 +61,20 @@ def test_a_spool_that_cannot_be_made_again_is_trouble_until_it_can(tmp_path, cap
     guard.check(health)
     assert guard.trouble == "" and guard.intact()
     guard.release()
+
+
+def test_a_removed_node_root_is_made_again_as_the_unit_makes_it(tmp_path):
+    """The node daemon's root (deploy/systemd/): 3733 again, and a lock every user's ranks may open."""
+    from vramwatch.spool import node
+
+    d = str(tmp_path / "run-vramwatch")
+    guard, health = SpoolGuard(d, node_daemon=True), Health()
+    assert guard.take()
+    shutil.rmtree(d)
+    guard.check(health)
+    assert guard.intact() and health.errors == 1
+    assert os.stat(d).st_mode & 0o7777 == node.ROOT_MODE
+    assert os.stat(os.path.join(d, spool.SERVER_LOCK)).st_mode & 0o777 == node.SHARED_MODE
+    assert node.daemon_running(d)
+    guard.release()
+    assert not node.daemon_running(d)

@@ -169,7 +169,7 @@ def test_dead_ranks_listed_first_do_not_hide_the_live_ones(tmp_path, monkeypatch
     pub = spool.RankPublisher(str(tmp_path), 7)
     pub.publish(sample(7, 2.0))
     real = os.listdir
-    monkeypatch.setattr(reader.os, "listdir", lambda d: sorted(real(d), key=lambda n: str(os.getpid()) in n))
+    monkeypatch.setattr(os, "listdir", lambda d: sorted(real(d), key=lambda n: str(os.getpid()) in n))
     assert [s.rank for s in spool.read_samples(str(tmp_path), 64, reap=reap)] == [7]
     pub.close()
 

@@ -274,6 +274,7 @@ LABEL_NAMES = {
     "gpu_instance_id",
     "compute_instance_id",
     "profile",
+    "mode",  # vramwatch_server_mode: node or job, set by the server itself
 }
 
 

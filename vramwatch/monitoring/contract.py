@@ -725,10 +725,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "What the server left out of the ranks' samples to bound cardinality, by reason: dead_rank (a dead "
         "rank's final sample, max_ranks reached), rank (a live rank beyond max_ranks, per read), oversized "
         "(a sample file too large), device, collector, value (entries beyond the per-sample bounds), label "
-        "(an entry whose label value is too long).",
+        "(an entry whose label value is too long), refused (an entry of a node daemon's spool that is not its owner's "
+        "own: a symlink, another user's file, a squatted directory; per read, see docs/security.md).",
         "self",
     ),
     _m("vramwatch_build_info", "info", "", ("version", "hostname"), "vramwatch build (value 1).", "self"),
+    _m(
+        "vramwatch_server_mode",
+        "gauge",
+        "",
+        ("mode",),
+        "What serves this target (value 1): node, the node's long-running daemon (`vramwatch serve --node`) for "
+        "every user's ranks, whose absence is a fault; job, a server a rank started, which exits after its "
+        "ranks (VramwatchTargetDown tells them apart).",
+        "self",
+    ),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}

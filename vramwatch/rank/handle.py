@@ -28,6 +28,7 @@ from vramwatch.rank.sample import SampleAssembler
 from vramwatch.rank.sampler import SamplerThread
 from vramwatch.rank.server_spawn import ServerSpawner
 from vramwatch.rank.sources import allocator_source
+from vramwatch.spool import node
 
 if TYPE_CHECKING:
     from vramwatch.rank.hygiene import Hygiene
@@ -49,6 +50,15 @@ class Handle:
         self.identity: RankIdentity = identify(settings.rank, settings.local_rank, settings.world_size)
         self.heartbeat = Heartbeat()
         self.spool_dir = settings.resolved_spool_dir()
+        # a node daemon (deploy/systemd/) serves every user's ranks: publish into its root, start no server
+        self.node_root = None if settings.spool_dir or settings.serve == "off" else node.daemon_root(settings.node_dir)
+        self._spool_error: OSError | None = None
+        if self.node_root is not None:
+            try:
+                self.spool_dir = node.user_dir(self.node_root)
+            except OSError as e:
+                self._spool_error = e
+                self.spool_dir = self.node_root  # what the one log line names
         self.hostname = settings.resolved_hostname()
         self.source = allocator_source(settings, self.spool_dir)
         self.sampler = AllocatorSampler(self.source, settings.largest_block_interval)
@@ -59,7 +69,7 @@ class Handle:
             self.identity, self.hostname, self.sampler, self.heartbeat, self.plugins, self._log_once
         )
         self._thread = SamplerThread(settings.interval, self.tick)
-        self._spawner = ServerSpawner(settings, self.spool_dir, self._log_once)
+        self._spawner = ServerSpawner(settings, self.spool_dir, self._log_once, self.node_root is not None)
         self._publisher: spool.RankPublisher | None = None
         self._pid = os.getpid()
         # one sample assembled and published at a time: the sampler thread's ticks and an OOM's
@@ -108,18 +118,26 @@ class Handle:
         if self.settings.serve == "off":
             return
         try:
-            self._publisher = spool.RankPublisher(self.spool_dir, self.identity.rank)
+            if self._spool_error is not None:
+                raise self._spool_error
+            self._publisher = spool.RankPublisher(self.spool_dir, self.identity.rank, self.node_root is not None)
         except OSError as e:
             self._log_once("spool", "vramwatch: cannot publish into %s (%s); exporting nothing", self.spool_dir, e)
             return
         try:
-            ctx = RankContext(
-                self.settings, self.identity, self.heartbeat, self.source, self.spool_dir, self.publish_now
-            )
+            # the server's spool, where its NVML readings are (the status line): the node root for the daemon
+            server_spool = self.node_root or self.spool_dir
+            ctx = RankContext(self.settings, self.identity, self.heartbeat, self.source, server_spool, self.publish_now)
             self.plugins = self._assembler.plugins = attach(ctx)
             self.step_hooks = self.plugins.step_hooks
         except Exception as e:  # noqa: BLE001 - the exporter still runs without them
             self._log_once("plugins", "vramwatch: OOM forensics / status / hygiene unavailable: %r", e)
+        if self.node_root is not None and not node.daemon_running(self.node_root):
+            log.warning(
+                "vramwatch: the node daemon's spool %s is set up but no daemon holds its lock; publishing there "
+                "for when it is back (systemctl status vramwatch)",
+                self.node_root,
+            )
         self.tick()  # the server sees this rank at once
         self._thread.start()
 

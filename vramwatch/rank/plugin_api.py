@@ -33,7 +33,7 @@ class RankContext:
     identity: RankIdentity
     heartbeat: Heartbeat
     source: AllocatorSource
-    spool_dir: str
+    spool_dir: str  # the server's spool (its NVML readings); the node root when the node daemon serves
     publish_now: Callable[[], bool]  # publish a sample on the calling thread before returning (an OOM)
 
 

@@ -19,8 +19,9 @@ SPAWN_BACKOFF_MAX = 60.0
 
 
 class ServerSpawner:
-    def __init__(self, settings: Settings, spool_dir: str, log_once: OnceLog) -> None:
+    def __init__(self, settings: Settings, spool_dir: str, log_once: OnceLog, node_daemon: bool = False) -> None:
         self.settings = settings
+        self.node_daemon = node_daemon  # the node's daemon serves this rank: never start one
         self.spool_dir = spool_dir
         self.log_once = log_once
         self._proc: subprocess.Popen | None = None
@@ -30,7 +31,7 @@ class ServerSpawner:
 
     def ensure(self) -> None:
         """Called on each tick: start a server if none runs and it is this rank's turn."""
-        if self.settings.serve != "auto":
+        if self.settings.serve != "auto" or self.node_daemon:
             return
         now = time.monotonic()
         if now < self._next_check:

@@ -7,6 +7,7 @@ per spool, and it never imports torch, so it can never create a CUDA context.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -38,13 +39,19 @@ def _cause(e: OSError) -> str:
 
 
 class Server:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, node_daemon: bool = False) -> None:
+        # node_daemon: the node's one long-running server for every user's ranks (deploy/systemd/), reading
+        # the node root (every collector's spool: NVML readings, Xid attribution, the simulated node); else the
+        # server of one user's ranks, reading their private spool
+        if node_daemon:
+            settings = dataclasses.replace(settings, spool_dir=settings.node_dir)
         self.settings = settings
+        self.mode = "node" if node_daemon else "job"
         self.spool_dir = settings.resolved_spool_dir()
         self.collectors: list[Runner] = []
         self.exporter: ExporterCollector | None = None
         self.http: ExporterHTTPServer | None = None
-        self.guard = SpoolGuard(self.spool_dir)
+        self.guard = SpoolGuard(self.spool_dir, node_daemon)
         self.exposition: CachedExposition | None = None
         self._serving: threading.Thread | None = None  # serve_forever's thread, once started
         self._stop = threading.Event()
@@ -61,7 +68,7 @@ class Server:
 
             ssl_context, authorize, headers = load_web_config(self.settings.web_config_file)
         self.collectors = enabled_collectors(self.settings)
-        self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors)
+        self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors, self.mode)
         self.exposition = CachedExposition(self.exporter)
         try:
             self.http = ExporterHTTPServer(
@@ -153,11 +160,14 @@ class Server:
         self.guard.release()
 
 
-def serve(settings: Settings, exit_when_idle: bool = False) -> int:
+def serve(settings: Settings, exit_when_idle: bool = False, node_daemon: bool = False) -> int:
     """Run until SIGTERM/SIGINT (or, rank-started, until the ranks are gone). Returns an exit code."""
-    server = Server(settings)
+    if node_daemon and not settings.node_dir:
+        log.error("vramwatch: serve --node needs node_dir (the node spool's root)")
+        return 1
+    server = Server(settings, node_daemon)
     try:
-        spool.ensure_dir(server.spool_dir)
+        server.guard.ensure_dir()
     except OSError as e:
         log.error("vramwatch: cannot use the spool directory %s: %s", server.spool_dir, e.strerror or e)
         return 1
@@ -176,6 +186,12 @@ def serve(settings: Settings, exit_when_idle: bool = False) -> int:
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
-    log.info("vramwatch: serving http://%s:%d/metrics", settings.host, server.port)
+    log.info(
+        "vramwatch: serving http://%s:%d/metrics (%s mode, spool %s)",
+        settings.host,
+        server.port,
+        server.mode,
+        server.spool_dir,
+    )
     server.run(exit_when_idle)
     return 0

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping
 
 from prometheus_client.core import Metric
 
 from vramwatch import spool
+from vramwatch._once import OnceLog
 from vramwatch._version import __version__
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
@@ -16,8 +18,10 @@ from vramwatch.server.collectors.rank_view import DeviceKey, RankView
 
 
 class ExporterCollector:
-    def __init__(self, settings: Settings, spool_dir: str, collectors: list[Runner]) -> None:
+    def __init__(self, settings: Settings, spool_dir: str, collectors: list[Runner], mode: str = "job") -> None:
         self.settings = settings
+        self.mode = mode  # node: the node's daemon; job: a server a rank started (vramwatch_server_mode)
+        self._log_refused = OnceLog(logging.getLogger("vramwatch"))
         self.spool_dir = spool_dir
         self.collectors = collectors
         self.hostname = settings.resolved_hostname()
@@ -47,6 +51,8 @@ class ExporterCollector:
             # live ranks, and dead ranks' final samples for their grace window (rank_view)
             read, carried = self.rank_view.read(now)
             self.spool_health.up = 0 if self.spool_trouble else 1
+            for f in read.refused:  # a local user's planted entry: logged, counted, never a collector failure
+                self._log_refused((f.entry, f.why), "vramwatch: %s", f.describe())
             for r in read.rejected:  # a rank whose series are missing: up 0 while it lasts, logged once per file
                 self.spool_health.failed(f"rejected:{r.file}:{r.reason}:{r.version}", "vramwatch: %s", r.describe())
             ok = True
@@ -101,4 +107,6 @@ class ExporterCollector:
             dropped.add_metric([reason], float(count))
         build = contract.family("vramwatch_build_info")
         build.add_metric([__version__, self.hostname], 1.0)
-        yield from (up, err, dur, n, dropped, build)
+        mode = contract.family("vramwatch_server_mode")
+        mode.add_metric([self.mode], 1.0)
+        yield from (up, err, dur, n, dropped, build, mode)

@@ -17,14 +17,15 @@ import os
 
 from vramwatch import spool
 from vramwatch.server.collectors import Health
-from vramwatch.spool import files
+from vramwatch.spool import files, node
 
 log = logging.getLogger("vramwatch")
 
 
 class SpoolGuard:
-    def __init__(self, spool_dir: str) -> None:
+    def __init__(self, spool_dir: str, node_daemon: bool = False) -> None:
         self.dir = spool_dir
+        self.node = node_daemon  # the node root (3733, ranks of every user), not a private spool
         self.lock_fd: int | None = None
         self.trouble = ""  # why the spool is unusable now; empty while it is fine
         self._info: dict[str, object] | None = None
@@ -33,12 +34,24 @@ class SpoolGuard:
 
     def take(self) -> bool:
         """Make the spool and take the server lock; False if another server holds it."""
-        spool.ensure_dir(self.dir)
-        self.lock_fd = spool.hold_lock(os.path.join(self.dir, spool.SERVER_LOCK))
+        self.ensure_dir()
+        self.lock_fd = self._hold_lock()
         if self.lock_fd is None:
             return False
         self._id = self._dir_id()
         return True
+
+    def ensure_dir(self) -> None:
+        if self.node:
+            node.ensure_root(self.dir)
+        else:
+            spool.ensure_dir(self.dir)
+
+    def _hold_lock(self) -> int | None:
+        fd = spool.hold_lock(os.path.join(self.dir, spool.SERVER_LOCK))
+        if fd is not None and self.node:
+            os.fchmod(fd, node.SHARED_MODE)  # every user's ranks open it to ask whether the daemon runs
+        return fd
 
     def write_info(self, info: dict[str, object]) -> None:
         """``server.json``: where this server listens (raises OSError naming the file)."""
@@ -82,8 +95,8 @@ class SpoolGuard:
         )
 
     def _relock(self) -> None:
-        spool.ensure_dir(self.dir)
-        fd = spool.hold_lock(os.path.join(self.dir, spool.SERVER_LOCK))
+        self.ensure_dir()
+        fd = self._hold_lock()
         if fd is None:  # another server (started by a rank in the gap) holds the new one; retried next check
             raise BlockingIOError(errno.EAGAIN, "the server lock is held by another process", self.dir)
         if self.lock_fd is not None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-from vramwatch.spool import files
+from vramwatch.spool import files, node
 
 SpoolState = tuple[tuple[str, bytes | None, bool], ...]  # (file name, record header, alive)
 
@@ -19,16 +17,16 @@ def spool_state(spool_dir: str, headers: bool = True) -> SpoolState | None:
     mtime, which the kernel keeps at timer-tick granularity: two publishes of the same size within a
     tick would look unchanged.
     """
+    state = []
     try:
-        names = os.listdir(spool_dir)
+        for d in node.open_dirs(spool_dir):
+            owner = "" if d.uid is None else f"{d.uid}/"  # the same name in two users' directories
+            for name in d.names():
+                if not files.RANK_FILE.match(name):
+                    continue
+                alive = not d.lock_free(files.lock_path_of(name))
+                state.append((owner + name, d.header(name) if headers else None, alive))
     except OSError:
         return None
-    state = []
-    for name in names:
-        if not files.RANK_FILE.match(name):
-            continue
-        path = os.path.join(spool_dir, name)
-        alive = not files.lock_is_free(files.lock_path_of(path))
-        state.append((name, files.record_header(path) if headers else None, alive))
     state.sort()
     return tuple(state)

@@ -33,6 +33,7 @@ RANK_FILE = re.compile(r"^rank-(\d+)-(\d+)\.json$")
 
 _MAGIC = b"VWS1"
 _HEADER = struct.Struct("<4sII")  # magic, payload length, CRC32 of the payload
+HEADER_SIZE = _HEADER.size
 
 
 def rank_stem(rank: int, pid: int) -> str:

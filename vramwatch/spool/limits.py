@@ -22,7 +22,7 @@ MAX_DEVICE_VALUES = 128  # values of one device (a rank sends about 25)
 MAX_LABEL_VALUE = 256  # characters of any string that becomes a label value
 
 # reasons of vramwatch_spool_dropped_total, each exported from 0
-DROP_REASONS = ("dead_rank", "rank", "oversized", "device", "collector", "value", "label")
+DROP_REASONS = ("dead_rank", "rank", "oversized", "device", "collector", "value", "label", "refused")
 
 
 def _fits(text: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from vramwatch.spool import files
+from vramwatch.spool import files, node
 from vramwatch.spool.codec import encode_sample
 from vramwatch.spool.schema import RankSample
 
@@ -22,17 +22,34 @@ log = logging.getLogger("vramwatch")
 class RankPublisher:
     """Writes one rank's samples; only ever called from the rank's sampler thread."""
 
-    def __init__(self, spool_dir: str, rank: int) -> None:
-        files.ensure_dir(spool_dir)
+    def __init__(self, spool_dir: str, rank: int, shared: bool = False) -> None:
+        # shared: ``spool_dir`` is this user's directory in a node daemon's root (:mod:`.node`), whose
+        # files the daemon reads through its group; else a private spool (0700)
+        self.shared = shared
         self.dir = spool_dir  # made again should it vanish (_recreate)
+        self._ensure_dir()
         self.path = files.sample_path(spool_dir, files.rank_stem(rank, os.getpid()))
         self.lock_path = files.lock_path_of(self.path)
         self._tmp = self.path + ".tmp"
         self._fd: int | None = None
-        self._lock_fd = files.hold_lock(self.lock_path)
+        self._lock_fd = self._hold_lock()
         # a forked child (a DataLoader worker) must not keep the parent's lock alive after the
         # parent dies: flock is shared by every copy of the descriptor, so the child drops its copy
         os.register_at_fork(after_in_child=self._drop_in_child)
+
+    def _ensure_dir(self) -> None:
+        if not self.shared:
+            files.ensure_dir(self.dir)
+            return
+        why = node.claim(self.dir, os.geteuid())
+        if why:
+            raise PermissionError(f"refused {self.dir}: {why}")
+
+    def _hold_lock(self) -> int | None:
+        fd = files.hold_lock(self.lock_path)
+        if fd is not None and self.shared:
+            node.share(fd)
+        return fd
 
     def _drop_in_child(self) -> None:
         for fd in (self._lock_fd, self._fd):
@@ -72,6 +89,8 @@ class RankPublisher:
     def _create(self, record: bytes) -> None:
         fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
+            if self.shared:
+                node.share(fd)
             os.pwrite(fd, record, 0)
             os.replace(self._tmp, self.path)  # appears complete, at once
         except BaseException:
@@ -84,8 +103,8 @@ class RankPublisher:
     def _recreate(self) -> None:
         """Make the spool again (0700, refused if another user owns it) and take a new lock before the sample
         file reappears, so the server never takes this rank for dead and reaps it."""
-        files.ensure_dir(self.dir)
-        lock_fd = files.hold_lock(self.lock_path)
+        self._ensure_dir()
+        lock_fd = self._hold_lock()
         if lock_fd is None:
             raise BlockingIOError(f"{self.lock_path} is held by another process")
         for fd in (self._lock_fd, self._fd):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from vramwatch.spool import files, limits
+from vramwatch.spool import files, limits, node
 from vramwatch.spool.codec import SampleRejected, decode_sample
 from vramwatch.spool.schema import SCHEMA_VERSION, RankSample
 
@@ -38,6 +37,7 @@ class SpoolRead:
     final: list[RankSample] = field(default_factory=list)  # dead ranks' final samples in their grace, newest first
     evicted: list[RankSample] = field(default_factory=list)  # final samples the cap dropped (removed) this read
     rejected: list[Rejected] = field(default_factory=list)
+    refused: list[node.Refused] = field(default_factory=list)  # node spool entries not trusted (node.Refused)
     dropped: Counter[str] = field(default_factory=Counter)  # what the bounds cut, by reason (limits.DROP_REASONS)
 
 
@@ -50,58 +50,95 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
     the window a matter of time alone: no request, aborted or not, uses it up, and a restarted
     server still serves it. Live and final samples together are at most ``max_ranks``: final ones
     are dropped first, oldest first, counted as ``dead_rank``; live ones beyond the cap as ``rank``.
+
+    ``spool_dir`` is a rank-started server's private spool, or a node daemon's root: then each user's
+    directory in it is read, a rank is that user's (the kernel's owner of the directory and file), and
+    entries that cannot be trusted are refused (:mod:`.node`), listed in ``refused``.
     """
     now = time.time() if now is None else now
     out = SpoolRead()
+    best: dict[tuple[int, int], RankSample] = {}  # by (owner uid, rank): two users' jobs may both have a rank 0
+    dead: list[tuple[RankSample, node.SpoolDir, str]] = []
     try:
-        names = os.listdir(spool_dir)
+        dirs = node.open_dirs(spool_dir, out.refused)
     except OSError:
         return out
-    best: dict[int, RankSample] = {}
-    dead: list[tuple[RankSample, str]] = []
+    for d in dirs:
+        try:
+            names = d.names()
+        except OSError:
+            continue  # a user's directory gone since the root's listing: the others are read
+        _read_dir(d, names, now, grace, reap, out, best, dead)
+        if reap and not names:
+            d.remove_if_stale(now)
+    keys = sorted(best, key=lambda k: (k[1], k[0]))
+    if len(keys) > max_ranks:
+        out.dropped["rank"] += len(keys) - max_ranks
+    out.live = [best[k] for k in keys[:max_ranks]]
+    dead.sort(key=lambda d: d[0].time, reverse=True)
+    room = max(0, max_ranks - len(out.live))
+    for sample, _, _ in dead[room:]:  # the oldest final samples make way
+        out.dropped["dead_rank"] += 1
+        out.evicted.append(sample)
+    if reap and dead[room:]:
+        _evict(spool_dir, {(d.uid, name) for _, d, name in dead[room:]})
+    out.final = [s for s, _, _ in dead[:room]]
+    out.dropped["refused"] += len(out.refused)
+    return out
+
+
+def _read_dir(
+    d: node.SpoolDir,
+    names: list[str],
+    now: float,
+    grace: float,
+    reap: bool,
+    out: SpoolRead,
+    best: dict[tuple[int, int], RankSample],
+    dead: list[tuple[RankSample, node.SpoolDir, str]],
+) -> None:
     present = set(names)
+    owner = -1 if d.uid is None else d.uid
     for name in names:
         m = files.RANK_FILE.match(name)
         if not m:
             if reap and name.endswith(".tmp") and name[:-4] not in present and files.RANK_FILE.match(name[:-4]):
-                _reap_unpublished(os.path.join(spool_dir, name[:-4]))
+                _reap_unpublished(d, name[:-4])
             continue
-        path = os.path.join(spool_dir, name)
-        lock = files.lock_path_of(path)
-        if files.lock_is_free(lock):  # owner gone
-            last = _read(path, name, None, out.dropped, tries=1)
+        lock = files.lock_path_of(name)
+        if d.lock_free(lock):  # owner gone
+            last = _read(d, name, None, out.dropped, tries=1)
             if last is not None and abs(now - last.time) < grace:  # a stamp in the future expires too
-                dead.append((last, path))
+                dead.append((last, d, name))
             elif reap:
-                files.remove_quietly(path, lock, path + ".tmp")
+                d.remove(name, lock, name + ".tmp")
             continue
-        sample = _read(path, name, out.rejected, out.dropped)
+        sample = _read(d, name, out.rejected, out.dropped)
         if sample is None:
             continue
-        rank = int(m.group(1))
-        if rank not in best or sample.time > best[rank].time:
-            best[rank] = sample
-    ranks = sorted(best)
-    if len(ranks) > max_ranks:
-        out.dropped["rank"] += len(ranks) - max_ranks
-    out.live = [best[r] for r in ranks[:max_ranks]]
-    dead.sort(key=lambda d: d[0].time, reverse=True)
-    room = max(0, max_ranks - len(out.live))
-    for sample, path in dead[room:]:  # the oldest final samples make way
-        out.dropped["dead_rank"] += 1
-        out.evicted.append(sample)
-        if reap:
-            files.remove_quietly(path, files.lock_path_of(path), path + ".tmp")
-    out.final = [s for s, _ in dead[:room]]
-    return out
+        key = (owner, int(m.group(1)))
+        if key not in best or sample.time > best[key].time:
+            best[key] = sample
 
 
-def _reap_unpublished(path: str) -> None:
+def _evict(spool_dir: str, victims: set[tuple[int | None, str]]) -> None:
+    """Remove the final samples the cap dropped (their directories are open again for it)."""
+    try:
+        dirs = node.open_dirs(spool_dir)
+    except OSError:
+        return  # the spool is gone: so are they
+    for d in dirs:
+        for uid, name in victims:
+            if uid == d.uid:
+                d.remove(name, files.lock_path_of(name), name + ".tmp")
+
+
+def _reap_unpublished(d: node.SpoolDir, name: str) -> None:
     """A rank that died inside its first publish left a temporary file and its lock, and no sample:
     nothing to serve, so both go once the lock is free (a live rank mid-publish still holds it)."""
-    lock = files.lock_path_of(path)
-    if files.lock_is_free(lock):
-        files.remove_quietly(path + ".tmp", lock)
+    lock = files.lock_path_of(name)
+    if d.lock_free(lock):
+        d.remove(name + ".tmp", lock)
 
 
 def read_samples(
@@ -115,13 +152,11 @@ def read_samples(
 
 
 def _read(
-    path: str, name: str, rejected: list[Rejected] | None, dropped: Counter[str], tries: int = 5
+    d: node.SpoolDir, name: str, rejected: list[Rejected] | None, dropped: Counter[str], tries: int = 5
 ) -> RankSample | None:
     for _ in range(tries):
-        try:
-            with open(path, "rb") as fh:
-                raw = fh.read(limits.MAX_SAMPLE_BYTES + 1)
-        except OSError:
+        raw = d.read(name, limits.MAX_SAMPLE_BYTES + 1)
+        if raw is None:
             return None
         if len(raw) > limits.MAX_SAMPLE_BYTES:
             dropped["oversized"] += 1
@@ -143,7 +178,7 @@ def _read(
 def any_rank_files(spool_dir: str) -> bool:
     """Whether any rank, alive or dead and not yet reaped, has published here."""
     try:
-        return any(files.RANK_FILE.match(n) for n in os.listdir(spool_dir))
+        return any(any(files.RANK_FILE.match(n) for n in d.names()) for d in node.open_dirs(spool_dir))
     except OSError:
         return False
 

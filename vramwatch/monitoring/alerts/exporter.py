@@ -17,10 +17,28 @@ from vramwatch.monitoring.config import MonitoringConfig
 
 
 def target_down(cfg: MonitoringConfig) -> str:
-    """vramwatch targets failing their scrape: by job name, or by having served vramwatch recently."""
+    """vramwatch targets failing their scrape: by job name, or by having served vramwatch recently; except a
+    server a rank started (``vramwatch_server_mode{mode="job"}``) that had no live rank at its last scrape.
+
+    Such a server exits on purpose once its ranks are gone (``linger`` after the last rank, and only after
+    the dead ranks' final samples were served for their grace window: at least ~100 s of
+    ``vramwatch_ranks == 0`` scrapes by default), so its target going down then is its job ending, and a
+    static config listing the node sees it between jobs. Gone while ranks were live, it is a fault: the
+    job's server, the job or the node died. A node daemon (``mode="node"``) runs for the node's life:
+    down is always a fault, idle or not (an idle daemon answers, ``up == 1``). A target that never said
+    its mode (an older vramwatch) is taken as before: down is a fault."""
     seen = metric(cfg, "vramwatch_build_info")
-    recent = f"up == 0 and on(job, instance) max_over_time({seen}[{duration(cfg.target_seen_window)}])"
-    return f"{up(cfg)} == 0\nor {recent}" if cfg.target_selector else recent
+    window = duration(cfg.target_seen_window)
+    recent = f"up == 0 and on(job, instance) max_over_time({seen}[{window}])"
+    down = f"{up(cfg)} == 0\nor {recent}" if cfg.target_selector else recent
+    job_mode = metric(cfg, "vramwatch_server_mode", 'mode="job"')
+    node_mode = metric(cfg, "vramwatch_server_mode", 'mode="node"')
+    ended = (
+        f"last_over_time({job_mode}[{window}])\n"
+        f"and on(job, instance) last_over_time({metric(cfg, 'vramwatch_ranks')}[{window}]) == 0\n"
+        f"unless on(job, instance) last_over_time({node_mode}[{window}])"
+    )
+    return f"(\n{down}\n)\nunless on(job, instance) (\n{ended}\n)"
 
 
 def impostor(cfg: MonitoringConfig) -> str:
@@ -59,8 +77,9 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             WARNING,
             "Prometheus cannot scrape a vramwatch target.",
             f"Prometheus has failed to scrape {label('instance')} (job {label('job')}) for more than "
-            f"{cfg.target_down_for}: the node, the job or its exporter is gone, and none of its alerts "
-            "can fire.",
+            f"{cfg.target_down_for}: the node or its vramwatch node daemon is down, or a job's own server "
+            "vanished while its ranks were running (the job or the node died); none of its alerts can fire. "
+            "A job's server that exits after its ranks left does not fire this.",
             cfg.target_down_for,
         ),
         alert(
