@@ -46,7 +46,9 @@ class Handle:
     def __init__(self, settings: Settings, sources: dict[str, str]) -> None:
         self.settings = settings
         self.sources = sources
-        self.identity: RankIdentity = identify(settings.rank, settings.local_rank, settings.world_size)
+        self.identity: RankIdentity = identify(
+            settings.rank, settings.local_rank, settings.world_size, job_id=settings.job_id
+        )
         self.heartbeat = Heartbeat()
         self.spool_dir = settings.resolved_spool_dir()
         self.hostname = settings.resolved_hostname()
@@ -108,7 +110,7 @@ class Handle:
         if self.settings.serve == "off":
             return
         try:
-            self._publisher = spool.RankPublisher(self.spool_dir, self.identity.rank)
+            self._publisher = spool.RankPublisher(self.spool_dir, self.identity.rank, self.identity.job_id)
         except OSError as e:
             self._log_once("spool", "vramwatch: cannot publish into %s (%s); exporting nothing", self.spool_dir, e)
             return

@@ -1,15 +1,44 @@
-"""Rank identity from the launcher's environment (torchrun, accelerate, DeepSpeed, SLURM, MPI)."""
+"""Rank identity from the launcher's environment (torchrun, accelerate, DeepSpeed, SLURM, MPI).
+
+Besides the rank numbers, the job the rank belongs to (``job_id``): two jobs on one node share one
+spool and one target, and the same rank numbers, so without it the second job's rank 0 would be taken
+for the first one's. The first of these that is present names the job:
+
+1. the ``job_id`` setting (``VRAMWATCH_JOB_ID``; on Kubernetes the Job's name through the downward
+   API, see docs/configuration.md);
+2. ``SLURM_JOB_ID``, with ``.`` and ``SLURM_STEP_ID`` when set (two steps of one allocation are two jobs);
+3. ``TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``), unless it is torchrun's default ``none``;
+4. ``PMIX_NAMESPACE`` (Open MPI's and PRRTE's ``mpirun``);
+5. for a job of several ranks, its master's address and port (``MASTER_ADDR`` + ``MASTER_PORT``, set
+   by torchrun, accelerate and DeepSpeed): the same on every node of the job, so its ranks still
+   compare across nodes, and two concurrent jobs cannot share one (their stores would be one);
+6. for a job of several ranks (or any torchrun worker) without one, the launcher's pid (the ranks'
+   common parent: torchrun's agent, which also keeps it across the worker restarts it makes);
+7. a lone process: its own pid. Its parent (a shell) may run others; two processes alive at once never
+   share a pid. A lone process restarted is a new job: its predecessor's final sample stays served,
+   under the old id, for ``dead_rank_grace_seconds`` (the OOM that ended it still reaches Prometheus).
+
+5-7 tell jobs apart on one node only; jobs across nodes that need one id set ``job_id``.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from vramwatch.spool.schema import JOB_ID, JOB_ID_MAX
 
 # First variable present wins; torchrun/accelerate/DeepSpeed all set the torch names.
 _RANK = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 _LOCAL_RANK = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
 _WORLD_SIZE = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+_HASH = 8  # hex digits of the hash a mapped value ends with
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_TORCHELASTIC_DEFAULT = "none"  # torchrun's --rdzv-id when none is given: every such job would share it
 
 
 @dataclass(frozen=True)
@@ -17,6 +46,7 @@ class RankIdentity:
     rank: int
     local_rank: int
     world_size: int
+    job_id: str = ""
 
 
 def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
@@ -30,10 +60,45 @@ def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
     return None
 
 
+def bounded_job_id(raw: str) -> str:
+    """``raw`` as a job id: itself when it fits (:data:`~vramwatch.spool.schema.JOB_ID`), else mapped
+    deterministically: other characters replaced by ``_``, cut to fit, and a hash of the whole value
+    appended, so two different values stay apart (two long ids sharing their first 55 characters,
+    ``a@b`` and ``a#b``)."""
+    if JOB_ID.fullmatch(raw):
+        return raw
+    digest = hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH]
+    return _UNSAFE.sub("_", raw)[: JOB_ID_MAX - _HASH - 1] + "-" + digest
+
+
+def job_id_from_env(world_size: int, env: Mapping[str, str], pid: int, ppid: int) -> str:
+    """The job id the launcher's environment gives (the module's order 2-7), bounded."""
+    slurm = env.get("SLURM_JOB_ID", "")
+    if slurm:
+        step = env.get("SLURM_STEP_ID", "")
+        return bounded_job_id(f"{slurm}.{step}" if step else slurm)
+    run = env.get("TORCHELASTIC_RUN_ID", "")
+    if run and run != _TORCHELASTIC_DEFAULT:
+        return bounded_job_id(run)
+    pmix = env.get("PMIX_NAMESPACE", "")
+    if pmix:
+        return bounded_job_id(pmix)
+    if world_size > 1 or "TORCHELASTIC_RUN_ID" in env:  # launched: the ranks' parent is the launcher
+        addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+        if addr and port:
+            return bounded_job_id(f"master-{addr}-{port}")
+        return f"pid-{ppid}"
+    return f"pid-{pid}"
+
+
 def identify(
-    rank: int = -1, local_rank: int = -1, world_size: int = -1, env: Mapping[str, str] | None = None
+    rank: int = -1,
+    local_rank: int = -1,
+    world_size: int = -1,
+    env: Mapping[str, str] | None = None,
+    job_id: str = "",
 ) -> RankIdentity:
-    """Explicit values (>= 0) win over the environment; a lone process is rank 0 of 1."""
+    """Explicit values (>= 0, a non-empty ``job_id``) win over the environment; a lone process is rank 0 of 1."""
     env = os.environ if env is None else env
     r = rank if rank >= 0 else _first_int(env, _RANK)
     lr = local_rank if local_rank >= 0 else _first_int(env, _LOCAL_RANK)
@@ -41,4 +106,5 @@ def identify(
     r = 0 if r is None or r < 0 else r
     lr = r if lr is None or lr < 0 else lr
     ws = max(ws or 1, r + 1)
-    return RankIdentity(r, lr, ws)
+    job = bounded_job_id(job_id) if job_id else job_id_from_env(ws, env, os.getpid(), os.getppid())
+    return RankIdentity(r, lr, ws, job)

@@ -22,10 +22,11 @@ log = logging.getLogger("vramwatch")
 class RankPublisher:
     """Writes one rank's samples; only ever called from the rank's sampler thread."""
 
-    def __init__(self, spool_dir: str, rank: int) -> None:
+    def __init__(self, spool_dir: str, rank: int, job_id: str = "") -> None:
         files.ensure_dir(spool_dir)
         self.dir = spool_dir  # made again should it vanish (_recreate)
-        self.path = files.sample_path(spool_dir, files.rank_stem(rank, os.getpid()))
+        # keyed by the job too: rank 0 of another job on this node has a file of its own
+        self.path = files.sample_path(spool_dir, files.rank_stem(rank, os.getpid(), job_id))
         self.lock_path = files.lock_path_of(self.path)
         self._tmp = self.path + ".tmp"
         self._fd: int | None = None

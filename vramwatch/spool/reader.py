@@ -34,7 +34,7 @@ class Rejected:
 class SpoolRead:
     """One read of the spool by the scrape path."""
 
-    live: list[RankSample] = field(default_factory=list)  # the newest sample per live rank, by rank
+    live: list[RankSample] = field(default_factory=list)  # the newest sample per live (job, rank), in that order
     final: list[RankSample] = field(default_factory=list)  # dead ranks' final samples in their grace, newest first
     evicted: list[RankSample] = field(default_factory=list)  # final samples the cap dropped (removed) this read
     rejected: list[Rejected] = field(default_factory=list)
@@ -48,8 +48,9 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
     spool, served as its final sample (the OOM that killed it) until ``grace`` seconds after that
     sample was taken; then ``reap`` removes it. Keeping it on disk rather than in the server makes
     the window a matter of time alone: no request, aborted or not, uses it up, and a restarted
-    server still serves it. Live and final samples together are at most ``max_ranks``: final ones
-    are dropped first, oldest first, counted as ``dead_rank``; live ones beyond the cap as ``rank``.
+    server still serves it. A rank is its (job id, rank): the same rank of two jobs on the node is two.
+    Live and final samples together are at most ``max_ranks``, of all jobs: final ones are dropped
+    first, oldest first, counted as ``dead_rank``; live ones beyond the cap as ``rank``.
     """
     now = time.time() if now is None else now
     out = SpoolRead()
@@ -57,7 +58,7 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
         names = os.listdir(spool_dir)
     except OSError:
         return out
-    best: dict[int, RankSample] = {}
+    best: dict[tuple[str, int], RankSample] = {}
     dead: list[tuple[RankSample, str]] = []
     present = set(names)
     for name in names:
@@ -78,9 +79,9 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
         sample = _read(path, name, out.rejected, out.dropped)
         if sample is None:
             continue
-        rank = int(m.group(1))
-        if rank not in best or sample.time > best[rank].time:
-            best[rank] = sample
+        key = (sample.job_id, sample.rank)  # the labels it renders with: one label set per exposition
+        if key not in best or sample.time > best[key].time:
+            best[key] = sample
     ranks = sorted(best)
     if len(ranks) > max_ranks:
         out.dropped["rank"] += len(ranks) - max_ranks
