@@ -81,7 +81,8 @@ def first_stopped(cfg: MonitoringConfig) -> str:
     args = " ".join(f"$labels.{name}" for name in cfg.peer_labels)
     return (
         f"{{{{ with printf {_go_string(query)} {args} | query }}}}{{{{ with first . }}}}"
-        " The first of its job's ranks to stop: rank {{ .Labels.rank }} on {{ .Labels.instance }}."
+        " The first of its job's ranks to stop: rank {{ .Labels.rank }}"
+        "{{ if .Labels.job_id }} of job {{ .Labels.job_id }}{{ end }} on {{ .Labels.instance }}."
         "{{ end }}{{ end }}"
     )
 
