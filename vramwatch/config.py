@@ -160,8 +160,8 @@ class Settings:
     job_id: str = _opt(
         "",
         "The job this rank belongs to, the job_id label of its series (empty: from SLURM_JOB_ID[.SLURM_STEP_ID], "
-        "TORCHELASTIC_RUN_ID, PMIX_NAMESPACE, the master's address and port, else the launcher's or the "
-        "process's pid; see README, Job identity). On Kubernetes, the Job's name through the downward API. "
+        "TORCHELASTIC_RUN_ID, PMIX_NAMESPACE, the master's address and port, else a hash naming the launcher "
+        "or the process; see README, Job identity). On Kubernetes, the Job's name through the downward API. "
         "At most 64 letters, digits and _ . -.",
         _job_id,
     )

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from vramwatch import ConfigError, config
-from vramwatch.rank.identity import bounded_job_id, identify, job_id_from_env
+from vramwatch.rank import identity
+from vramwatch.rank.identity import bounded_job_id, identify, job_id_from_env, process_job_id
 from vramwatch.spool.schema import JOB_ID, JOB_ID_MAX
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
@@ -36,22 +37,36 @@ def test_each_source_wins_over_the_ones_after_it():
     del env["PMIX_NAMESPACE"]
     assert _job(env) == "master-10.0.0.7-29500"  # the same on every node of the job
     del env["MASTER_PORT"]
-    assert _job(env) == "pid-200"  # the launcher: the ranks' common parent
-    assert _job({}, world_size=1) == "pid-300"  # a lone process: its own pid (its shell may run others)
-    assert _job({"TORCHELASTIC_RUN_ID": "none"}, world_size=1) == "pid-200"  # a torchrun worker: its agent
+    assert _job(env) == process_job_id(200)  # the launcher: the ranks' common parent
+    assert _job({}, world_size=1) == process_job_id(300)  # a lone process: itself (its shell may run others)
+    assert _job({"TORCHELASTIC_RUN_ID": "none"}, world_size=1) == process_job_id(200)  # a torchrun worker: its agent
 
 
 def test_identify_reads_the_environment_and_this_process():
     ident = identify(env=TORCHRUN)
     assert (ident.rank, ident.local_rank, ident.world_size, ident.job_id) == (1, 1, 4, "master-10.0.0.7-29500")
-    assert identify(env={}).job_id == f"pid-{os.getpid()}"
-    assert identify(env={"WORLD_SIZE": "2"}).job_id == f"pid-{os.getppid()}"
+    assert identify(env={}).job_id == process_job_id(os.getpid())
+    assert identify(env={"WORLD_SIZE": "2"}).job_id == process_job_id(os.getppid())
+    assert process_job_id(os.getpid()) != process_job_id(os.getppid())
+
+
+def test_a_process_is_named_without_its_pid_and_a_reused_pid_is_another_job(monkeypatch):
+    own = process_job_id(os.getpid())
+    assert JOB_ID.fullmatch(own) and own.startswith("local-") and len(own) == len("local-") + 12
+    assert process_job_id(os.getpid()) == own  # every rank asking about its launcher gets the same
+    stat = "4242 (python3 (x) y) S 1 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 {start} 1 1"
+    for start, other in ((100, 200), (100, 100)):
+        ids = []
+        for s in (start, other):
+            monkeypatch.setattr(identity, "_read", lambda path, s=s: stat.format(start=s) if "stat" in path else "b")
+            ids.append(process_job_id(4242))
+        assert (ids[0] == ids[1]) == (start == other)  # the start time tells a reused pid apart
 
 
 def test_two_concurrent_jobs_on_one_node_never_share_an_id():
     # the same ranks, both without any launcher id: told apart by their launchers (or masters)
-    a = _job({"RANK": "0", "WORLD_SIZE": "2"}, ppid=200)
-    b = _job({"RANK": "0", "WORLD_SIZE": "2"}, ppid=201)
+    a = _job({"RANK": "0", "WORLD_SIZE": "2"}, ppid=os.getpid())
+    b = _job({"RANK": "0", "WORLD_SIZE": "2"}, ppid=os.getppid())
     lone_a, lone_b = _job({}, world_size=1, pid=300), _job({}, world_size=1, pid=301)
     assert len({a, b, lone_a, lone_b}) == 4
     assert _job({**TORCHRUN, "MASTER_PORT": "29501"}) != _job(TORCHRUN)

@@ -201,9 +201,9 @@ vramwatch.stop()
     assert p.returncode == 0, p.stderr
     lines = [x for x in p.stderr.splitlines() if x.startswith("vramwatch: step")]
     assert len(lines) == 2, p.stderr
-    # the start line names the job once (a lone process: its own pid), before the first status line
+    # the start line names the job once (a lone process: itself), before the first status line
     starts = [x for x in p.stderr.splitlines() if "job_id" in x]
-    assert len(starts) == 1 and re.fullmatch(r"vramwatch: rank 0 of 1, job_id pid-\d+", starts[0]), p.stderr
+    assert len(starts) == 1 and re.fullmatch(r"vramwatch: rank 0 of 1, job_id local-[0-9a-f]{12}", starts[0]), p.stderr
     assert p.stderr.splitlines().index(starts[0]) < p.stderr.splitlines().index(lines[0])
     assert lines[0].startswith("vramwatch: step 2, ") and "alloc 3.00 GiB" in lines[0] and "power 120 W" in lines[1]
     assert p.stdout == ""  # nothing on the job's stdout

@@ -251,6 +251,7 @@ LABEL_NAMES = {
     "device",
     "rank",
     "local_rank",
+    "job_id",
     "hostname",
     "world_size",
     "collector",
@@ -533,7 +534,7 @@ def test_a_job_that_ooms_and_restarts_within_one_interval_alerts_on_every_promet
             assert v == 1.0
         # a crash loop: the restarted process OOMs and dies too, a third takes over; one label set, the sum
         (proc, go), r = _job(exp, tmp, ranks[0], "exit"), ranks[0]
-        stem = f"rank-{r}-{proc.pid}-"  # and its job id (the launcher's pid: this test's)
+        stem = f"rank-{r}-{proc.pid}-"  # and its job id (its launcher's: this test's process)
         wait_until(
             lambda: any(n.startswith(stem) and n.endswith(".json") for n in os.listdir(exp.spool)), 30, "its sample"
         )

@@ -5,20 +5,23 @@ spool and one target, and the same rank numbers, so without it the second job's 
 for the first one's. The first of these that is present names the job:
 
 1. the ``job_id`` setting (``VRAMWATCH_JOB_ID``; on Kubernetes the Job's name through the downward
-   API, see docs/configuration.md);
+   API, see the README, Job identity);
 2. ``SLURM_JOB_ID``, with ``.`` and ``SLURM_STEP_ID`` when set (two steps of one allocation are two jobs);
 3. ``TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``), unless it is torchrun's default ``none``;
 4. ``PMIX_NAMESPACE`` (Open MPI's and PRRTE's ``mpirun``);
 5. for a job of several ranks, its master's address and port (``MASTER_ADDR`` + ``MASTER_PORT``, set
    by torchrun, accelerate and DeepSpeed): the same on every node of the job, so its ranks still
    compare across nodes, and two concurrent jobs cannot share one (their stores would be one);
-6. for a job of several ranks (or any torchrun worker) without one, the launcher's pid (the ranks'
-   common parent: torchrun's agent, which also keeps it across the worker restarts it makes);
-7. a lone process: its own pid. Its parent (a shell) may run others; two processes alive at once never
-   share a pid. A lone process restarted is a new job: its predecessor's final sample stays served,
-   under the old id, for ``dead_rank_grace_seconds`` (the OOM that ended it still reaches Prometheus).
+6. for a job of several ranks (or any torchrun worker) without one, its launcher (the ranks' common
+   parent: torchrun's agent, which also keeps it across the worker restarts it makes);
+7. a lone process: the process itself. Its parent (a shell) may run others.
 
-5-7 tell jobs apart on one node only; jobs across nodes that need one id set ``job_id``.
+6 and 7 name a process as ``local-<12 hex digits>``: a hash of the boot, the pid and the process's start
+time, so two processes alive at once never share one (nor a pid reused later), and no pid becomes a
+label (docs/security.md: pids are never exported; the console's start line says which process it is).
+A lone process restarted is a new job: its predecessor's final sample stays served, under the old id,
+for ``dead_rank_grace_seconds`` (the OOM that ended it still reaches Prometheus). 5-7 tell jobs apart on
+one node only; a job across nodes without 2-4 sets ``job_id``.
 """
 
 from __future__ import annotations
@@ -71,6 +74,25 @@ def bounded_job_id(raw: str) -> str:
     return _UNSAFE.sub("_", raw)[: JOB_ID_MAX - _HASH - 1] + "-" + digest
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def process_job_id(pid: int) -> str:
+    """``local-<hash>`` of a live process: the boot, its pid and its start time (Linux's /proc; the pid
+    alone where there is none), the same for every rank that asks about it."""
+    stat = _read(f"/proc/{pid}/stat")
+    # field 22, the start time in clock ticks since boot; the command name before it may hold anything
+    start = stat.rpartition(")")[2].split()[19:20] if stat else []
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    digest = hashlib.sha256(f"{boot}:{pid}:{''.join(start)}".encode()).hexdigest()[:12]
+    return f"local-{digest}"
+
+
 def job_id_from_env(world_size: int, env: Mapping[str, str], pid: int, ppid: int) -> str:
     """The job id the launcher's environment gives (the module's order 2-7), bounded."""
     slurm = env.get("SLURM_JOB_ID", "")
@@ -87,8 +109,8 @@ def job_id_from_env(world_size: int, env: Mapping[str, str], pid: int, ppid: int
         addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
         if addr and port:
             return bounded_job_id(f"master-{addr}-{port}")
-        return f"pid-{ppid}"
-    return f"pid-{pid}"
+        return process_job_id(ppid)
+    return process_job_id(pid)
 
 
 def identify(
