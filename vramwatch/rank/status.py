@@ -19,7 +19,7 @@ compares one counter and formats a line only on every N-th step.
 
 At start, one line names the rank and its job (the ``job_id`` label of its series), once:
 
-    vramwatch: rank 0 of 8, job_id 4711.0
+    vramwatch: rank 0 of 8, job_id 4711.0, pid 31337
 
 Where it goes: with ``mode="auto"`` a postfix on the active tqdm bar if there is one (the
 Trainer's or Lightning's progress bar), else the ``vramwatch.status`` logger at INFO (printed to
@@ -29,6 +29,7 @@ stderr when logging is not configured). Rank 0 only unless ``status_all_ranks``.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -156,7 +157,8 @@ class StatusLine:
 
     def start(self, world_size: int, job_id: str) -> str:
         """The start line, once: which rank of which job this console belongs to."""
-        text = f"vramwatch: rank {self.rank} of {world_size}, job_id {job_id}"
+        # the pid only here, on the console (never a label): a local-<hash> job id is this process or its parent
+        text = f"vramwatch: rank {self.rank} of {world_size}, job_id {job_id}, pid {os.getpid()}"
         if self.emit is not None:
             self.emit([text], "start")
         elif self.mode != "postfix":
