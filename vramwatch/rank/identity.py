@@ -41,7 +41,9 @@ _WORLD_SIZE = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 _HASH = 8  # hex digits of the hash a mapped value ends with
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
-_TORCHELASTIC_DEFAULT = "none"  # torchrun's --rdzv-id when none is given: every such job would share it
+# torchrun's --rdzv-id when none is given (torch/distributed/run.py, PyTorch 2.13): every such job would
+# share it. --standalone, and a one-node run without --master-port, draw a UUID instead.
+_TORCHELASTIC_DEFAULT = "none"
 
 
 @dataclass(frozen=True)
