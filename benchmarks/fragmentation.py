@@ -265,7 +265,7 @@ def row_from_scrape(text: str, rank: str = "0", openmetrics: bool = False) -> di
             row["gpu_memory_used"] = value
     for labels, _ in m.get("torch_cuda_allocator_info", []):
         if labels.get("rank") == rank:
-            row["_info"] = {k: v for k, v in labels.items() if k not in ("rank", "local_rank")}
+            row["_info"] = {k: v for k, v in labels.items() if k not in ("rank", "local_rank", "job_id")}
     return row
 
 

@@ -14,7 +14,7 @@ tests); a binary it cannot find raises ToolMissing, which the tests turn into a 
 
 from __future__ import annotations
 
-from harness.exporter import Exporter, parse_metrics, start_sim_rank
+from harness.exporter import Exporter, parse_metrics, start_sim_job, start_sim_rank
 from harness.net import WaitTimeout, free_port, http_get, port_open, wait_http, wait_port_closed, wait_until
 from harness.procs import ROOT, child_env, die_with, pid_alive, stop_group, stop_pid, stop_proc, vramwatch_env
 from harness.servers import Alertmanager, Prometheus, Server, loopback_prometheus_config
@@ -37,6 +37,7 @@ __all__ = [
     "parse_metrics",
     "pid_alive",
     "port_open",
+    "start_sim_job",
     "start_sim_rank",
     "stop_group",
     "stop_pid",

@@ -118,3 +118,47 @@ def start_sim_rank(
         stdout=exporter.log,
         stderr=exporter.log,
     )
+
+
+# what names a job (vramwatch.rank.identity): a job of start_sim_job has only the ones it is given
+JOB_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE", "MASTER_ADDR", "MASTER_PORT")
+
+# a launcher as torchrun is one: it starts the ranks as its children and waits for them; SIGTERM stops them
+_LAUNCHER = r"""
+import os, signal, subprocess, sys
+world_size, args = int(sys.argv[1]), sys.argv[2:]
+procs = []
+def stop(*_):
+    for p in procs:
+        p.terminate()
+signal.signal(signal.SIGTERM, stop)
+for r in range(world_size):
+    env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size))
+    procs.append(subprocess.Popen([sys.executable, "-m", "vramwatch.sim.worker", *args], env=env,
+                                  stdin=subprocess.DEVNULL))
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+def start_sim_job(
+    exporter: Exporter, world_size: int, *args: str, job_env: dict[str, str] | None = None, **settings: Any
+) -> subprocess.Popen:
+    """A simulated job of ``world_size`` ranks (0..n-1) under a launcher process of its own, publishing into
+    ``exporter``'s spool; stop it with :func:`harness.stop_group` (it leads its own process group).
+
+    The job's identity comes from ``job_env`` (e.g. ``SLURM_JOB_ID``) and ``settings`` (``job_id``) alone:
+    the :data:`JOB_VARS` of this environment are left out, so without them the ranks fall back to the
+    launcher's pid, as the ranks of two plain launches on one node do."""
+    settings = {"simulate": True, "serve": "external", "interval": 0.2, **settings}
+    env = vramwatch_env(exporter.spool, exporter.port, **settings)
+    for name in JOB_VARS:
+        env.pop(name, None)
+    env.update(job_env or {})
+    return subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(world_size), *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=exporter.log,
+        stderr=exporter.log,
+        start_new_session=True,
+    )

@@ -119,7 +119,13 @@ def start(tmp: Path, duration: float = 14.0, wait_for: tuple[str, ...] | None = 
         (1, ["--fill-gib", "96"]),
     ):
         env = vramwatch_env(
-            exp.spool, exp.port, simulate=True, serve="external", interval=0.25, largest_block_interval=1.0
+            exp.spool,
+            exp.port,
+            simulate=True,
+            serve="external",
+            interval=0.25,
+            largest_block_interval=1.0,
+            job_id=TARGET_LABELS["batch_kubernetes_io_job_name"],  # as the Kubernetes recipe passes the Job's name
         )
         env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": str(rank)})
         live.ranks.append(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramwatch.errors import ConfigError
+from vramwatch.spool.schema import JOB_ID, JOB_ID_MAX
 
 __all__ = ["DEFAULT_PORT", "ENV_PREFIX", "FIELDS", "ConfigError", "Settings", "load"]
 
@@ -79,6 +80,11 @@ def _choice(*options: str) -> Callable[[str], None]:
 def _label_value(v: str) -> None:
     if len(v) > 128:
         raise ValueError("must be at most 128 characters")
+
+
+def _job_id(v: str) -> None:
+    if v and not JOB_ID.fullmatch(v):  # taken as given: a label value and part of a spool file name
+        raise ValueError(f"must be at most {JOB_ID_MAX} letters, digits and _ . - (or empty)")
 
 
 def _web_config(v: str) -> None:
@@ -158,7 +164,19 @@ class Settings:
     rank: int = _opt(-1, "Global rank (-1: from RANK, SLURM_PROCID, ...).", Within(0, MAX_INT32, off=-1))
     local_rank: int = _opt(-1, "Local rank (-1: from LOCAL_RANK, SLURM_LOCALID, ...).", Within(0, MAX_INT32, off=-1))
     world_size: int = _opt(-1, "World size (-1: from WORLD_SIZE, SLURM_NTASKS, ...).", Within(1, MAX_INT32, off=-1))
-    max_ranks: int = _opt(64, "Most ranks one target serves; more are dropped (bounded cardinality).", Within(1, 1024))
+    job_id: str = _opt(
+        "",
+        "The job this rank belongs to, the job_id label of its series (empty: from SLURM_JOB_ID[.SLURM_STEP_ID], "
+        "TORCHELASTIC_RUN_ID, PMIX_NAMESPACE, the master's address and port, else a hash naming the launcher "
+        "or the process; see README, Job identity). On Kubernetes, the Job's name through the downward API. "
+        "At most 64 letters, digits and _ . -.",
+        _job_id,
+    )
+    max_ranks: int = _opt(
+        64,
+        "Most ranks one target serves, of all jobs on the node; more are dropped (bounded cardinality).",
+        Within(1, 1024),
+    )
     dead_rank_grace_seconds: float = _opt(
         90.0,
         "Seconds a rank's final sample (the OOM that killed it) stays served after its last publish, so every "

@@ -196,10 +196,12 @@ def _settings_of(container: dict, pod_fields: dict[str, str]) -> config.Settings
     return settings
 
 
+JOB_NAME_LABEL = "metadata.labels['batch.kubernetes.io/job-name']"
 POD_FIELDS = {
     "metadata.name": "vramwatch-example-x7k2p",
     "metadata.namespace": "training",
     "spec.nodeName": "gpu-node-0001",
+    JOB_NAME_LABEL: "vramwatch-example",  # what the Job controller labels its pods with: the Job's name
 }
 
 
@@ -214,6 +216,7 @@ def test_jobs_configure_vramwatch(path):
         ("POD_NAMESPACE", "metadata.namespace"),
         ("NODE_NAME", "spec.nodeName"),
         ("VRAMWATCH_HOSTNAME", "spec.nodeName"),
+        ("VRAMWATCH_JOB_ID", JOB_NAME_LABEL),  # no variable holds the Job's name but this one
     ):
         assert _field(tenv, name) == field, f"{name} should come from the Downward API's {field}"
     assert trainer["command"][-1] == "/opt/vramwatch-example/train.py"
@@ -283,6 +286,7 @@ def test_example_train_script_runs_with_the_jobs_settings(tmp_path):
         wait_until(lambda: steps() > 10, 60, "train.py's steps on /metrics")
         m = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
         assert 'hostname="gpu-node-0001"' in m, "VRAMWATCH_HOSTNAME from spec.nodeName labels the series"
+        assert 'job_id="vramwatch-example"' in m, "VRAMWATCH_JOB_ID from the Job's name labels the rank series"
     finally:
         proc.terminate()
         proc.wait(timeout=20)

@@ -152,8 +152,11 @@ DEFAULT_VARIABLES = {
     "node": "node",
     "host": "instance",
     "gpu": "uuid",
+    "job_id": "job_id",
     "rank": "rank",
 }
+# vramwatch's own variables after the target's: gpu, then the ranks' job and rank
+OWN = 3
 
 
 def _check_variables(d: dict, expected: dict[str, str]) -> None:
@@ -169,7 +172,10 @@ def _check_variables(d: dict, expected: dict[str, str]) -> None:
         assert re.fullmatch(r"label_values\(.+, \w+\)", v["query"])
         # narrowed by every variable before it, and by no later one
         earlier = [x["name"] for x in vs[1:i]]
-        assert variable_names(v["query"]) == set(earlier) - ({"gpu"} if v["name"] == "rank" else set()), v["name"]
+        # the ranks' variables come from vramwatch_rank_info, which has no GPU
+        assert variable_names(v["query"]) == set(earlier) - ({"gpu"} if v["name"] in ("job_id", "rank") else set()), v[
+            "name"
+        ]
     labels = {v["name"]: re.search(r", (\w+)\)$", v["query"]).group(1) for v in vs[1:]}
     assert labels == expected
     # every panel query on a target's series narrows by each target variable, on its label
@@ -177,7 +183,7 @@ def _check_variables(d: dict, expected: dict[str, str]) -> None:
         for t in p.get("targets", []):
             if "ALERTS" in t["expr"]:
                 continue
-            for var, label in list(expected.items())[:-2]:
+            for var, label in list(expected.items())[:-OWN]:
                 assert f'{label}=~"${var}"' in t["expr"], (p["title"], var, t["expr"])
 
 
@@ -201,6 +207,7 @@ def test_variables_take_their_labels_from_the_config():
                 "node": "kubernetes_node",
                 "host": "instance",
                 "gpu": "uuid",
+                "job_id": "job_id",
                 "rank": "rank",
             },
         )
@@ -213,7 +220,7 @@ def test_firing_alerts_keep_alerts_without_the_selected_labels(dashboards):
     exprs = [t["expr"] for p in fleet["panels"] if p["title"] == "Firing alerts" for t in p["targets"]]
     assert len(exprs) == 2  # the stat and the table
     for firing in exprs:
-        for var, label in list(DEFAULT_VARIABLES.items())[:-3]:  # the job labels and the node
+        for var, label in list(DEFAULT_VARIABLES.items())[: -OWN - 1]:  # the job labels and the node
             assert f'{label}=~"${var}|"' in firing
         assert "instance" not in firing  # alerts aggregated over a job's targets have no instance
 

@@ -55,6 +55,7 @@ def test_variables_offer_the_node_its_gpus_and_ranks(live, client):
         "node": [live_scenario.TARGET_LABELS["node"]],
         "host": [f"127.0.0.1:{live.exporter.port}"],
         "gpu": sorted(g.uuid for g in node.gpus),
+        "job_id": [live_scenario.TARGET_LABELS["batch_kubernetes_io_job_name"]],
         "rank": ["0", "1"],
     }
     for d in (spec(m) for m in build_all()):
@@ -117,8 +118,8 @@ def test_each_variable_alone_at_a_value_narrows_every_panel(live, client):
             if options:
                 failures, _ = _failures(client, d, {**all_values, v.name: options[0]}, tc)
                 assert not failures, f"{v.name}={options[0]}:\n" + "\n".join(failures)
-            if v.name in ("gpu", "rank"):
-                continue  # panels of a GPU's series do not narrow by rank, nor the heartbeat's by GPU
+            if v.name in ("gpu", "job_id", "rank"):
+                continue  # panels of a GPU's series do not narrow by rank or job, nor the heartbeat's by GPU
             for p in d.panels:
                 for r in run_panel(client, p, {**all_values, v.name: "no-such-value"}, tc).results:
                     if "ALERTS" in r.expr or "vector(0)" in r.expr:

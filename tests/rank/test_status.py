@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -174,6 +175,9 @@ def test_rank_zero_only_by_default(tmp_path):
         h.status.emit = lambda lines, head: seen.append(lines)
         vramwatch.step()
         assert seen and seen[0][0].startswith("vramwatch: rank 1 step 1")
+    with vramwatch.start(rank=1, world_size=2, status_all_ranks=True, job_id="train-42", **kw) as h:
+        assert h.status is not None
+        assert h.status.start(2, "train-42") == f"vramwatch: rank 1 of 2, job_id train-42, pid {os.getpid()}"
     with vramwatch.start(rank=0, world_size=2, **{**kw, "status_every": 0}) as h:
         assert h.status is None  # off by default
 
@@ -198,6 +202,11 @@ vramwatch.stop()
     assert p.returncode == 0, p.stderr
     lines = [x for x in p.stderr.splitlines() if x.startswith("vramwatch: step")]
     assert len(lines) == 2, p.stderr
+    # the start line names the job once (a lone process: itself), before the first status line
+    starts = [x for x in p.stderr.splitlines() if "job_id" in x]
+    start_line = r"vramwatch: rank 0 of 1, job_id local-[0-9a-f]{12}, pid \d+"
+    assert len(starts) == 1 and re.fullmatch(start_line, starts[0]), p.stderr
+    assert p.stderr.splitlines().index(starts[0]) < p.stderr.splitlines().index(lines[0])
     assert lines[0].startswith("vramwatch: step 2, ") and "alloc 3.00 GiB" in lines[0] and "power 120 W" in lines[1]
     assert p.stdout == ""  # nothing on the job's stdout
 

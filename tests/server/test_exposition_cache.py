@@ -30,7 +30,7 @@ ACCEPTS = [
     "application/openmetrics-text;version=1.0.0;q=0.9,text/plain;q=0.5",
 ]
 AGE = re.compile(rb"^(vramwatch_sample_age_seconds\{.*\}) \S+$", re.M)
-SPOOL_DURATION = re.compile(rb'(vramwatch_collector_duration_seconds\{collector="spool",rank=""\}) \S+')
+SPOOL_DURATION = re.compile(rb'(vramwatch_collector_duration_seconds\{collector="spool",job_id="",rank=""\}) \S+')
 
 
 def sample(rank: int, t: float, steps: int = 3) -> spool.RankSample:
@@ -106,7 +106,7 @@ def test_cached_bytes_equal_a_whole_render_with_ages_at_scrape_time(node, accept
     a, b = cached.reply(accept, False), whole.reply(accept, False)
     assert a.content_type == b.content_type and a.encoding is None
     assert same_but_spool_time(a.body, b.body)
-    assert re.search(rb'vramwatch_sample_age_seconds\{local_rank="1",rank="1"\} 7.75\n', a.body)
+    assert re.search(rb'vramwatch_sample_age_seconds\{job_id="",local_rank="1",rank="1"\} 7.75\n', a.body)
     assert cached.renders == 1
 
 
@@ -134,7 +134,7 @@ def test_a_new_sample_or_snapshot_renders_again_once(node):
     # the same size, another value: the record's CRC tells them apart (an mtime may not)
     pubs[0].publish(sample(0, clock.now - 0.5, steps=4))
     body = cached.reply("", False).body
-    assert b'vramwatch_training_steps_total{local_rank="0",rank="0"} 4.0' in body and cached.renders == 2
+    assert b'vramwatch_training_steps_total{job_id="",local_rank="0",rank="0"} 4.0' in body and cached.renders == 2
     runner.poll_once()
     assert b"counter_reads 2.0" in cached.reply("", False).body and cached.renders == 3
     cached.reply("", True)
@@ -182,8 +182,8 @@ def test_a_rejected_file_is_counted_per_read_of_the_spool(node, tmp_path):
 
     def spool_errors() -> tuple[float, float]:
         body = cached.reply("", False).body
-        err = re.search(rb'vramwatch_collector_errors_total\{collector="spool",rank=""\} (\S+)', body)
-        up = re.search(rb'vramwatch_collector_up\{collector="spool",rank=""\} (\S+)', body)
+        err = re.search(rb'vramwatch_collector_errors_total\{collector="spool",job_id="",rank=""\} (\S+)', body)
+        up = re.search(rb'vramwatch_collector_up\{collector="spool",job_id="",rank=""\} (\S+)', body)
         assert err and up
         return float(err.group(1)), float(up.group(1))
 
@@ -256,13 +256,14 @@ def test_with_the_refresher_a_scrape_reads_nothing_and_changes_arrive_by_refresh
         assert not refresher.step() and cached.renders == 1  # nothing changed
         pubs[0].publish(sample(0, clock.now, steps=4))
         runner.poll_once()
-        assert b'steps_total{local_rank="0",rank="0"} 3.0' in cached.reply("", False).body  # until the refresh
+        # until the refresh
+        assert b'steps_total{job_id="",local_rank="0",rank="0"} 3.0' in cached.reply("", False).body
         assert refresher.step() and cached.renders == 2  # both changes, one render
         render = cached.current()
         assert set(render.formats) == {"text/plain; version=0.0.4; charset=utf-8"}
         assert next(iter(render.formats.values())).gz_head is not None  # gzip was asked: built ahead too
         body = cached.reply("", False).body
-        assert b'steps_total{local_rank="0",rank="0"} 4.0' in body and b"counter_reads 2.0" in body
+        assert b'steps_total{job_id="",local_rank="0",rank="0"} 4.0' in body and b"counter_reads 2.0" in body
         assert cached.renders == 2
     finally:
         cached.stop()

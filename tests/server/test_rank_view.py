@@ -18,14 +18,14 @@ LAST = "torch_cuda_memory_last_oom_requested_bytes"
 class Proc:
     """A fake rank process: its sample file, and its lock held until it dies."""
 
-    def __init__(self, d: str, rank: int, pid: int) -> None:
-        self.path = files.sample_path(d, files.rank_stem(rank, pid))
-        self.rank, self.pid = rank, pid
+    def __init__(self, d: str, rank: int, pid: int, job_id: str = "") -> None:
+        self.path = files.sample_path(d, files.rank_stem(rank, pid, job_id))
+        self.rank, self.pid, self.job_id = rank, pid, job_id
         self.lock = files.hold_lock(files.lock_path_of(self.path))
 
     def publish(self, t: float, ooms: float = 0.0, uuid: str = "GPU-0", **values: float) -> Proc:
         dev = spool.DeviceSample(0, uuid, {OOMS: ooms, "torch_cuda_memory_allocated_bytes": 1.0, **values})
-        s = spool.RankSample(self.rank, 0, 8, "node-a", self.pid, t, devices=(dev,))
+        s = spool.RankSample(self.rank, 0, 8, "node-a", self.pid, t, devices=(dev,), job_id=self.job_id)
         with open(self.path, "wb") as fh:
             fh.write(files.frame(spool.encode_sample(s)))
         return self
@@ -56,6 +56,47 @@ def _scrape(view: RankView, now: float) -> dict[str, list[tuple[dict[str, str], 
 
 def _values(m, name: str) -> dict[str, float]:
     return {labels["rank"]: v for labels, v in m.get(name, [])}
+
+
+def _by_job(m, name: str) -> dict[tuple[str, str], float]:
+    return {(labels["job_id"], labels["rank"]): v for labels, v in m.get(name, [])}
+
+
+def test_the_same_rank_of_two_jobs_is_two_series_on_one_gpu(tmp_path):
+    d = str(tmp_path)
+    view = RankView(d, 64, 30.0)
+    Proc(d, 0, 100, "jobA").publish(100.0, ooms=1.0)
+    Proc(d, 0, 200, "jobB").publish(100.5, ooms=2.0)
+    m = _scrape(view, 101.0)
+    assert _by_job(m, OOMS) == {("jobA", "0"): 1.0, ("jobB", "0"): 2.0}
+    assert _by_job(m, "vramwatch_rank_info") == {("jobA", "0"): 1.0, ("jobB", "0"): 1.0}
+
+
+def test_a_restart_keeps_its_job_and_its_count_another_jobs_rank_carries_nothing(tmp_path):
+    d = str(tmp_path)
+    view = RankView(d, 64, 30.0)
+    a = Proc(d, 0, 100, "jobA").publish(100.0, ooms=1.0)
+    b = Proc(d, 0, 200, "jobB").publish(100.0)
+    _scrape(view, 100.5)
+    a.die()  # jobA's rank 0 OOMed and died; jobB's rank 0 lives on
+    Proc(d, 0, 101, "jobA").publish(101.0)  # the restart: the same job, a new process
+    m = _scrape(view, 101.5)
+    assert _by_job(m, OOMS) == {("jobA", "0"): 1.0, ("jobB", "0"): 0.0}
+    b.die()
+    Proc(d, 0, 300, "jobC").publish(102.0)  # another job's rank 0 after jobB's died: no carry into it
+    m = _scrape(view, 102.5)
+    assert _by_job(m, OOMS) == {("jobA", "0"): 1.0, ("jobB", "0"): 0.0, ("jobC", "0"): 0.0}
+
+
+def test_dead_ranks_of_other_jobs_count_against_the_cap(tmp_path):
+    d = str(tmp_path)
+    view = RankView(d, 2, 30.0)
+    Proc(d, 0, 100, "jobA").publish(100.0)
+    Proc(d, 1, 101, "jobA").publish(100.0).die()
+    Proc(d, 0, 200, "jobB").publish(100.5)
+    m = _scrape(view, 101.0)
+    assert set(_by_job(m, "vramwatch_rank_info")) == {("jobA", "0"), ("jobB", "0")}  # two jobs, at most 2 ranks
+    assert view.dropped["dead_rank"] == 1
 
 
 def test_a_dead_ranks_final_sample_exports_its_counters_and_last_oom_not_its_memory(tmp_path):

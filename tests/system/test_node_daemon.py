@@ -366,11 +366,6 @@ def test_prometheus_scrapes_the_daemon_and_sees_both_users(daemon: Daemon, base:
         prom.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two jobs' rank 0 share one label set until the rank series carry the job_id label (SLURM_JOB_ID), "
-    "another branch's work: remove this mark when it is merged",
-)
 def test_two_jobs_rank_0_on_one_node_are_two_series(daemon: Daemon) -> None:
     alice = Rank(ALICE, 0, daemon, SLURM_JOB_ID="101", SLURM_PROCID="0")
     bob = Rank(BOB, 0, daemon, SLURM_JOB_ID="202", SLURM_PROCID="0")
@@ -380,8 +375,9 @@ def test_two_jobs_rank_0_on_one_node_are_two_series(daemon: Daemon) -> None:
             rows = [labels for labels, _ in daemon.metrics().get("vramwatch_sample_age_seconds", [])]
             return rows if len(rows) == 2 else []
 
-        rows = wait_until(both, 15, "both jobs' rank 0 on the daemon")  # the daemon keeps one per (owner, rank)
+        rows = wait_until(both, 15, "both jobs' rank 0 on the daemon")  # one per (job_id, rank)
         assert rows[0] != rows[1], rows  # else Prometheus keeps one of them: a duplicate series in one scrape
+        assert {dict(r)["job_id"] for r in rows} == {"101", "202"}, rows
     finally:
         alice.stop()
         bob.stop()

@@ -251,6 +251,7 @@ LABEL_NAMES = {
     "device",
     "rank",
     "local_rank",
+    "job_id",
     "hostname",
     "world_size",
     "collector",
@@ -539,7 +540,10 @@ def test_a_job_that_ooms_and_restarts_within_one_interval_alerts_on_every_promet
             assert v == 1.0
         # a crash loop: the restarted process OOMs and dies too, a third takes over; one label set, the sum
         (proc, go), r = _job(exp, tmp, ranks[0], "exit"), ranks[0]
-        wait_until(lambda: os.path.exists(os.path.join(exp.spool, f"rank-{r}-{proc.pid}.json")), 30, "its sample")
+        stem = f"rank-{r}-{proc.pid}-"  # and its job id (its launcher's: this test's process)
+        wait_until(
+            lambda: any(n.startswith(stem) and n.endswith(".json") for n in os.listdir(exp.spool)), 30, "its sample"
+        )
         restarted[0].kill()
         restarted[0].wait(5)
         go.touch()

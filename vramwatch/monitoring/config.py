@@ -261,7 +261,8 @@ class MonitoringConfig:
         ("job", "namespace", "batch_kubernetes_io_job_name", "training_kubeflow_org_job_name", "job_name"),
         "Labels that tell one training job apart across its nodes (the peers of the rank-skew rule). A label "
         "a setup lacks is empty on every series, so the default covers static configs (job), the shipped "
-        "PodMonitor (namespace + the pod's job-name labels) and annotation discovery (job_name).",
+        "PodMonitor (namespace + the pod's job-name labels) and annotation discovery (job_name). The ranks' "
+        "own job_id is always added: two jobs on one target are never peers.",
         _label_names,
     )
     job_gpus_only: bool = setting(
@@ -358,6 +359,11 @@ class MonitoringConfig:
             elif f.name.endswith(("_seconds", "_hours")):
                 changes[f.name] = v * factor
         return dataclasses.replace(self, **changes)
+
+    @property
+    def peer_labels(self) -> tuple[str, ...]:
+        """What makes ranks peers of one job: the target's job labels and the ranks' own job_id (always)."""
+        return tuple(dict.fromkeys((*self.job_labels, contract.JOB_ID)))
 
     @property
     def leak_horizon_seconds(self) -> float:

@@ -20,13 +20,16 @@ from prometheus_client.core import (
 
 from vramwatch.monitoring.cadence import READ_MAX_GAP
 
-RANK = ("rank", "local_rank")
-RANK_DEVICE = ("uuid", "device", "rank", "local_rank")
+# job_id: the job a rank belongs to (vramwatch.rank.identity; bounded, at most 64 of [A-Za-z0-9_.-]), so
+# the same rank of two jobs on one node is two series. Not `job`: Prometheus's target label owns that.
+JOB_ID = "job_id"
+RANK = ("rank", "local_rank", JOB_ID)
+RANK_DEVICE = ("uuid", "device", "rank", "local_rank", JOB_ID)
 GPU = ("gpu", "uuid")
 # a MIG instance: gpu is its parent's index, uuid its own MIG-... uuid (what a rank on it labels its series with)
 MIG = ("gpu", "uuid")
 MIG_INFO = MIG + ("parent_uuid", "gpu_instance_id", "compute_instance_id", "profile")
-COLLECTOR = ("collector", "rank")
+COLLECTOR = ("collector", "rank", JOB_ID)
 
 # Xids that page (NVIDIA's catalogue: reset / reboot / RMA), and the app faults that only warn. The
 # server pre-initialises their counters at 0 (so a first event is an increase) and logs the critical
@@ -704,7 +707,7 @@ METRICS: tuple[MetricSpec, ...] = (
         COLLECTOR,
         "1 if the collector's last read worked (an unsupported field, or a node without NVML, keeps it 1), "
         "else 0. "
-        "rank is empty for the server's own collectors.",
+        "rank and job_id are empty for the server's own collectors.",
         "self",
     ),
     _m("vramwatch_collector_errors_total", "counter", "", COLLECTOR, "Failed reads of the collector.", "self"),
@@ -716,7 +719,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "How long the collector's last read took.",
         "self",
     ),
-    _m("vramwatch_ranks", "gauge", "", (), "Ranks publishing into this target.", "self"),
+    _m(
+        "vramwatch_ranks",
+        "gauge",
+        "",
+        (),
+        "Ranks publishing into this target, of all its jobs (count by (job_id) of vramwatch_rank_info for each).",
+        "self",
+    ),
     _m(
         "vramwatch_spool_dropped_total",
         "counter",

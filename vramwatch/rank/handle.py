@@ -47,7 +47,9 @@ class Handle:
     def __init__(self, settings: Settings, sources: dict[str, str]) -> None:
         self.settings = settings
         self.sources = sources
-        self.identity: RankIdentity = identify(settings.rank, settings.local_rank, settings.world_size)
+        self.identity: RankIdentity = identify(
+            settings.rank, settings.local_rank, settings.world_size, job_id=settings.job_id
+        )
         self.heartbeat = Heartbeat()
         self.spool_dir = settings.resolved_spool_dir()
         # a node daemon (deploy/systemd/) serves every user's ranks: publish into its root, start no server
@@ -120,7 +122,9 @@ class Handle:
         try:
             if self._spool_error is not None:
                 raise self._spool_error
-            self._publisher = spool.RankPublisher(self.spool_dir, self.identity.rank, self.node_root is not None)
+            self._publisher = spool.RankPublisher(
+                self.spool_dir, self.identity.rank, self.identity.job_id, shared=self.node_root is not None
+            )
         except OSError as e:
             self._log_once("spool", "vramwatch: cannot publish into %s (%s); exporting nothing", self.spool_dir, e)
             return

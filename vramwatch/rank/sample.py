@@ -73,4 +73,5 @@ class SampleAssembler:
             collectors,
             oom_snapshot,
             self.flops_per_token,
+            ident.job_id,
         )

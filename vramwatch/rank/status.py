@@ -17,6 +17,10 @@ compares one counter and formats a line only on every N-th step.
 - On a node without NVML (the server says so in the same readings: no library, no driver, no
   GPU) one extra line, once, says what is missing.
 
+At start, one line names the rank and its job (the ``job_id`` label of its series), once:
+
+    vramwatch: rank 0 of 8, job_id 4711.0, pid 31337
+
 Where it goes: with ``mode="auto"`` a postfix on the active tqdm bar if there is one (the
 Trainer's or Lightning's progress bar), else the ``vramwatch.status`` logger at INFO (printed to
 stderr when logging is not configured). Rank 0 only unless ``status_all_ranks``.
@@ -25,6 +29,7 @@ stderr when logging is not configured). Rank 0 only unless ``status_all_ranks``.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -144,9 +149,21 @@ class StatusLine:
     @classmethod
     def for_rank(cls, ctx: RankContext) -> StatusLine:
         s = ctx.settings
-        return cls(
+        line = cls(
             ctx.heartbeat, s.status_every, rank=ctx.identity.rank, show_rank=s.status_all_ranks, spool_dir=ctx.spool_dir
         )
+        line.start(ctx.identity.world_size, ctx.identity.job_id)
+        return line
+
+    def start(self, world_size: int, job_id: str) -> str:
+        """The start line, once: which rank of which job this console belongs to."""
+        # the pid only here, on the console (never a label): a local-<hash> job id is this process or its parent
+        text = f"vramwatch: rank {self.rank} of {world_size}, job_id {job_id}, pid {os.getpid()}"
+        if self.emit is not None:
+            self.emit([text], "start")
+        elif self.mode != "postfix":
+            status_log.info(text)
+        return text
 
     def on_sample(self, devices: Iterable[DeviceSample]) -> None:
         """Sampler thread: keep the newest device values and NVML readings for the next line (adds nothing)."""

@@ -83,23 +83,26 @@ class ExporterCollector:
 
     def _rank_failed(self, s: spool.RankSample, e: Exception) -> None:
         self.spool_health.failed(
-            f"families:{s.rank}:{type(e).__name__}",
-            "vramwatch: rank %d's sample cannot be rendered (%r); its series are left out",
+            f"families:{s.job_id}:{s.rank}:{type(e).__name__}",
+            "vramwatch: rank %d's sample cannot be rendered (%r); its series (job_id %r) are left out",
             s.rank,
             e,
+            s.job_id,
         )
 
     def _self_health(self, ctx: ScrapeContext) -> Iterable[Metric]:
         up = contract.family("vramwatch_collector_up")
         err = contract.family("vramwatch_collector_errors_total")
         dur = contract.family("vramwatch_collector_duration_seconds")
-        rows: list[tuple[str, str, Health | spool.CollectorHealth]] = [("spool", "", self.spool_health)]
-        rows += [(c.name, "", c.health) for c in self.collectors]
+        # the server's own collectors have no rank and no job: rank="" and job_id="" (absent in PromQL)
+        rows: list[tuple[str, str, str, Health | spool.CollectorHealth]] = [("spool", "", "", self.spool_health)]
+        rows += [(c.name, "", "", c.health) for c in self.collectors]
         rows += ranks.rank_collector_health(ctx)
-        for name, rank, h in rows:
-            up.add_metric([name, rank], float(h.up))
-            err.add_metric([name, rank], float(h.errors))
-            dur.add_metric([name, rank], float(h.duration))
+        for name, rank, job_id, h in rows:
+            labels = [name, rank, job_id]
+            up.add_metric(labels, float(h.up))
+            err.add_metric(labels, float(h.errors))
+            dur.add_metric(labels, float(h.duration))
         n = contract.family("vramwatch_ranks")
         n.add_metric([], float(len(ctx.samples)))
         dropped = contract.family("vramwatch_spool_dropped_total")

@@ -16,6 +16,8 @@ from itertools import pairwise
 from typing import Any
 
 from vramwatch.spool.schema import (
+    JOB_ID,
+    JOB_ID_MAX,
     MEMORY_ROLES,
     SCHEMA_VERSION,
     AllocatorInfo,
@@ -95,6 +97,8 @@ def encode_sample(sample: RankSample) -> bytes:
         doc["heartbeat"]["samples"] = hb.samples
     if sample.flops_per_token is not None:
         doc["flops_per_token"] = sample.flops_per_token
+    if sample.job_id:
+        doc["job_id"] = sample.job_id
     if sample.oom_snapshot is not None:
         doc["oom_snapshot"] = {"path": sample.oom_snapshot.path, "time": sample.oom_snapshot.time}
     return _ENCODER.encode(doc).encode().replace(_BUCKETS_MARK_JSON, _encoded_buckets(hb.buckets), 1)
@@ -192,6 +196,7 @@ def _sample(doc: Mapping[str, Any]) -> RankSample:
     ai = _field(doc, "allocator_info")
     oom = doc.get("oom_snapshot")
     fpt = doc.get("flops_per_token")
+    job_id = doc.get("job_id")
     return RankSample(
         rank=_int(_field(doc, "rank"), "rank", 0, _MAX_ID),
         local_rank=_int(_field(doc, "local_rank"), "local_rank", 0, _MAX_ID),
@@ -208,7 +213,15 @@ def _sample(doc: Mapping[str, Any]) -> RankSample:
         },
         oom_snapshot=None if oom is None else _oom(_object(oom, "oom_snapshot")),
         flops_per_token=None if fpt is None else _float(fpt, "flops_per_token", 0.0),
+        job_id="" if job_id is None else _job_id(job_id),
     )
+
+
+def _job_id(v: Any) -> str:
+    # a label value and part of the file name: only what the rank itself could have written
+    if not isinstance(v, str) or not JOB_ID.fullmatch(v):
+        raise _Bad(f"job_id must be 1-{JOB_ID_MAX} letters, digits and _ . -, not {_kind(v)[:32]!r}")
+    return v
 
 
 def _device(d: Any, where: str) -> DeviceSample:

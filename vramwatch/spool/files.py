@@ -2,9 +2,11 @@
 
 Every file in the spool is named here and nowhere else:
 
-- ``rank-<rank>-<pid>.json``: one rank's newest sample, rewritten in place on every publish
-  (a length + CRC header lets a reader detect a write in progress);
-- ``rank-<rank>-<pid>.lock``: held with ``flock`` by the rank for its whole life. The kernel drops
+- ``rank-<rank>-<pid>-<job_id>.json``: one rank's newest sample, rewritten in place on every publish
+  (a length + CRC header lets a reader detect a write in progress). The job id
+  (:mod:`vramwatch.rank.identity`, letters, digits and ``_.-`` only) keeps the same rank of two jobs
+  on one node apart; ``rank-<rank>-<pid>.json``, without it, is a rank of a version before job ids;
+- ``rank-<rank>-<pid>[-<job_id>].lock``: held with ``flock`` by the rank for its whole life. The kernel drops
   the lock when the process dies, however it dies (SIGKILL included), so a reader can tell a
   wedged rank (lock held, sample ageing) from a dead one (lock free: its files are reaped);
 - ``server.lock``: held the same way by the node's server, so ranks can tell whether one runs;
@@ -23,21 +25,25 @@ import re
 import struct
 import zlib
 
+from vramwatch.spool.schema import JOB_ID
+
 SERVER_LOCK = "server.lock"
 SERVER_INFO = "server.json"
 SPAWN_LOCK = "spawn.lock"
 SERVER_LOG = "server.log"
 NODE_READINGS = "nvml.json"
 
-RANK_FILE = re.compile(r"^rank-(\d+)-(\d+)\.json$")
+# rank, pid, job id (absent before job ids); the digits end at the first "-", so a job id may hold any
+RANK_FILE = re.compile(rf"^rank-(\d+)-(\d+)(?:-({JOB_ID.pattern}))?\.json$")
 
 _MAGIC = b"VWS1"
 _HEADER = struct.Struct("<4sII")  # magic, payload length, CRC32 of the payload
 HEADER_SIZE = _HEADER.size
 
 
-def rank_stem(rank: int, pid: int) -> str:
-    return f"rank-{rank}-{pid}"
+def rank_stem(rank: int, pid: int, job_id: str = "") -> str:
+    """The name of a rank's files without the suffix; ``job_id`` is a bounded one (``rank.identity``)."""
+    return f"rank-{rank}-{pid}-{job_id}" if job_id else f"rank-{rank}-{pid}"
 
 
 def sample_path(spool_dir: str, stem: str) -> str:

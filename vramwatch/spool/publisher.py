@@ -22,13 +22,14 @@ log = logging.getLogger("vramwatch")
 class RankPublisher:
     """Writes one rank's samples; only ever called from the rank's sampler thread."""
 
-    def __init__(self, spool_dir: str, rank: int, shared: bool = False) -> None:
+    def __init__(self, spool_dir: str, rank: int, job_id: str = "", shared: bool = False) -> None:
         # shared: ``spool_dir`` is this user's directory in a node daemon's root (:mod:`.node`), whose
         # files the daemon reads through its group; else a private spool (0700)
         self.shared = shared
         self.dir = spool_dir  # made again should it vanish (_recreate)
         self._ensure_dir()
-        self.path = files.sample_path(spool_dir, files.rank_stem(rank, os.getpid()))
+        self.path = files.sample_path(spool_dir, files.rank_stem(rank, os.getpid(), job_id))
+        # keyed by the job too: rank 0 of another job on this node has a file of its own
         self.lock_path = files.lock_path_of(self.path)
         self._tmp = self.path + ".tmp"
         self._fd: int | None = None

@@ -33,7 +33,7 @@ class Rejected:
 class SpoolRead:
     """One read of the spool by the scrape path."""
 
-    live: list[RankSample] = field(default_factory=list)  # the newest sample per live rank, by rank
+    live: list[RankSample] = field(default_factory=list)  # the newest sample per live (job, rank), in that order
     final: list[RankSample] = field(default_factory=list)  # dead ranks' final samples in their grace, newest first
     evicted: list[RankSample] = field(default_factory=list)  # final samples the cap dropped (removed) this read
     rejected: list[Rejected] = field(default_factory=list)
@@ -48,8 +48,9 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
     spool, served as its final sample (the OOM that killed it) until ``grace`` seconds after that
     sample was taken; then ``reap`` removes it. Keeping it on disk rather than in the server makes
     the window a matter of time alone: no request, aborted or not, uses it up, and a restarted
-    server still serves it. Live and final samples together are at most ``max_ranks``: final ones
-    are dropped first, oldest first, counted as ``dead_rank``; live ones beyond the cap as ``rank``.
+    server still serves it. A rank is its (job id, rank): the same rank of two jobs on the node is two.
+    Live and final samples together are at most ``max_ranks``, of all jobs: final ones are dropped
+    first, oldest first, counted as ``dead_rank``; live ones beyond the cap as ``rank``.
 
     ``spool_dir`` is a rank-started server's private spool, or a node daemon's root: then each user's
     directory in it is read, a rank is that user's (the kernel's owner of the directory and file), and
@@ -57,7 +58,7 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
     """
     now = time.time() if now is None else now
     out = SpoolRead()
-    best: dict[tuple[int, int], RankSample] = {}  # by (owner uid, rank): two users' jobs may both have a rank 0
+    best: dict[tuple[str, int], RankSample] = {}  # by (job id, rank): the label set it renders with
     dead: list[tuple[RankSample, node.SpoolDir, str]] = []
     try:
         dirs = node.open_dirs(spool_dir, out.refused)
@@ -71,7 +72,7 @@ def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None =
         _read_dir(d, names, now, grace, reap, out, best, dead)
         if reap and not names:
             d.remove_if_stale(now)
-    keys = sorted(best, key=lambda k: (k[1], k[0]))
+    keys = sorted(best)
     if len(keys) > max_ranks:
         out.dropped["rank"] += len(keys) - max_ranks
     out.live = [best[k] for k in keys[:max_ranks]]
@@ -94,11 +95,10 @@ def _read_dir(
     grace: float,
     reap: bool,
     out: SpoolRead,
-    best: dict[tuple[int, int], RankSample],
+    best: dict[tuple[str, int], RankSample],
     dead: list[tuple[RankSample, node.SpoolDir, str]],
 ) -> None:
     present = set(names)
-    owner = -1 if d.uid is None else d.uid
     for name in names:
         m = files.RANK_FILE.match(name)
         if not m:
@@ -116,7 +116,7 @@ def _read_dir(
         sample = _read(d, name, out.rejected, out.dropped)
         if sample is None:
             continue
-        key = (owner, int(m.group(1)))
+        key = (sample.job_id, sample.rank)  # the labels it renders with: one label set per exposition
         if key not in best or sample.time > best[key].time:
             best[key] = sample
 

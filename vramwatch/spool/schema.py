@@ -9,10 +9,16 @@ vramwatch versions never misread each other.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 SCHEMA_VERSION = 1  # optional fields (absent in older samples, ignored by older readers) keep the version
+
+# A rank's job id (vramwatch.rank.identity) is a label value and part of its spool file names: at most
+# this long, of these characters (a Kubernetes Job name, a SLURM id, a UUID and a host name all fit).
+JOB_ID_MAX = 64
+JOB_ID = re.compile(rf"[A-Za-z0-9_.-]{{1,{JOB_ID_MAX}}}")
 
 # What the bytes of a watched model's device memory hold (vramwatch.watch): its parameters, their
 # gradients, the optimizer's state, and the allocated rest (activations, autograd's saved tensors,
@@ -92,6 +98,7 @@ class RankSample:
     collectors: Mapping[str, CollectorHealth] = field(default_factory=dict)
     oom_snapshot: OomSnapshot | None = None
     flops_per_token: float | None = None  # the model's, as vramwatch.watch() was told; None: not told
+    job_id: str = ""  # the job the rank belongs to (rank.identity); "": a rank of a version before it
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.time)

@@ -19,7 +19,7 @@ from vramwatch.monitoring.config import GIB, MonitoringConfig
 def rules(cfg: MonitoringConfig) -> list[dict]:
     name = "torch_cuda_memory_reserved_bytes"
     reserved = metric(cfg, name)
-    by = ", ".join(cfg.job_labels)
+    by = ", ".join(cfg.peer_labels)
     median = f"quantile by ({by}) (0.5, {reserved})"
     # exempt ranks still count in the median (it is robust to a few large ranks), they are never flagged
     exempt = " or ".join(metric(cfg, name, m) for m in cfg.rank_skew_exempt)

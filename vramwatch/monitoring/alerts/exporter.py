@@ -108,9 +108,10 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             f"{metric(cfg, 'vramwatch_collector_up')} == 0",
             WARNING,
             "A vramwatch collector is failing.",
-            f"The {label('collector')} collector on {label('instance')} (rank '{label('rank')}', empty for "
-            f"the server) has failed for more than {cfg.collector_down_for}; its families are missing or "
-            "old. The exporter's log says why (logged once).",
+            f"The {label('collector')} collector on {label('instance')} (rank '{label('rank')}' of job "
+            f"'{label('job_id')}', both empty for the server's own) has failed for more than "
+            f"{cfg.collector_down_for}; its families are missing or old. The exporter's log says why "
+            "(logged once).",
             cfg.collector_down_for,
         ),
     ]

@@ -76,12 +76,13 @@ def first_stopped(cfg: MonitoringConfig) -> str:
     """An annotation naming the rank of the alert's job whose newest step is the oldest: the one that
     stopped first (in a hung collective the others wait for it). Empty when the query finds none."""
     hb = "vramwatch_training_last_step_timestamp_seconds"
-    matchers = [m for m in (cfg.selector,) if m] + [f"{name}=%q" for name in cfg.job_labels]
+    matchers = [m for m in (cfg.selector,) if m] + [f"{name}=%q" for name in cfg.peer_labels]
     query = f"bottomk(1, {hb}{{{', '.join(matchers)}}})"
-    args = " ".join(f"$labels.{name}" for name in cfg.job_labels)
+    args = " ".join(f"$labels.{name}" for name in cfg.peer_labels)
     return (
         f"{{{{ with printf {_go_string(query)} {args} | query }}}}{{{{ with first . }}}}"
-        " The first of its job's ranks to stop: rank {{ .Labels.rank }} on {{ .Labels.instance }}."
+        " The first of its job's ranks to stop: rank {{ .Labels.rank }}"
+        "{{ if .Labels.job_id }} of job {{ .Labels.job_id }}{{ end }} on {{ .Labels.instance }}."
         "{{ end }}{{ end }}"
     )
 

@@ -62,8 +62,10 @@ VALUE_DURATION = "{{ $value | humanizeDuration }}"
 VALUE_RATIO = '{{ $value | printf "%.1f" }}'
 VALUE_INT = '{{ $value | printf "%.0f" }}'
 
-# who a rank alert is about, and where the GPU is
-RANK_WHERE = "rank " + label("rank") + " (local rank " + label("local_rank") + ") on " + label("instance")
+# who a rank alert is about, and where the GPU is; the job only where the rank has one (a rank of a
+# version before job ids has none)
+_OF_JOB = "{{ if $labels.job_id }} of job " + label("job_id") + "{{ end }}"
+RANK_WHERE = f"rank {label('rank')} (local rank {label('local_rank')}){_OF_JOB} on {label('instance')}"
 GPU_WHERE = "GPU " + label("gpu") + " (" + label("uuid") + ") on " + label("instance")
 DEVICE_WHERE = RANK_WHERE + ", cuda:" + label("device") + " (" + label("uuid") + ")"
 
@@ -125,5 +127,5 @@ def step_mean(cfg: MonitoringConfig, series: Callable[[str], str]) -> str:
 
 def step_skew(cfg: MonitoringConfig, mean: str) -> str:
     """Per rank: its mean step time over the median of its job's ranks (1: in step with them)."""
-    by = ", ".join(cfg.job_labels)
+    by = ", ".join(cfg.peer_labels)
     return f"{mean}\n/ on({by}) group_left()\nquantile by ({by}) (0.5, {mean})"

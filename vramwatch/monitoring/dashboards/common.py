@@ -75,10 +75,12 @@ TITLES = {
     "node": "Node",
     "host": "Target",
     "gpu": "GPU (UUID)",
+    "job_id": "Job ID",
     "rank": "Rank",
 }
 ALL = ".*"
-HOST, GPU, RANK = "host", "gpu", "rank"  # variables of vramwatch's own labels (instance, uuid, rank)
+# variables of vramwatch's own labels (instance, uuid, job_id, rank)
+HOST, GPU, JOB, RANK = "host", "gpu", contract.JOB_ID, "rank"
 
 
 def m(name: str) -> str:
@@ -113,8 +115,10 @@ class Scope:
         node = base + [f'{label}=~"${var}"' for var, label in targets]
         self.node = "{" + ", ".join(node) + "}"
         self.gpu = "{" + ", ".join(node + [f'uuid=~"${GPU}"']) + "}"
-        self.rank = "{" + ", ".join(node + [f'rank=~"${RANK}"']) + "}"
-        self.device = "{" + ", ".join(node + [f'uuid=~"${GPU}"', f'rank=~"${RANK}"']) + "}"
+        job = f'{contract.JOB_ID}=~"${JOB}"'
+        self.job = "{" + ", ".join([*node, job]) + "}"
+        self.rank = "{" + ", ".join([*node, job, f'rank=~"${RANK}"']) + "}"
+        self.device = "{" + ", ".join([*node, f'uuid=~"${GPU}"', job, f'rank=~"${RANK}"']) + "}"
         self.alerts = ", ".join(f'{label}=~"${var}|"' for var, label in targets if var != HOST)
         # the selector of each target variable's own query: the variables before it
         self.before: dict[str, str] = {}
@@ -143,7 +147,7 @@ def _label_values(selector: str, label: str) -> str:
 
 
 def variables(cfg: MonitoringConfig) -> list:
-    """datasource, the target's labels (job labels, node, host), gpu, rank: each narrowed by those before it."""
+    """datasource, the target's labels (job labels, node, host), gpu, job_id, rank: each narrowed by those before it."""
     s = Scope(cfg)
     build_info = m("vramwatch_build_info")
     out: list = [dashboard.DatasourceVariable("datasource").label(TITLES["datasource"]).type("prometheus")]
@@ -153,7 +157,8 @@ def variables(cfg: MonitoringConfig) -> list:
     # the cards and their MIG instances: a rank on an instance carries the instance's uuid (docs/MIG.md)
     gpus = ", ".join(x for x in (f'__name__=~"{m("gpu_info")}|{m("gpu_mig_info")}"', s.node[1:-1]) if x)
     out.append(_query_variable(GPU, _label_values("{" + gpus + "}", "uuid")))
-    out.append(_query_variable(RANK, _label_values(f"{m('vramwatch_rank_info')}{s.node}", "rank")))
+    out.append(_query_variable(JOB, _label_values(f"{m('vramwatch_rank_info')}{s.node}", contract.JOB_ID)))
+    out.append(_query_variable(RANK, _label_values(f"{m('vramwatch_rank_info')}{s.job}", "rank")))
     return out
 
 
@@ -480,7 +485,7 @@ def memory_limits(cfg: MonitoringConfig) -> dashboard.ThresholdsConfig:
     return thresholds((cfg.memory_warning_ratio, "orange"), (cfg.memory_critical_ratio, "red"))
 
 
-_ON_RANK = "job, instance, rank, local_rank"  # a rank's series: the target's labels and contract.RANK
+_ON_RANK = "job, instance, " + ", ".join(contract.RANK)  # a rank's series: the target's labels and contract.RANK
 
 
 def tokens_per_gpu(s: Scope) -> str:

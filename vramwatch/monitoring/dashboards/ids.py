@@ -11,4 +11,4 @@ GPU_HEALTH_UID = "vramwatch-gpu-health"
 FLEET_UID = "vramwatch-fleet"
 
 # (alert label, dashboard variable it sets in a link): the variables every dashboard has
-LINK_VARIABLES = (("instance", "host"), ("uuid", "gpu"), ("rank", "rank"))
+LINK_VARIABLES = (("instance", "host"), ("uuid", "gpu"), ("job_id", "job_id"), ("rank", "rank"))

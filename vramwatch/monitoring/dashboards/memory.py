@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vramwatch.monitoring import contract
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.dashboards import ids
 from vramwatch.monitoring.dashboards.common import (
@@ -31,7 +32,7 @@ from vramwatch.monitoring.mig import memory_ratio
 
 UID = ids.TRAINING_MEMORY_UID
 TITLE = "vramwatch / Training memory"
-RANK = "rank {{rank}}"
+RANK = "rank {{rank}} ({{job_id}})"  # two jobs on one target have a rank 0 each
 RANK_DEVICE_ON = "job, instance, uuid, device, rank, local_rank"
 
 
@@ -237,7 +238,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
 
     d = d.with_row(dashboard.Row("Progress"))
     h = m("vramwatch_training_step_duration_seconds")
-    by = "job, instance, rank, local_rank"  # the heartbeat's labels (contract.RANK) and the target's
+    by = "job, instance, " + ", ".join(contract.RANK)  # the heartbeat's labels and the target's
     d = d.with_panel(
         ts(
             "Step time",
@@ -270,7 +271,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
         )
     )
     tokens = f"rate({m('vramwatch_training_tokens_total')}{s.rank}[$__rate_interval])"
-    jobs = ", ".join(cfg.job_labels)
+    jobs = ", ".join(cfg.peer_labels)
     d = d.with_panel(
         ts(
             "Tokens per second",

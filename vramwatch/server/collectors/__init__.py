@@ -46,11 +46,11 @@ class ScrapeContext:
 
     ``samples`` are the live ranks'. ``final`` holds the final samples of dead ranks inside their grace
     window (newest first) and ``carried`` the counters of dead processes, per (uuid, device, rank,
-    local_rank), that the series of that label set go on from: only the ranks' families use them.
+    local_rank, job_id), that the series of that label set go on from: only the ranks' families use them.
     """
 
     samples: tuple[RankSample, ...]
     now: float
     hostname: str
     final: tuple[RankSample, ...] = ()
-    carried: Mapping[tuple[str, int, int, int], Mapping[str, float]] = field(default_factory=dict)
+    carried: Mapping[tuple[str, int, int, int, str], Mapping[str, float]] = field(default_factory=dict)

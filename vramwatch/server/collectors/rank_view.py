@@ -3,7 +3,8 @@
 A rank that dies (an OOM, a crash, a restart) leaves its final sample in the spool; the reader
 serves it for ``dead_rank_grace_seconds`` (:func:`vramwatch.spool.read_spool`). That alone would not
 get its OOM to Prometheus when the job restarts at once: the new process exports the same label set
-(rank numbers and GPUs are reused; a pid is no label), and its counters start again at 0.
+(rank numbers, GPUs and the job id are reused; a pid is no label), and its counters start again at 0.
+Another job's rank of the same number is another label set (its ``job_id``): nothing carries between jobs.
 
 So the counters of a label set go on across the processes that export it, for as long as this
 server runs and the label set stays exported: a dead process's final counters are added to the
@@ -24,14 +25,19 @@ from vramwatch import spool
 from vramwatch.monitoring import contract
 from vramwatch.spool.limits import DROP_REASONS
 
-DeviceKey = tuple[str, int, int, int]  # uuid, device, rank, local_rank: the allocator series' label set
+DeviceKey = tuple[str, int, int, int, str]  # uuid, device, rank, local_rank, job_id: contract.RANK_DEVICE
+RankKey = tuple[str, int, int]  # job_id, rank, local_rank: one rank of one job (its label set is contract.RANK)
 
 # the device counters carried across a label set's processes
 CARRIED = frozenset(m.name for m in contract.METRICS if m.labels == contract.RANK_DEVICE and m.type == "counter")
 
 
 def device_key(s: spool.RankSample, d: spool.DeviceSample) -> DeviceKey:
-    return (d.uuid, d.device, s.rank, s.local_rank)
+    return (d.uuid, d.device, s.rank, s.local_rank, s.job_id)
+
+
+def rank_key(s: spool.RankSample) -> RankKey:
+    return (s.job_id, s.rank, s.local_rank)
 
 
 class RankView:
@@ -43,9 +49,9 @@ class RankView:
         self.grace = grace
         self.dropped: Counter[str] = Counter(dict.fromkeys(DROP_REASONS, 0))
         self._carried: dict[DeviceKey, dict[str, float]] = {}
-        # what each dead process added to _carried, by (rank, pid): counted once, and taken back if that
-        # process publishes again (stop() then start() in one process: its own counters go on by themselves)
-        self._counted: dict[tuple[int, int], dict[DeviceKey, dict[str, float]]] = {}
+        # what each dead process added to _carried, by (job_id, rank, pid): counted once, and taken back if
+        # that process publishes again (stop() then start() in one process: its own counters go on by themselves)
+        self._counted: dict[tuple[str, int, int], dict[DeviceKey, dict[str, float]]] = {}
         self._lock = threading.Lock()  # concurrent scrapes read in turn: a dead process is counted once
 
     def read(self, now: float | None = None) -> tuple[spool.SpoolRead, Mapping[DeviceKey, Mapping[str, float]]]:
@@ -57,9 +63,9 @@ class RankView:
         read = spool.read_spool(self.spool_dir, self.max_ranks, self.grace, now)
         self.dropped.update(read.dropped)
         for s in read.live:
-            self._add(self._counted.pop((s.rank, s.pid), {}), -1.0)
+            self._add(self._counted.pop((s.job_id, s.rank, s.pid), {}), -1.0)
         for s in (*read.final, *read.evicted):
-            ident = (s.rank, s.pid)
+            ident = (s.job_id, s.rank, s.pid)
             if ident not in self._counted:
                 contribution = {
                     device_key(s, d): {n: v for n, v in d.values.items() if n in CARRIED} for d in s.devices

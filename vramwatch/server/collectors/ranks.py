@@ -4,8 +4,9 @@ Live ranks export everything. A dead rank's final sample (inside its grace windo
 :mod:`.rank_view`) exports only what describes how it ended: its counters (OOMs, retries, steps),
 the last OOM's values and its OOM snapshot; no memory gauges, heartbeat or sample age, which
 would page for memory no process holds or a stall of a job that is gone. Each label set appears
-once per exposition: a live rank wins over a dead one of the same rank, the newest dead one over
-older ones, and counters carry what the dead processes of that label set counted.
+once per exposition: a live rank wins over a dead one of the same rank and job, the newest dead one over
+older ones, and counters carry what the dead processes of that label set counted. A rank is one of
+its job (``job_id``): rank 0 of two jobs on the node are two ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from prometheus_client.core import Metric
 
 from vramwatch.monitoring import contract
 from vramwatch.server.collectors import ScrapeContext
-from vramwatch.server.collectors.rank_view import CARRIED, DeviceKey, device_key
+from vramwatch.server.collectors.rank_view import CARRIED, DeviceKey, RankKey, device_key, rank_key
 from vramwatch.spool import MEMORY_ROLES, CollectorHealth, OomSnapshot, RankSample
 
 DEVICE_METRICS = [m for m in contract.METRICS if m.collector == "allocator" and m.labels == contract.RANK_DEVICE]
@@ -28,7 +29,7 @@ _DEVICE_FAMILIES = tuple(m.name for m in DEVICE_METRICS)
 
 
 def _rank_labels(s: RankSample) -> list[str]:
-    return [str(s.rank), str(s.local_rank)]
+    return [str(s.rank), str(s.local_rank), s.job_id]  # contract.RANK
 
 
 RankFailed = Callable[[RankSample, Exception], None]
@@ -79,13 +80,13 @@ def families(ctx: ScrapeContext, failed: RankFailed | None = None) -> Iterable[M
         add(s, _live_rank, s, ctx, finals)
     if finals is not None:
         live_devices = {device_key(s, d) for s in ctx.samples for d in s.devices}
-        live_ranks = {(s.rank, s.local_rank) for s in ctx.samples}
+        live_ranks = {rank_key(s) for s in ctx.samples}
         for rk, s in finals.rank.items():  # ranks with no live process now
             if rk not in live_ranks:
                 add(s, _dead_rank, rk, s, finals)
         for key, values in finals.devices.items():  # devices no live rank exports now
             if key not in live_devices:
-                owner = finals.rank[(key[2], key[3])]
+                owner = finals.rank[(key[4], key[2], key[3])]
                 add(owner, _dead_device, key, values, ctx.carried)
     return merged.values()
 
@@ -107,7 +108,7 @@ def _live_rank(fams: dict[str, Any], s: RankSample, ctx: ScrapeContext, finals: 
         fams["torch_cuda_allocator_info"].add_metric(rl + list(s.allocator_info.labels()), 1.0)
     snapshot = s.oom_snapshot
     if finals is not None:
-        snapshot = _newer(snapshot, finals.snapshot.get((s.rank, s.local_rank)))
+        snapshot = _newer(snapshot, finals.snapshot.get(rank_key(s)))
     _snapshot(fams, rl, snapshot)
     hb = s.heartbeat
     fams["vramwatch_training_steps_total"].add_metric(rl, float(hb.steps))
@@ -133,7 +134,7 @@ def _live_rank(fams: dict[str, Any], s: RankSample, ctx: ScrapeContext, finals: 
     _rank_info(fams, rl, s)
 
 
-def _dead_rank(fams: dict[str, Any], rk: tuple[int, int], s: RankSample, finals: _FinalIndex) -> None:
+def _dead_rank(fams: dict[str, Any], rk: RankKey, s: RankSample, finals: _FinalIndex) -> None:
     rl = _rank_labels(s)
     _snapshot(fams, rl, finals.snapshot.get(rk))
     fams["vramwatch_training_steps_total"].add_metric(rl, float(s.heartbeat.steps))
@@ -143,7 +144,7 @@ def _dead_rank(fams: dict[str, Any], rk: tuple[int, int], s: RankSample, finals:
 def _dead_device(
     fams: dict[str, Any], key: DeviceKey, values: Mapping[str, float], carried: Mapping[DeviceKey, Mapping[str, float]]
 ) -> None:
-    labels = [key[0], str(key[1]), str(key[2]), str(key[3])]
+    labels = [key[0], str(key[1]), str(key[2]), str(key[3]), key[4]]
     for name, value in _continued(key, values, carried, None, live=False).items():
         if name in FINAL_DEVICE and name in _DEVICE_FAMILIES:
             fams[name].add_metric(labels, value)
@@ -164,10 +165,10 @@ class _FinalIndex:
 
     def __init__(self, final: Iterable[RankSample]) -> None:
         self.devices: dict[DeviceKey, dict[str, float]] = {}  # the newest values, the last OOM's kept from older ones
-        self.rank: dict[tuple[int, int], RankSample] = {}
-        self.snapshot: dict[tuple[int, int], OomSnapshot] = {}
+        self.rank: dict[RankKey, RankSample] = {}
+        self.snapshot: dict[RankKey, OomSnapshot] = {}
         for s in final:
-            rk = (s.rank, s.local_rank)
+            rk = rank_key(s)
             self.rank.setdefault(rk, s)
             newest = _newer(self.snapshot.get(rk), s.oom_snapshot)
             if newest is not None:
@@ -226,8 +227,8 @@ def _le(v: float) -> str:
     return "+Inf" if v == float("inf") else repr(float(v))
 
 
-def rank_collector_health(ctx: ScrapeContext) -> Iterable[tuple[str, str, CollectorHealth]]:
-    """(collector, rank, health) for the collectors that run inside ranks (live ranks only)."""
+def rank_collector_health(ctx: ScrapeContext) -> Iterable[tuple[str, str, str, CollectorHealth]]:
+    """(collector, rank, job_id, health) for the collectors that run inside ranks (live ranks only)."""
     for s in ctx.samples:
         for name, h in s.collectors.items():
-            yield name, str(s.rank), h
+            yield name, str(s.rank), s.job_id, h
