@@ -52,20 +52,50 @@ def _reachable(path: str) -> bool:
     return all(d.stat().st_mode & 0o001 for d in (*p.parents, p))
 
 
+_PUBLIC: list[str] = []  # the copy made for other uids, once per process
+
+
+def _public_copy() -> str:
+    """The package and what it imports outside the standard library, copied where any uid may read them:
+    the checkout and the venv may lie under a directory others cannot enter (root's 0700 home)."""
+    if _PUBLIC:
+        return _PUBLIC[0]
+    pub = Path(tempfile.mkdtemp(prefix="vw-public-"))
+    pub.chmod(0o755)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "vramwatch", pub / "vramwatch", ignore=skip)
+    site = Path(sysconfig.get_paths()["purelib"])
+    for name in ("prometheus_client", "pynvml.py", "yaml", "_yaml"):
+        src = site / name
+        if src.is_dir():
+            shutil.copytree(src, pub / name, ignore=skip)
+        elif src.exists():
+            shutil.copy2(src, pub / name)
+    for d, dirs, names in os.walk(pub):
+        for n in dirs:
+            os.chmod(os.path.join(d, n), 0o755)
+        for n in names:
+            os.chmod(os.path.join(d, n), 0o644)
+    _PUBLIC.append(str(pub))
+    return str(pub)
+
+
 def user_python() -> tuple[str, dict[str, str]]:
-    """An interpreter the test uids may run, and the environment it needs. This one when it is open to others
-    (CI); else the system's Python of the same version (a pyenv Python under root's 0700 home is not) with
-    this environment's site-packages on its path."""
-    if _reachable(sys.executable):
-        return sys.executable, {}
-    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    alt = shutil.which(ver, path="/usr/bin:/usr/local/bin")
-    if alt is None or not _reachable(alt):
-        pytest.skip(f"no {ver} that other uids may run ({sys.executable} is not open to them)")
-    site = sysconfig.get_paths()["purelib"]
-    if not _reachable(site):
-        pytest.skip(f"{site} is not open to other uids")
-    return alt, {"PYTHONPATH": f"{ROOT}{os.pathsep}{site}"}
+    """An interpreter the test uids may run, and the environment it needs. This one when it and the checkout
+    are open to others; else the real interpreter behind it (a venv's python is a link to one) or the
+    system's Python of the same version, with a public copy of the package and its dependencies."""
+    if _reachable(sys.executable) and _reachable(str(Path(sys.executable).parent)) and _reachable(str(ROOT)):
+        site = sysconfig.get_paths()["purelib"]
+        if _reachable(site):
+            return sys.executable, {}
+    real = os.path.realpath(sys.executable)
+    if not _reachable(real):
+        ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        alt = shutil.which(ver, path="/usr/bin:/usr/local/bin")
+        if alt is None or not _reachable(alt):
+            pytest.fail(f"no {ver} that other uids may run ({sys.executable} is not open to them)")
+        real = alt
+    return real, {"PYTHONPATH": _public_copy()}
 
 
 def user_env() -> dict[str, str]:
