@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import selectors
 import socket
 import socketserver
@@ -90,6 +91,11 @@ def accepts_gzip(accept_encoding: str) -> bool:
     return bool(star)
 
 
+def _nonblocking(sock: socket.socket) -> None:
+    if sock.gettimeout() != 0.0:  # a worker's timeout; the loop's own sockets are already (no system call)
+        sock.setblocking(False)
+
+
 def _head_end(buf: bytes, start: int) -> int:
     """Index just past the blank line that ends the head (CRLF or bare LF lines), or -1."""
     for term in (b"\n\r\n", b"\n\n"):
@@ -97,6 +103,9 @@ def _head_end(buf: bytes, start: int) -> int:
         if i >= 0:
             return i + len(term)
     return -1
+
+
+_FIELD_NAME = re.compile(r"[!-~]*\Z")  # what email's parser takes for a field name: visible ASCII
 
 
 class _Headers(Mapping[str, str]):
@@ -131,7 +140,7 @@ def _parse_fields(rest: bytes) -> _Headers:
                 fields[last] += " " + line.strip()
             continue
         name, colon, value = line.partition(":")
-        if not colon or any(not "!" <= ch <= "~" for ch in name):
+        if not colon or not _FIELD_NAME.match(name):
             break  # not a header field: the rest is no head of ours
         key = name.lower()
         last = key if key not in fields else ""  # a repeated field's fold belongs to the one we ignore
@@ -703,7 +712,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
     def _write(self, conn: _Conn, data: bytes, within: float = LINGER) -> None:
         """Write ``data`` (then linger and close) without blocking the loop, all of it within ``within`` s."""
         conn.out, conn.state = memoryview(data), "write"
-        conn.sock.setblocking(False)
+        _nonblocking(conn.sock)
         conn.deadline = time.monotonic() + within
         self._move(conn, self._closing)
         self._step(conn)
@@ -723,7 +732,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
         if conn.where is not self._closing:
             self._move(conn, self._closing)
         try:
-            conn.sock.setblocking(False)
+            _nonblocking(conn.sock)
             conn.sock.shutdown(socket.SHUT_WR)  # an SSLSocket drops its TLS layer here: raw from now on
         except OSError:
             self._close(conn)
