@@ -10,6 +10,7 @@ import gzip
 import re
 import socket
 import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -19,7 +20,7 @@ from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.server import registry as registry_module
 from vramwatch.server.collectors import Runner
-from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition
+from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition, Reply
 from vramwatch.server.http import ExporterHTTPServer
 
 PROMETHEUS = (
@@ -126,3 +127,41 @@ def test_a_rank_that_dies_or_appears_is_shown_by_the_next_scrape(served):
         assert _live_gauges(text, 6), "a new rank at once, not at the next refresh"
     finally:
         late.close()
+
+
+class _Huge:
+    """An exposition whose every answer is ready and bigger than the socket buffers hold."""
+
+    body = b"x" * (16 << 20)
+
+    def reply_now(self, accept: str, gzip_ok: bool) -> Reply:
+        return Reply(self.body, "text/plain")
+
+    def reply(self, accept: str, gzip_ok: bool) -> Reply:
+        return self.reply_now(accept, gzip_ok)
+
+
+def test_clients_that_do_not_read_their_answers_hold_a_bounded_number_of_them():
+    srv = ExporterHTTPServer(("127.0.0.1", 0), _Huge(), timeout=5.0, max_pending=4)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    held = []
+    try:
+        for _ in range(7):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", srv.server_address[1]))
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")  # and never reads
+            held.append(s)
+        deadline = time.monotonic() + 5
+        while srv.refused["slow-reader"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.refused["slow-reader"] == 3 and len(srv._writing) == 4  # the oldest three were closed
+        with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5) as s:
+            s.sendall(b"GET /-/healthy HTTP/1.0\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.0 200 OK")  # the loop still answers others
+    finally:
+        for s in held:
+            s.close()
+        srv.shutdown()
+        srv.server_close()

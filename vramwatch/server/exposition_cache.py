@@ -28,6 +28,10 @@ its final sample then stays for ``dead_rank_grace_seconds`` without changing any
 render that carries final samples expires when the first of them leaves, and is rendered again then.
 A rejected file or a failed read is counted per read of the spool, and a failed read is tried again
 at the next look.
+
+Serving: :meth:`CachedExposition.reply_now` is the part of a scrape that needs neither a render nor a
+lock (the render is current and has the asked format built), so the HTTP server's event loop answers
+such a scrape itself; anything else goes to a worker through :meth:`CachedExposition.reply`.
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ answer), the landing page, health and 404. Only a request that needs a render (n
 rank appeared or died, a format never asked for) reaches one of the ``max_connections`` workers;
 :mod:`.admission` decides which when there are more of them than workers (Prometheus' scrapes
 first), and the rest get a clean 503 at once. Every answer is written without blocking the loop,
-within ``timeout``. Refusals (400, 401, 405, 429, 431, 503) are written by the loop itself, so a
-flood of them never takes a worker.
+within ``timeout``; at most ``max_pending`` connections may hold an answer they are not reading (the
+oldest is closed for a newer one), so clients that never read cannot pile answers up in memory.
+Refusals (400, 401, 405, 429, 431, 503) are written by the loop itself, so a flood of them never
+takes a worker.
 
 Basic auth (:mod:`.auth`): a pair verified before is recognised on the loop; any other pair
 costs one bcrypt on a worker thread of its own, within a per-source budget (429 beyond it).
@@ -272,7 +274,8 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self._date = _Date()
         self.served_on_loop = 0  # answers the loop wrote itself, with no worker (tests and benchmarks read it)
         self._pending: dict[int, _Conn] = {}  # handshake or head; insertion order is age
-        self._closing: dict[int, _Conn] = {}  # writing a refusal, or lingering after our FIN
+        self._writing: dict[int, _Conn] = {}  # an answer or refusal not all sent yet; insertion order is age
+        self._closing: dict[int, _Conn] = {}  # lingering after our FIN
         self._calls: deque[Callable[[], None]] = deque()  # from other threads, run on the loop
         self._auth_queue: queue.Queue[tuple[_Conn, _Request, Credentials] | None] = queue.Queue(AUTH_QUEUE)
         self._sel: selectors.BaseSelector | None = None
@@ -342,7 +345,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
             s.close()
 
     def _next_timeout(self, poll_interval: float) -> float:
-        deadlines = [c.deadline for c in self._closing.values()]
+        deadlines = [c.deadline for c in (*self._writing.values(), *self._closing.values())]
         if self._pending:
             deadlines.append(next(iter(self._pending.values())).deadline)  # the oldest expires first
         if self.admission.waiting:
@@ -400,7 +403,8 @@ class ExporterHTTPServer(socketserver.TCPServer):
             pass
 
     def _close_all(self) -> None:
-        for conn in [*self._pending.values(), *self._closing.values(), *self.admission.drop_all()]:
+        conns = [*self._pending.values(), *self._writing.values(), *self._closing.values()]
+        for conn in [*conns, *self.admission.drop_all()]:
             try:
                 self._close(conn)
             except Exception:  # noqa: BLE001 - closing everything at shutdown: the next one still gets closed
@@ -514,14 +518,15 @@ class ExporterHTTPServer(socketserver.TCPServer):
                 self.conn_timeout,
             )
             self._close(conn)
-        for conn in [c for c in self._closing.values() if c.deadline <= now]:
+        for conn in [c for c in (*self._writing.values(), *self._closing.values()) if c.deadline <= now]:
             self._close(conn)
         for conn in self.admission.expire(now):
             self._busy(conn, "a scrape that waited its turn")
 
     # --- deciding ---
     def _head_complete(self, conn: _Conn, head: bytes) -> None:
-        self._watch(conn, 0)
+        # still watched for reading: an answer the loop writes now keeps it so (no system call); only a
+        # request handed on (to the bcrypt thread, a worker, the admission queue) is unwatched first
         self._move(conn, None)
         conn.head, conn.buf, conn.state = head, b"", "busy"
         try:
@@ -542,6 +547,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
         elif not self.failure_budget.take(conn.source):
             self._refuse(conn, _Refusal(429, "auth-throttled", "too many failed authentications; retry later"))
         else:
+            self._watch(conn, 0)  # the bcrypt thread's until it answers
             try:
                 self._auth_queue.put_nowait((conn, req, creds))
             except queue.Full:
@@ -577,6 +583,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
             self.served_on_loop += 1
             self._write(conn, data, self.conn_timeout)
             return
+        self._watch(conn, 0)  # a worker's socket once it starts; nothing to read meanwhile
         conn.req = req
         scrape = is_scrape(req.method, req.path, req.headers)
         decision = self.admission.offer(conn, scrape, time.monotonic() + scrape_wait(req.headers))
@@ -714,7 +721,16 @@ class ExporterHTTPServer(socketserver.TCPServer):
         conn.out, conn.state = memoryview(data), "write"
         _nonblocking(conn.sock)
         conn.deadline = time.monotonic() + within
-        self._move(conn, self._closing)
+        if len(self._writing) >= self.max_pending:  # clients that do not read: each holds its answer here
+            oldest = next(iter(self._writing.values()))
+            self._note(
+                "slow-reader",
+                "%d connections were not reading their answers; closed the oldest, from %s",
+                self.max_pending,
+                oldest.peer,
+            )
+            self._close(oldest)
+        self._move(conn, self._writing)
         self._step(conn)
 
     def _flush(self, conn: _Conn) -> None:
