@@ -235,6 +235,30 @@ def raw_get(port: int, timeout: float = 10.0, request: bytes = PROMETHEUS_REQUES
     return status, len(raw), time.perf_counter() - t0
 
 
+def measure_paced(port: int, scrapes: int, rate: float) -> dict[str, Any]:
+    """``scrapes`` scrapes at ``rate`` a second as Prometheus sends them (raw socket, its request): the
+    latency a server gives a scraper that comes now and then, without urllib's own ~0.3 ms in it."""
+    lat: list[float] = []
+    errors = 0
+    nxt = time.monotonic()
+    for _ in range(scrapes):
+        status, _, elapsed = raw_get(port)
+        if status == 200:
+            lat.append(elapsed)
+        else:
+            errors += 1
+        nxt += 1.0 / rate
+        time.sleep(max(0.0, nxt - time.monotonic()))
+    return {
+        "scrapes": scrapes,
+        "rate_per_s": rate,
+        "errors": errors,
+        "p50_ms": _ms(common.percentile(lat, 50)),
+        "p99_ms": _ms(common.percentile(lat, 99)),
+        "max_ms": _ms(max(lat, default=None)),
+    }
+
+
 def measure_back_to_back(port: int, pid: int, seconds: float, idle_rate: float | None) -> dict[str, Any]:
     """One scraper (Prometheus' request, raw socket) back to back for ``seconds``: the server's CPU per
     scrape with enough scrapes that /proc's 10 ms ticks and the idle rate (subtracted for ``net``) blur
@@ -462,6 +486,8 @@ def run_nvitop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             }
         time.sleep(2.0)  # a couple of its collection cycles
         res = measure(url, p.pid, args.scrapes, args.rate, args.idle_seconds)
+        if args.paced_scrapes > 0:
+            res["paced_raw"] = measure_paced(port, args.paced_scrapes, args.rate)
         if args.busy_seconds > 0:
             res["back_to_back"] = measure_back_to_back(port, p.pid, args.busy_seconds, res["idle_cpu_share"])
         if args.concurrency > 0:
@@ -509,6 +535,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvitop-python", default="", help="interpreter that can import nvitop_exporter")
     p.add_argument("--nvitop-interval", type=float, default=1.0)
     p.add_argument(
+        "--paced-scrapes",
+        type=int,
+        default=150,
+        help="then as many at --rate on raw sockets with Prometheus' request (latency; default 150; 0: skip)",
+    )
+    p.add_argument(
         "--busy-seconds",
         type=float,
         default=5.0,
@@ -533,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         args.scrapes, args.idle_seconds = min(args.scrapes, 60), min(args.idle_seconds, 2.0)
         args.concurrent_seconds = min(args.concurrent_seconds, 5.0)
         args.busy_seconds = min(args.busy_seconds, 3.0)
+        args.paced_scrapes = min(args.paced_scrapes, 60)
         args.mixed_seconds = min(args.mixed_seconds, 3.0)
     counts = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
     workdir = tempfile.mkdtemp(prefix="vwbench-scrape-")
@@ -551,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
             "latency: request sent to last byte received, one connection per scrape (urllib)",
             "cpu_per_scrape_s: server utime+stime over the scrapes / scrapes (10 ms /proc ticks); "
             "net subtracts the server's idle CPU rate measured just before",
+            "paced_raw: --paced-scrapes at --rate on raw sockets with Prometheus 2.42's request (OpenMetrics, gzip): "
+            "the latency without urllib's own share",
             "back_to_back: one scraper (raw socket, Prometheus 2.42's request) back to back for --busy-seconds; "
             "its CPU per scrape is the one to compare with a budget (thousands of scrapes against 10 ms ticks, "
             "the idle rate a small part of each)",
@@ -580,6 +615,12 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.5)  # a sample or two from every rank
             res = measure(node.url(), node.server.pid, args.scrapes, args.rate, args.idle_seconds)
             res["ranks"] = n
+            if args.paced_scrapes > 0:
+                res["paced_raw"] = pr = measure_paced(node.port, args.paced_scrapes, args.rate)
+                common.progress(
+                    f"vramwatch, {n} rank(s), {pr['scrapes']} scrapes at {args.rate:g}/s as Prometheus sends them: "
+                    f"p50 {pr['p50_ms'] or 0:.2f} ms, p99 {pr['p99_ms'] or 0:.2f} ms, max {pr['max_ms'] or 0:.2f} ms"
+                )
             if args.busy_seconds > 0:
                 res["back_to_back"] = b = measure_back_to_back(
                     node.port, node.server.pid, args.busy_seconds, res["idle_cpu_share"]
