@@ -219,10 +219,10 @@ if s:
               f"cpu/scrape {ms(v['cpu_per_scrape_s'])} (net {ms(v['cpu_per_scrape_net_s'])}), RSS {v.get('rss_mb')} MB")
         pr = v.get("paced_raw")
         if pr:
-            print(f"  {pr['scrapes']} at {pr['rate_per_s']}/s on raw sockets: p50 {pr['p50_ms']} ms, p99 {pr['p99_ms']} ms")
+            print(f"  {pr['scrapes']} at {pr['rate_per_s']}/s on raw sockets: p50 {pr['p50_ms'] or 0:.2f} ms, p99 {pr['p99_ms'] or 0:.2f} ms")
         b = v.get("back_to_back")
         if b:
-            print(f"  back to back: {b['scrapes']} scrapes, p50 {b['p50_ms']} ms, p99 {b['p99_ms']} ms, "
+            print(f"  back to back: {b['scrapes']} scrapes, p50 {b['p50_ms'] or 0:.2f} ms, p99 {b['p99_ms'] or 0:.2f} ms, "
                   f"cpu/scrape {ms(b['cpu_per_scrape_s'])} (net {ms(b['cpu_per_scrape_net_s'])})")
         if v.get("rss_by_mapping_mb"):
             print("  RSS by mapping (MB):", ", ".join(f"{k} {x}" for k, x in v["rss_by_mapping_mb"].items()))
@@ -241,10 +241,10 @@ if s:
           f"RSS {nv.get('rss_mb')} MB")
     pr = nv.get("paced_raw")
     if pr:
-        print(f"  {pr['scrapes']} at {pr['rate_per_s']}/s on raw sockets: p50 {pr['p50_ms']} ms, p99 {pr['p99_ms']} ms")
+        print(f"  {pr['scrapes']} at {pr['rate_per_s']}/s on raw sockets: p50 {pr['p50_ms'] or 0:.2f} ms, p99 {pr['p99_ms'] or 0:.2f} ms")
     b = nv.get("back_to_back")
     if b:
-        print(f"  back to back: {b['scrapes']} scrapes, p50 {b['p50_ms']} ms, p99 {b['p99_ms']} ms, "
+        print(f"  back to back: {b['scrapes']} scrapes, p50 {b['p50_ms'] or 0:.2f} ms, p99 {b['p99_ms'] or 0:.2f} ms, "
               f"cpu/scrape {ms(b['cpu_per_scrape_s'])} (net {ms(b['cpu_per_scrape_net_s'])})")
     c = nv.get("concurrent")
     if c:
