@@ -133,8 +133,8 @@ def _parse_fields(rest: bytes) -> _Headers:
     a folded line continues the field before it, and a line that is no field ends the head."""
     fields: dict[str, str] = {}
     last = ""
-    for raw in rest.split(b"\n"):
-        line = raw.rstrip(b"\r").decode("latin-1")
+    for line in rest.decode("latin-1").split("\n"):  # one decode for the block: latin-1 maps every byte
+        line = line.rstrip("\r")
         if not line:
             break
         if line[0] in " \t":
