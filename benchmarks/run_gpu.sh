@@ -63,7 +63,7 @@ elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothin
   PAIRS=2; DIRECT=1.5; CALLS=20000; TESTS_CAP=120
   RUN_ARGS="--device cpu --run-seconds 0.2 --warmup-seconds 0.05 --step-repeats 3 --pairs-per-process 1"
   NP=$(nproc 2>/dev/null || echo 1); [ "$NP" -ge 2 ] && RUN_ARGS="$RUN_ARGS --pin-core $((NP - 1))"  # the pinning path too
-  SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5 --concurrency 4 --concurrent-seconds 0.5 --mixed-seconds 0.5"
+  SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5 --paced-scrapes 10 --busy-seconds 0.5 --concurrency 4 --concurrent-seconds 0.5 --mixed-seconds 0.5"
   FRAG_ARGS="--device cpu --seconds 1.5 --poll 0.2 --interval 0.2"
 else
   PAIRS=${PAIRS:-20}; DIRECT=60; CALLS=${STEP_CALLS:-1000000}; TESTS_CAP=200; SCRAPE_ARGS=""; FRAG_ARGS=""
@@ -217,6 +217,15 @@ if s:
     for k, v in (s.get("vramwatch") or {}).items():
         print(f"scrape vramwatch {k} rank(s): p50 {v['p50_ms']:.2f} ms, p99 {v['p99_ms']:.2f} ms, {v['bytes']} B, "
               f"cpu/scrape {ms(v['cpu_per_scrape_s'])} (net {ms(v['cpu_per_scrape_net_s'])}), RSS {v.get('rss_mb')} MB")
+        pr = v.get("paced_raw")
+        if pr:
+            print(f"  {pr['scrapes']} at {pr['rate_per_s']}/s on raw sockets: p50 {pr['p50_ms'] or 0:.2f} ms, p99 {pr['p99_ms'] or 0:.2f} ms")
+        b = v.get("back_to_back")
+        if b:
+            print(f"  back to back: {b['scrapes']} scrapes, p50 {b['p50_ms'] or 0:.2f} ms, p99 {b['p99_ms'] or 0:.2f} ms, "
+                  f"cpu/scrape {ms(b['cpu_per_scrape_s'])} (net {ms(b['cpu_per_scrape_net_s'])})")
+        if v.get("rss_by_mapping_mb"):
+            print("  RSS by mapping (MB):", ", ".join(f"{k} {x}" for k, x in v["rss_by_mapping_mb"].items()))
         c = v.get("concurrent")
         if c:
             print(f"  {c['clients']} at once: {c['scrapes']} scrapes, {c['status_503']} x 503, p50 {c['p50_ms']} ms, "
@@ -230,6 +239,13 @@ if s:
     print("scrape nvitop-exporter:", nv.get("skipped") or f"p50 {nv['p50_ms']:.2f} ms, p99 {nv['p99_ms']:.2f} ms, "
           f"{nv['bytes']} B, cpu/scrape {ms(nv['cpu_per_scrape_s'])} (net {ms(nv['cpu_per_scrape_net_s'])}), "
           f"RSS {nv.get('rss_mb')} MB")
+    pr = nv.get("paced_raw")
+    if pr:
+        print(f"  {pr['scrapes']} at {pr['rate_per_s']}/s on raw sockets: p50 {pr['p50_ms'] or 0:.2f} ms, p99 {pr['p99_ms'] or 0:.2f} ms")
+    b = nv.get("back_to_back")
+    if b:
+        print(f"  back to back: {b['scrapes']} scrapes, p50 {b['p50_ms'] or 0:.2f} ms, p99 {b['p99_ms'] or 0:.2f} ms, "
+              f"cpu/scrape {ms(b['cpu_per_scrape_s'])} (net {ms(b['cpu_per_scrape_net_s'])})")
     c = nv.get("concurrent")
     if c:
         print(f"  {c['clients']} at once: {c['scrapes']} scrapes, {c['status_503']} x 503, p50 {c['p50_ms']} ms, "

@@ -235,6 +235,62 @@ def raw_get(port: int, timeout: float = 10.0, request: bytes = PROMETHEUS_REQUES
     return status, len(raw), time.perf_counter() - t0
 
 
+def measure_paced(port: int, scrapes: int, rate: float) -> dict[str, Any]:
+    """``scrapes`` scrapes at ``rate`` a second as Prometheus sends them (raw socket, its request): the
+    latency a server gives a scraper that comes now and then, without urllib's own ~0.3 ms in it."""
+    lat: list[float] = []
+    errors = 0
+    nxt = time.monotonic()
+    for _ in range(scrapes):
+        status, _, elapsed = raw_get(port)
+        if status == 200:
+            lat.append(elapsed)
+        else:
+            errors += 1
+        nxt += 1.0 / rate
+        time.sleep(max(0.0, nxt - time.monotonic()))
+    return {
+        "scrapes": scrapes,
+        "rate_per_s": rate,
+        "errors": errors,
+        "p50_ms": _ms(common.percentile(lat, 50)),
+        "p99_ms": _ms(common.percentile(lat, 99)),
+        "max_ms": _ms(max(lat, default=None)),
+    }
+
+
+def measure_back_to_back(port: int, pid: int, seconds: float, idle_rate: float | None) -> dict[str, Any]:
+    """One scraper (Prometheus' request, raw socket) back to back for ``seconds``: the server's CPU per
+    scrape with enough scrapes that /proc's 10 ms ticks and the idle rate (subtracted for ``net``) blur
+    it little; at 10 scrapes a second the idle share alone is worth a millisecond a scrape."""
+    lat: list[float] = []
+    errors = 0
+    c0, t0 = common.proc_cpu_seconds(pid), time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        status, _, elapsed = raw_get(port)
+        if status == 200:
+            lat.append(elapsed)
+        else:
+            errors += 1
+    c1, t1 = common.proc_cpu_seconds(pid), time.monotonic()
+    n = len(lat) + errors
+    gross = (c1 - c0) / n if n and c0 is not None and c1 is not None else None
+    net = None
+    if gross is not None and idle_rate is not None:
+        net = max(0.0, (c1 - c0) - idle_rate * (t1 - t0)) / n
+    return {
+        "seconds": t1 - t0,
+        "scrapes": n,
+        "errors": errors,
+        "scrapes_per_s": n / (t1 - t0) if t1 > t0 else None,
+        "p50_ms": _ms(common.percentile(lat, 50)),
+        "p99_ms": _ms(common.percentile(lat, 99)),
+        "cpu_per_scrape_s": gross,
+        "cpu_per_scrape_net_s": net,
+        "server_cpu_share": (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None and t1 > t0 else None,
+    }
+
+
 def measure_concurrent(port: int, pid: int, clients: int, seconds: float) -> dict[str, Any]:
     """``clients`` threads scraping back to back (gzip, as Prometheus asks) for ``seconds``."""
     lat: list[float] = []
@@ -349,9 +405,9 @@ def _mixed_line(m: dict[str, Any]) -> str:
     return f"{m['clients']} at once (half Prometheus): prometheus {half(m['prometheus'])}; plain {half(m['plain'])}"
 
 
-def memory_mb(pid: int) -> dict[str, float | None]:
-    """The server's resident memory now (VmRSS) and its peak (VmHWM), in MB (10^6 bytes)."""
-    out: dict[str, float | None] = {"rss_mb": None, "hwm_mb": None}
+def memory_mb(pid: int) -> dict[str, Any]:
+    """The server's resident memory now (VmRSS) and its peak (VmHWM), in MB (10^6 bytes), and by mapping."""
+    out: dict[str, Any] = {"rss_mb": None, "hwm_mb": None}
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as fh:
             for line in fh:
@@ -360,7 +416,27 @@ def memory_mb(pid: int) -> dict[str, float | None]:
                     out["rss_mb" if key == "VmRSS" else "hwm_mb"] = int(rest.split()[0]) * 1024 / 1e6
     except OSError:
         pass
+    out["rss_by_mapping_mb"] = rss_by_mapping(pid)
     return out
+
+
+def rss_by_mapping(pid: int, top: int = 8) -> dict[str, float]:
+    """Where the resident memory is (from /proc/PID/smaps), in MB: the ``top`` largest by file (its
+    name: a shared library such as libnvidia-ml shows as itself), anonymous memory as ``[anon]``."""
+    sizes: dict[str, int] = {}
+    name = "[anon]"
+    try:
+        with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                parts = line.split()
+                if parts[0] == "Rss:":
+                    sizes[name] = sizes.get(name, 0) + int(parts[1])
+                elif not parts[0].endswith(":"):  # a mapping's first line: address range, ..., its file
+                    name = os.path.basename(parts[5]) if len(parts) >= 6 else "[anon]"
+    except OSError:
+        return {}
+    ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
+    return {k: round(v * 1024 / 1e6, 2) for k, v in ranked[:top] if v}
 
 
 def nvitop_available(python: str) -> str:
@@ -410,6 +486,10 @@ def run_nvitop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             }
         time.sleep(2.0)  # a couple of its collection cycles
         res = measure(url, p.pid, args.scrapes, args.rate, args.idle_seconds)
+        if args.paced_scrapes > 0:
+            res["paced_raw"] = measure_paced(port, args.paced_scrapes, args.rate)
+        if args.busy_seconds > 0:
+            res["back_to_back"] = measure_back_to_back(port, p.pid, args.busy_seconds, res["idle_cpu_share"])
         if args.concurrency > 0:
             res["concurrent"] = measure_concurrent(port, p.pid, args.concurrency, args.concurrent_seconds)
         res.update(memory_mb(p.pid))
@@ -454,6 +534,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvitop", choices=("auto", "off"), default="auto", help="measure nvitop-exporter too")
     p.add_argument("--nvitop-python", default="", help="interpreter that can import nvitop_exporter")
     p.add_argument("--nvitop-interval", type=float, default=1.0)
+    p.add_argument(
+        "--paced-scrapes",
+        type=int,
+        default=150,
+        help="then as many at --rate on raw sockets with Prometheus' request (latency; default 150; 0: skip)",
+    )
+    p.add_argument(
+        "--busy-seconds",
+        type=float,
+        default=5.0,
+        help="one scraper back to back this long, for the CPU per scrape (default 5; 0: skip)",
+    )
     p.add_argument("--concurrency", type=int, default=10, help="scrapers at once, back to back (0: skip)")
     p.add_argument("--concurrent-seconds", type=float, default=10.0, help="how long they scrape (default 10)")
     p.add_argument(
@@ -472,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.scrapes, args.idle_seconds = min(args.scrapes, 60), min(args.idle_seconds, 2.0)
         args.concurrent_seconds = min(args.concurrent_seconds, 5.0)
+        args.busy_seconds = min(args.busy_seconds, 3.0)
+        args.paced_scrapes = min(args.paced_scrapes, 60)
         args.mixed_seconds = min(args.mixed_seconds, 3.0)
     counts = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
     workdir = tempfile.mkdtemp(prefix="vwbench-scrape-")
@@ -490,6 +584,11 @@ def main(argv: list[str] | None = None) -> int:
             "latency: request sent to last byte received, one connection per scrape (urllib)",
             "cpu_per_scrape_s: server utime+stime over the scrapes / scrapes (10 ms /proc ticks); "
             "net subtracts the server's idle CPU rate measured just before",
+            "paced_raw: --paced-scrapes at --rate on raw sockets with Prometheus 2.42's request (OpenMetrics, gzip): "
+            "the latency without urllib's own share",
+            "back_to_back: one scraper (raw socket, Prometheus 2.42's request) back to back for --busy-seconds; "
+            "its CPU per scrape is the one to compare with a budget (thousands of scrapes against 10 ms ticks, "
+            "the idle rate a small part of each)",
             "concurrent: --concurrency threads of this process scraping back to back on raw sockets, "
             "with Prometheus 2.42's request headers (OpenMetrics, gzip); p50/p99 over the 200s; "
             "status_503 counts the refused",
@@ -497,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
             "the even ones with Prometheus 2.42's request headers (scrape-timeout 10 s, OpenMetrics, gzip), the "
             "odd ones a plain GET /metrics (gzip, no scrape headers); per half: requests, 200s, 503s, p50/p99 "
             "of the 200s; a 503 is answered at once, so the shed half sends more requests",
-            "rss_mb/hwm_mb: the server's VmRSS after the measurements, and its peak (VmHWM)",
+            "rss_mb/hwm_mb: the server's VmRSS after the measurements, and its peak (VmHWM); "
+            "rss_by_mapping_mb: its largest resident mappings (/proc/PID/smaps Rss by file; [anon], [heap])",
         ],
     }
 
@@ -515,6 +615,21 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.5)  # a sample or two from every rank
             res = measure(node.url(), node.server.pid, args.scrapes, args.rate, args.idle_seconds)
             res["ranks"] = n
+            if args.paced_scrapes > 0:
+                res["paced_raw"] = pr = measure_paced(node.port, args.paced_scrapes, args.rate)
+                common.progress(
+                    f"vramwatch, {n} rank(s), {pr['scrapes']} scrapes at {args.rate:g}/s as Prometheus sends them: "
+                    f"p50 {pr['p50_ms'] or 0:.2f} ms, p99 {pr['p99_ms'] or 0:.2f} ms, max {pr['max_ms'] or 0:.2f} ms"
+                )
+            if args.busy_seconds > 0:
+                res["back_to_back"] = b = measure_back_to_back(
+                    node.port, node.server.pid, args.busy_seconds, res["idle_cpu_share"]
+                )
+                common.progress(
+                    f"vramwatch, {n} rank(s), one scraper back to back: {b['scrapes']} scrapes "
+                    f"({b['scrapes_per_s'] or 0:.0f}/s), p50 {b['p50_ms'] or 0:.2f} ms, p99 {b['p99_ms'] or 0:.2f} ms, "
+                    f"CPU/scrape {_fmt_ms(b['cpu_per_scrape_s'])} gross, {_fmt_ms(b['cpu_per_scrape_net_s'])} net"
+                )
             if args.concurrency > 0:
                 res["concurrent"] = c = measure_concurrent(
                     node.port, node.server.pid, args.concurrency, args.concurrent_seconds
@@ -533,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"vramwatch, {n} rank(s): p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, "
                 f"{res['bytes']} bytes ({res['series']} samples), CPU/scrape "
                 f"{_fmt_ms(res['cpu_per_scrape_s'])} gross, {_fmt_ms(res['cpu_per_scrape_net_s'])} net, "
-                f"RSS {res['rss_mb']} MB"
+                f"RSS {res['rss_mb']} MB (largest: {_largest(res['rss_by_mapping_mb'])})"
             )
             save()
         if args.nvitop == "off":
@@ -564,6 +679,10 @@ def main(argv: list[str] | None = None) -> int:
             node.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def _largest(by_mapping: dict[str, float], n: int = 4) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in list(by_mapping.items())[:n]) or "n/a"
 
 
 def _fmt_ms(v: float | None) -> str:

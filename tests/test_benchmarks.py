@@ -224,6 +224,10 @@ def test_smoke_scrape_json(smoke):
         assert r["errors"] == 0 and r["p50_ms"] <= r["p99_ms"]
         assert r["bytes_gzip"] < r["bytes"]
         assert 5 < r["rss_mb"] <= r["hwm_mb"] < 500
+        assert r["paced_raw"]["errors"] == 0 and r["paced_raw"]["p50_ms"] <= r["paced_raw"]["p99_ms"]
+        b = r["back_to_back"]  # one scraper back to back: the CPU per scrape without the idle share's weight
+        assert b["scrapes"] > 0 and b["errors"] == 0 and b["cpu_per_scrape_s"] is not None
+        assert r["rss_by_mapping_mb"] and all(v > 0 for v in r["rss_by_mapping_mb"].values())
         c = r["concurrent"]
         assert c["clients"] == 4 and c["ok"] > 0 and c["scrapes"] == sum(c["statuses"].values())
         assert c["p50_ms"] <= c["p99_ms"] and c["cpu_per_scrape_s"] is not None

@@ -70,7 +70,16 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _builtin_command(argv: Sequence[str]) -> str | None:
+    """The command of a command line when it is one of this module's own (serve, demo, config, docs):
+    the first word that is no option, as the top-level parser has no option that takes a value."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in ("serve", "demo", "config", "docs") else None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; for one of the built-in ``command`` s the plugins' modules stay unimported
+    (``vramwatch serve`` holds only what serving needs), their subcommands listed without their flags."""
     p = argparse.ArgumentParser(prog="vramwatch", description="PyTorch GPU memory telemetry for Prometheus.")
     p.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True)
@@ -108,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (module, help_) in _PLUGINS.items():
         sp = sub.add_parser(name, help=help_)
+        if command is not None:
+            continue
         try:
             importlib.import_module(module).add_arguments(sp)
         except Exception as e:  # noqa: BLE001 - a broken optional part must never break `serve`
@@ -116,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(_builtin_command(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "serve":

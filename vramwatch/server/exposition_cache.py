@@ -28,6 +28,10 @@ its final sample then stays for ``dead_rank_grace_seconds`` without changing any
 render that carries final samples expires when the first of them leaves, and is rendered again then.
 A rejected file or a failed read is counted per read of the spool, and a failed read is tried again
 at the next look.
+
+Serving: :meth:`CachedExposition.reply_now` is the part of a scrape that needs neither a render nor a
+lock (the render is current and has the asked format built), so the HTTP server's event loop answers
+such a scrape itself; anything else goes to a worker through :meth:`CachedExposition.reply`.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ log = logging.getLogger("vramwatch")
 Encoder = Callable[..., bytes]
 _OM_EOF = b"# EOF\n"
 _MAX_FORMATS = 8  # content types kept per render: the Accept header picks one, and a client may send any
+_MAX_ACCEPTS = 32  # Accept headers whose encoder is remembered (Prometheus and curl send one each)
 _GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, mtime 0, OS unknown
 
 
@@ -105,6 +110,8 @@ def zlib_gzip(body: bytes) -> bytes:
 
 def _stored_blocks(data: bytes) -> bytes:
     """``data`` as non-final stored deflate blocks, starting on a byte boundary."""
+    if len(data) <= 0xFFFF:  # the age lines of any node under ~1000 ranks: one block
+        return struct.pack("<BHH", 0, len(data), len(data) ^ 0xFFFF) + data
     out = []
     for i in range(0, len(data), 0xFFFF):
         chunk = data[i : i + 0xFFFF]
@@ -125,18 +132,21 @@ class _Format:
     tail: bytes
     age_meta: bytes
     age_lines: list[bytes]
-    gz_head: bytes | None = None
-    gz_tail: bytes | None = None
-    head_crc: int = 0
+    # (deflated head, deflated tail, CRC32 of the head): one attribute, set once whole, so that the
+    # event loop, which reads it without the render's lock, never sees half of it
+    gz: tuple[bytes, bytes, int] | None = None
 
-    def gzip_parts(self) -> tuple[bytes, bytes]:
-        if self.gz_head is None or self.gz_tail is None:
+    @property
+    def gz_head(self) -> bytes | None:
+        return None if self.gz is None else self.gz[0]
+
+    def gzip_parts(self) -> tuple[bytes, bytes, int]:
+        if self.gz is None:
             c = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
-            self.gz_head = c.compress(self.head) + c.flush(zlib.Z_FULL_FLUSH)  # byte-aligned, no history after
+            gz_head = c.compress(self.head) + c.flush(zlib.Z_FULL_FLUSH)  # byte-aligned, no history after
             c = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
-            self.gz_tail = c.compress(self.tail) + c.flush()
-            self.head_crc = zlib.crc32(self.head)
-        return self.gz_head, self.gz_tail
+            self.gz = (gz_head, c.compress(self.tail) + c.flush(), zlib.crc32(self.head))
+        return self.gz
 
 
 @dataclass(eq=False)
@@ -152,14 +162,17 @@ class _Render:
     built_at: float
     formats: dict[str, _Format] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _names: tuple[tuple[str, bool], ...] | None = None
 
     @property
     def names(self) -> tuple[tuple[str, bool], ...] | None:
         """The rank files it was rendered from, each with whether its rank was alive (None: unknown)."""
         if self.key is None:
             return None
-        state: spool.SpoolState = self.key[0]  # type: ignore[assignment]
-        return tuple((name, alive) for name, _, alive in state)
+        if self._names is None:  # a scrape compares them every time: build the tuple once
+            state: spool.SpoolState = self.key[0]  # type: ignore[assignment]
+            self._names = tuple((name, alive) for name, _, alive in state)
+        return self._names
 
     def format(self, ctype: str, encoder: Encoder, gzip_ok: bool) -> _Format:
         with self.lock:
@@ -208,6 +221,7 @@ class CachedExposition:
         self.min_gap = 0.0
         self.render_cost = 0.0  # CPU seconds of the refresher's last render (its thread's clock)
         self.renders = 0  # how many times the families were rendered (tests and benchmarks read it)
+        self._encoders: dict[str, tuple[Encoder, str]] = {}  # Accept header -> choose_encoder's answer
 
     # --- the refresher ---
     def start(self, min_gap: float, look: float | None = None) -> None:
@@ -315,21 +329,54 @@ class CachedExposition:
         self.exporter.mark_served(r.ctx)
         return r
 
+    def _encoder(self, accept: str) -> tuple[Encoder, str]:
+        """``choose_encoder``, remembered for the few Accept headers a node's scrapers send."""
+        hit = self._encoders.get(accept)
+        if hit is None:
+            hit = choose_encoder(accept)
+            if len(self._encoders) < _MAX_ACCEPTS:  # the header is the client's: never an unbounded table
+                self._encoders[accept] = hit
+        return hit
+
     def reply(self, accept: str, gzip_ok: bool) -> Reply:
-        encoder, ctype = choose_encoder(accept)
+        encoder, ctype = self._encoder(accept)
         if ctype not in self._asked and len(self._asked) < _MAX_FORMATS:
             self._asked[ctype] = (encoder, gzip_ok)
         elif gzip_ok and ctype in self._asked and not self._asked[ctype][1]:
             self._asked[ctype] = (encoder, True)
         render = self.current()
-        fmt = render.format(ctype, encoder, gzip_ok)
+        return self._splice(render, render.format(ctype, encoder, gzip_ok), ctype, gzip_ok)
+
+    def reply_now(self, accept: str, gzip_ok: bool) -> Reply | None:
+        """The answer :meth:`reply` would give, if it needs no render and no lock; else None.
+
+        For the server's event loop: it serves a scrape without handing it to a worker when the
+        refresher keeps the render current and this format (and its gzip form, if asked) is built.
+        The checks are :meth:`current`'s fast path; anything else (no render yet, a rank appeared or
+        died, a format never asked for, no refresher) is left to :meth:`reply` on a worker.
+        """
+        r = self._render
+        if r is None or not self.refreshing or r.expired(self._clock()):
+            return None
+        _, ctype = self._encoder(accept)
+        f = r.formats.get(ctype)
+        if f is None or (gzip_ok and f.gz is None):
+            return None
+        names = r.names
+        if names is None or self._names() != names:
+            return None
+        self._scraped_at = time.monotonic()
+        return self._splice(self._serve(r), f, ctype, gzip_ok)
+
+    def _splice(self, render: _Render, fmt: _Format, ctype: str, gzip_ok: bool) -> Reply:
+        """The render's bytes with the age family formatted at this moment between its parts."""
         now = self._clock()
         lines = zip(fmt.age_lines, render.ctx.samples, strict=True)
         age = fmt.age_meta + b"".join(p + floatToGoString(spool.sample_age(s, now)).encode() + b"\n" for p, s in lines)
         if not gzip_ok:
             return Reply(fmt.head + age + fmt.tail, ctype)
-        assert fmt.gz_head is not None and fmt.gz_tail is not None
-        crc = zlib.crc32(fmt.tail, zlib.crc32(age, fmt.head_crc))
+        gz_head, gz_tail, head_crc = fmt.gzip_parts()
+        crc = zlib.crc32(fmt.tail, zlib.crc32(age, head_crc))
         size = len(fmt.head) + len(age) + len(fmt.tail)
-        gz = (_GZIP_HEADER, fmt.gz_head, _stored_blocks(age), fmt.gz_tail, struct.pack("<II", crc, size & 0xFFFFFFFF))
+        gz = (_GZIP_HEADER, gz_head, _stored_blocks(age), gz_tail, struct.pack("<II", crc, size & 0xFFFFFFFF))
         return Reply(b"".join(gz), ctype, "gzip")

@@ -4,10 +4,17 @@ One thread (``serve_forever``) accepts connections, runs each TLS handshake and 
 request head without blocking, so a slow client (slowloris) costs a socket and a buffer, never a
 worker: at most ``max_pending`` connections may still be sending their heads (the oldest is
 closed for a newer one), each within one deadline (``timeout``) and 16 KiB / 64 header lines
-(431 beyond). Only a complete, well-formed ``GET``/``HEAD`` that passed basic auth reaches one of
-the ``max_connections`` workers; :mod:`.admission` decides which when there are more of them than
-workers (Prometheus' scrapes first), and the rest get a clean 503 at once. Refusals (400, 401,
-405, 429, 431, 503) are written by the loop itself, so a flood of them never takes a worker.
+(431 beyond). A complete, well-formed ``GET``/``HEAD`` that passed basic auth is answered by the
+loop itself when nothing has to be rendered for it: ``/metrics`` from the exposition's current
+render (its ``reply_now``: the age family formatted at that moment, so as fresh as a worker's
+answer), the landing page, health and 404. Only a request that needs a render (no render yet, a
+rank appeared or died, a format never asked for) reaches one of the ``max_connections`` workers;
+:mod:`.admission` decides which when there are more of them than workers (Prometheus' scrapes
+first), and the rest get a clean 503 at once. Every answer is written without blocking the loop,
+within ``timeout``; at most ``max_pending`` connections may hold an answer they are not reading (the
+oldest is closed for a newer one), so clients that never read cannot pile answers up in memory.
+Refusals (400, 401, 405, 429, 431, 503) are written by the loop itself, so a flood of them never
+takes a worker.
 
 Basic auth (:mod:`.auth`): a pair verified before is recognised on the loop; any other pair
 costs one bcrypt on a worker thread of its own, within a per-source budget (429 beyond it).
@@ -19,10 +26,9 @@ first of each kind a minute, then counted) and counted in ``refused``.
 
 from __future__ import annotations
 
-import http.client
-import io
 import logging
 import queue
+import re
 import selectors
 import socket
 import socketserver
@@ -30,19 +36,17 @@ import ssl
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from email.message import Message
+from email.utils import formatdate
 from functools import partial
-from http.server import BaseHTTPRequestHandler
-from socketserver import _SocketWriter  # type: ignore[attr-defined]
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from vramwatch.server.admission import Admission, Decision, is_scrape, scrape_wait
 from vramwatch.server.auth import BasicAuth, Check, Credentials, FailureBudget
-from vramwatch.server.exposition_cache import Exposition, RegistryExposition
+from vramwatch.server.exposition_cache import Exposition, RegistryExposition, Reply
 
 log = logging.getLogger("vramwatch")
 
@@ -89,6 +93,11 @@ def accepts_gzip(accept_encoding: str) -> bool:
     return bool(star)
 
 
+def _nonblocking(sock: socket.socket) -> None:
+    if sock.gettimeout() != 0.0:  # a worker's timeout; the loop's own sockets are already (no system call)
+        sock.setblocking(False)
+
+
 def _head_end(buf: bytes, start: int) -> int:
     """Index just past the blank line that ends the head (CRLF or bare LF lines), or -1."""
     for term in (b"\n\r\n", b"\n\n"):
@@ -98,11 +107,54 @@ def _head_end(buf: bytes, start: int) -> int:
     return -1
 
 
+_FIELD_NAME = re.compile(r"[!-~]*\Z")  # what email's parser takes for a field name: visible ASCII
+
+
+class _Headers(Mapping[str, str]):
+    """A request's header fields by case-insensitive name; the first of repeated fields wins."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, fields: dict[str, str]) -> None:
+        self._fields = fields  # lower-cased names
+
+    def __getitem__(self, name: str) -> str:
+        return self._fields[name.lower()]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+
+def _parse_fields(rest: bytes) -> _Headers:
+    """Header lines as RFC 9112 section 5 reads them, leniently as ``http.client.parse_headers`` does:
+    a folded line continues the field before it, and a line that is no field ends the head."""
+    fields: dict[str, str] = {}
+    last = ""
+    for line in rest.decode("latin-1").split("\n"):  # one decode for the block: latin-1 maps every byte
+        line = line.rstrip("\r")
+        if not line:
+            break
+        if line[0] in " \t":
+            if last:
+                fields[last] += " " + line.strip()
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or not _FIELD_NAME.match(name):
+            break  # not a header field: the rest is no head of ours
+        key = name.lower()
+        last = key if key not in fields else ""  # a repeated field's fold belongs to the one we ignore
+        fields.setdefault(key, value.strip())
+    return _Headers(fields)
+
+
 @dataclass
 class _Request:
     method: str
     path: str
-    headers: Message
+    headers: _Headers
 
 
 class _Refusal(Exception):
@@ -118,16 +170,28 @@ def _parse_head(head: bytes) -> _Request:
         raise _Refusal(400, "bad-request", "bad request line")
     if rest.count(b"\n") > MAX_HEADER_LINES + 1:
         raise _Refusal(431, "too-many-headers", f"more than {MAX_HEADER_LINES} header lines")
-    try:
-        headers = http.client.parse_headers(io.BytesIO(rest))
-    except http.client.HTTPException:
-        raise _Refusal(400, "bad-request", "malformed headers") from None
     method, target = words[0].decode("latin-1"), words[1].decode("latin-1")
-    return _Request(method, target, headers)
+    return _Request(method, target, _parse_fields(rest))
 
 
 _REASONS = {400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 429: "Too Many Requests"}
 _REASONS |= {431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+_REASONS |= {200: "OK", 404: "Not Found", 500: "Internal Server Error"}
+
+
+class _Date:
+    """The ``Date`` header's value (RFC 9110, 6.6.1: IMF-fixdate), formatted once a second."""
+
+    def __init__(self) -> None:
+        self._last = (-1, "")  # (second, its value): one tuple, as the loop and workers both read it
+
+    def __call__(self) -> str:
+        now = time.time()
+        second, value = self._last
+        if int(now) != second:
+            value = formatdate(now, usegmt=True)
+            self._last = (int(now), value)
+        return value
 
 
 class _AbuseLog:
@@ -154,13 +218,14 @@ class _AbuseLog:
 class _Conn:
     """One client connection as the event loop tracks it."""
 
-    __slots__ = ("addr", "buf", "deadline", "events", "head", "out", "raw", "sock", "state", "where")
+    __slots__ = ("addr", "buf", "deadline", "events", "head", "out", "raw", "req", "sock", "state", "where")
 
     def __init__(self, sock: socket.socket, addr: Any, deadline: float, state: str) -> None:
         self.sock, self.addr, self.deadline, self.state = sock, addr, deadline, state
         self.buf = b""
         self.head = b""
-        self.out = b""
+        self.out: bytes | memoryview = b""
+        self.req: _Request | None = None  # parsed, for the worker that answers it
         self.raw = False  # write past the TLS layer (to a client that never did TLS)
         self.events = 0
         self.where: dict[int, _Conn] | None = None
@@ -206,8 +271,11 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self.rejected = 0  # 503s for want of a worker
         self.refused: Counter[str] = Counter()  # every refusal, by kind
         self._abuse = _AbuseLog()
+        self._date = _Date()
+        self.served_on_loop = 0  # answers the loop wrote itself, with no worker (tests and benchmarks read it)
         self._pending: dict[int, _Conn] = {}  # handshake or head; insertion order is age
-        self._closing: dict[int, _Conn] = {}  # writing a refusal, or lingering after our FIN
+        self._writing: dict[int, _Conn] = {}  # an answer or refusal not all sent yet; insertion order is age
+        self._closing: dict[int, _Conn] = {}  # lingering after our FIN
         self._calls: deque[Callable[[], None]] = deque()  # from other threads, run on the loop
         self._auth_queue: queue.Queue[tuple[_Conn, _Request, Credentials] | None] = queue.Queue(AUTH_QUEUE)
         self._sel: selectors.BaseSelector | None = None
@@ -277,7 +345,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
             s.close()
 
     def _next_timeout(self, poll_interval: float) -> float:
-        deadlines = [c.deadline for c in self._closing.values()]
+        deadlines = [c.deadline for c in (*self._writing.values(), *self._closing.values())]
         if self._pending:
             deadlines.append(next(iter(self._pending.values())).deadline)  # the oldest expires first
         if self.admission.waiting:
@@ -335,7 +403,8 @@ class ExporterHTTPServer(socketserver.TCPServer):
             pass
 
     def _close_all(self) -> None:
-        for conn in [*self._pending.values(), *self._closing.values(), *self.admission.drop_all()]:
+        conns = [*self._pending.values(), *self._writing.values(), *self._closing.values()]
+        for conn in [*conns, *self.admission.drop_all()]:
             try:
                 self._close(conn)
             except Exception:  # noqa: BLE001 - closing everything at shutdown: the next one still gets closed
@@ -449,14 +518,15 @@ class ExporterHTTPServer(socketserver.TCPServer):
                 self.conn_timeout,
             )
             self._close(conn)
-        for conn in [c for c in self._closing.values() if c.deadline <= now]:
+        for conn in [c for c in (*self._writing.values(), *self._closing.values()) if c.deadline <= now]:
             self._close(conn)
         for conn in self.admission.expire(now):
             self._busy(conn, "a scrape that waited its turn")
 
     # --- deciding ---
     def _head_complete(self, conn: _Conn, head: bytes) -> None:
-        self._watch(conn, 0)
+        # still watched for reading: an answer the loop writes now keeps it so (no system call); only a
+        # request handed on (to the bcrypt thread, a worker, the admission queue) is unwatched first
         self._move(conn, None)
         conn.head, conn.buf, conn.state = head, b"", "busy"
         try:
@@ -477,6 +547,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
         elif not self.failure_budget.take(conn.source):
             self._refuse(conn, _Refusal(429, "auth-throttled", "too many failed authentications; retry later"))
         else:
+            self._watch(conn, 0)  # the bcrypt thread's until it answers
             try:
                 self._auth_queue.put_nowait((conn, req, creds))
             except queue.Full:
@@ -507,6 +578,13 @@ class ExporterHTTPServer(socketserver.TCPServer):
             self._refuse(conn, _Refusal(401, "auth-failed", "unauthorized"), conn.head)
 
     def _admit(self, conn: _Conn, req: _Request) -> None:
+        data = self._answer_now(req)
+        if data is not None:  # nothing to render: answered here, no worker, no slot
+            self.served_on_loop += 1
+            self._write(conn, data, self.conn_timeout)
+            return
+        self._watch(conn, 0)  # a worker's socket once it starts; nothing to read meanwhile
+        conn.req = req
         scrape = is_scrape(req.method, req.path, req.headers)
         decision = self.admission.offer(conn, scrape, time.monotonic() + scrape_wait(req.headers))
         if decision is Decision.START:
@@ -534,12 +612,68 @@ class ExporterHTTPServer(socketserver.TCPServer):
 
     def _work(self, conn: _Conn, scrape: bool) -> None:
         try:
+            assert conn.req is not None
+            data = self._answer(conn.req)
             conn.sock.settimeout(self.conn_timeout)
-            _Handler(conn.sock, conn.addr, self, conn.head)
+            conn.sock.sendall(data)
         except Exception:  # timeouts, resets: the client's problem (logged at debug)
             log.debug("vramwatch: request from %s failed", conn.peer, exc_info=True)
         finally:
+            conn.req = None
             self._call_soon(partial(self._finished, conn, scrape))
+
+    # --- the answers to admitted requests (GET or HEAD, authorised) ---
+    def _answer_now(self, req: _Request) -> bytes | None:
+        """The answer, if the loop can give it without rendering (else None: a worker renders)."""
+        path = req.path.split("?", 1)[0]
+        if path != "/metrics":
+            return self._answer(req)
+        reply_now = getattr(self.exposition, "reply_now", None)
+        if reply_now is None:
+            return None
+        try:
+            reply: Reply | None = reply_now(req.headers.get("Accept", ""), self._gzip_ok(req))
+        except Exception:  # a worker's reply() answers (or says 500, and logs why)
+            log.debug("vramwatch: serving /metrics from the cache failed", exc_info=True)
+            return None
+        return None if reply is None else self._metrics(req, reply)
+
+    def _answer(self, req: _Request) -> bytes:
+        head = req.method == "HEAD"
+        path = req.path.split("?", 1)[0]
+        if path == "/metrics":
+            try:
+                reply = self.exposition.reply(req.headers.get("Accept", ""), self._gzip_ok(req))
+            except Exception:
+                log.warning("vramwatch: rendering /metrics failed", exc_info=True)
+                return self._response(500, b"collection failed; see the server log\n", "text/plain", head=head)
+            return self._metrics(req, reply)
+        if path == "/":
+            return self._response(200, LANDING, "text/html; charset=utf-8", head=head)
+        if path in ("/-/healthy", "/-/ready"):
+            return self._response(200, b"OK\n", "text/plain", head=head)
+        return self._response(404, b"not found; see /metrics\n", "text/plain", head=head)
+
+    @staticmethod
+    def _gzip_ok(req: _Request) -> bool:
+        return accepts_gzip(req.headers.get("Accept-Encoding") or "")
+
+    def _metrics(self, req: _Request, reply: Reply) -> bytes:
+        extra = (("Content-Encoding", reply.encoding),) if reply.encoding else ()
+        return self._response(200, reply.body, reply.content_type, extra, req.method == "HEAD")
+
+    def _response(
+        self, code: int, body: bytes, ctype: str, extra: tuple[tuple[str, str], ...] = (), head: bool = False
+    ) -> bytes:
+        """A whole answer, status line to body, in one buffer: one write, one system call when it fits."""
+        lines = [
+            f"HTTP/1.0 {code} {_REASONS[code]}\r\nServer: vramwatch\r\nDate: {self._date()}\r\n"
+            f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+        ]
+        lines += [f"{k}: {v}\r\n" for k, v in extra]
+        lines += [f"{k}: {v}\r\n" for k, v in self.extra_headers.items()]
+        lines.append("\r\n")
+        return "".join(lines).encode("latin-1") + (b"" if head else body)
 
     def _finished(self, conn: _Conn, scrape: bool, answered: bool = True) -> None:
         for waiting in self.admission.release(scrape):
@@ -582,17 +716,27 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self.refused[kind] += 1
         self._abuse(kind, msg, *args)
 
-    def _write(self, conn: _Conn, data: bytes) -> None:
-        conn.out, conn.state = data, "write"
-        conn.sock.setblocking(False)
-        conn.deadline = time.monotonic() + LINGER
-        self._move(conn, self._closing)
+    def _write(self, conn: _Conn, data: bytes, within: float = LINGER) -> None:
+        """Write ``data`` (then linger and close) without blocking the loop, all of it within ``within`` s."""
+        conn.out, conn.state = memoryview(data), "write"
+        _nonblocking(conn.sock)
+        conn.deadline = time.monotonic() + within
+        if len(self._writing) >= self.max_pending:  # clients that do not read: each holds its answer here
+            oldest = next(iter(self._writing.values()))
+            self._note(
+                "slow-reader",
+                "%d connections were not reading their answers; closed the oldest, from %s",
+                self.max_pending,
+                oldest.peer,
+            )
+            self._close(oldest)
+        self._move(conn, self._writing)
         self._step(conn)
 
     def _flush(self, conn: _Conn) -> None:
         while conn.out:
             n = socket.socket.send(conn.sock, conn.out) if conn.raw else conn.sock.send(conn.out)
-            conn.out = conn.out[n:]
+            conn.out = conn.out[n:]  # a memoryview: no copy of what is left
         self._linger(conn)
 
     def _linger(self, conn: _Conn) -> None:
@@ -604,7 +748,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
         if conn.where is not self._closing:
             self._move(conn, self._closing)
         try:
-            conn.sock.setblocking(False)
+            _nonblocking(conn.sock)
             conn.sock.shutdown(socket.SHUT_WR)  # an SSLSocket drops its TLS layer here: raw from now on
         except OSError:
             self._close(conn)
@@ -620,75 +764,3 @@ class ExporterHTTPServer(socketserver.TCPServer):
                 break
             left -= len(chunk)
         self._close(conn)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """One admitted request (well-formed, GET or HEAD, authorised), its head already read by the loop."""
-
-    server: ExporterHTTPServer
-    server_version = "vramwatch"
-    sys_version = ""
-    default_request_version = "HTTP/1.0"  # every answer has a status line, even to garbage
-    error_message_format = "%(code)d %(message)s\n"
-    error_content_type = "text/plain; charset=utf-8"
-
-    def __init__(self, request, client_address, server: ExporterHTTPServer, head: bytes) -> None:
-        self.head = head
-        super().__init__(request, client_address, server)
-
-    def version_string(self) -> str:
-        return self.server_version
-
-    def setup(self) -> None:
-        self.connection = self.request
-        self.command, self.request_version, self.requestline = "", "HTTP/1.0", ""  # send_error needs them
-        self.rfile = io.BytesIO(self.head)
-        self.wfile = _SocketWriter(self.request)
-
-    def finish(self) -> None:
-        pass  # the server closes the socket
-
-    def end_headers(self) -> None:
-        for k, v in self.server.extra_headers.items():
-            self.send_header(k, v)
-        super().end_headers()
-
-    def log_message(self, format: str, *args) -> None:
-        log.debug("vramwatch http: " + format, *args)
-
-    def do_GET(self) -> None:
-        self._serve(head=False)
-
-    def do_HEAD(self) -> None:
-        self._serve(head=True)
-
-    def _serve(self, head: bool) -> None:
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            gzip_ok = accepts_gzip(self.headers.get("Accept-Encoding") or "")
-            try:
-                reply = self.server.exposition.reply(self.headers.get("Accept", ""), gzip_ok)
-            except Exception:
-                log.warning("vramwatch: rendering /metrics failed", exc_info=True)
-                self._reply(500, b"collection failed; see the server log\n", "text/plain", head=head)
-                return
-            extra = {"Content-Encoding": reply.encoding} if reply.encoding else {}
-            self._reply(200, reply.body, reply.content_type, extra, head)
-        elif path == "/":
-            self._reply(200, LANDING, "text/html; charset=utf-8", head=head)
-        elif path in ("/-/healthy", "/-/ready"):
-            self._reply(200, b"OK\n", "text/plain", head=head)
-        else:
-            self._reply(404, b"not found; see /metrics\n", "text/plain", head=head)
-
-    def _reply(
-        self, code: int, body: bytes, ctype: str, headers: dict[str, str] | None = None, head: bool = False
-    ) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)

@@ -1,0 +1,167 @@
+"""The event loop answers a scrape itself when its render is current: no worker, same bytes, true ages.
+
+The server and the cache run in this process over a real spool, on loopback; the clock is the test's,
+so an age in a body says when the body was made.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import socket
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+from test_exposition_cache import Clock, Counter, _live_gauges, same_but_spool_time, sample
+
+from vramwatch import spool
+from vramwatch.config import Settings
+from vramwatch.server import registry as registry_module
+from vramwatch.server.collectors import Runner
+from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition, Reply
+from vramwatch.server.http import ExporterHTTPServer
+
+PROMETHEUS = (
+    b"GET /metrics HTTP/1.1\r\nHost: x\r\nUser-Agent: Prometheus/2.42.0\r\n"
+    b"Accept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n"
+    b"Accept-Encoding: gzip\r\nX-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n"
+)
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    """Two live ranks, the cache with its refresher (stepped by hand), and the server over it."""
+    d = str(tmp_path)
+    clock = Clock()
+    monkeypatch.setattr(registry_module.time, "time", clock)
+    pubs = [spool.RankPublisher(d, r) for r in range(2)]
+    for r, p in enumerate(pubs):
+        p.publish(sample(r, clock.now - 0.5))
+    settings = Settings(spool_dir=d)
+    runner = Runner(Counter(), settings)
+    runner.poll_once()
+    exp = registry_module.ExporterCollector(settings, d, [runner])
+    cached = CachedExposition(exp, clock=clock)
+    cached.start(min_gap=0.0, look=3600.0)  # alive, but renders only when a test calls refresh()
+    srv = ExporterHTTPServer(("127.0.0.1", 0), cached, max_connections=2, timeout=5.0)
+    started: list[int] = []
+    real_start = srv._start
+    monkeypatch.setattr(srv, "_start", lambda conn, scrape: started.append(1) or real_start(conn, scrape))
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(exp)
+    yield srv, cached, RegistryExposition(reg), clock, started, pubs, tmp_path
+    srv.shutdown()
+    srv.server_close()
+    cached.stop()
+    for p in pubs:
+        p.close()
+
+
+def exchange(srv: ExporterHTTPServer, request: bytes) -> tuple[bytes, bytes]:
+    with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5) as s:
+        s.sendall(request)
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return head, body
+
+
+def header(head: bytes, name: bytes) -> bytes | None:
+    m = re.search(rb"\r\n" + name + rb": ([^\r]*)", head)
+    return m.group(1) if m else None
+
+
+def test_a_current_render_is_served_by_the_loop_with_ages_at_scrape_time(served):
+    srv, cached, whole, clock, started, _, _ = served
+    head, _ = exchange(srv, PROMETHEUS)  # the first scrape renders: a worker's job
+    assert head.startswith(b"HTTP/1.0 200 OK\r\n") and started == [1] and srv.served_on_loop == 0
+    for step in (7.25, 3.0):
+        clock.now += step  # the render gets older; only the ages move
+        head, body = exchange(srv, PROMETHEUS)
+        assert started == [1], "the loop answered: no worker was started"
+        assert header(head, b"Content-Encoding") == b"gzip" and int(header(head, b"Content-Length")) == len(body)
+        assert header(head, b"Content-Type") == whole.reply(OPENMETRICS, False).content_type.encode()
+        assert header(head, b"Server") == b"vramwatch" and header(head, b"Date").endswith(b" GMT")
+        text = gzip.decompress(body)
+        assert same_but_spool_time(text, whole.reply(OPENMETRICS, False).body)  # as a whole render now
+    assert re.search(rb'vramwatch_sample_age_seconds\{local_rank="1",rank="1"\} 10.75\n', text)
+    assert srv.served_on_loop == 2 and cached.renders == 1
+
+
+def test_head_and_other_paths_are_answered_by_the_loop(served):
+    srv, _, _, _, started, _, _ = served
+    exchange(srv, PROMETHEUS)
+    head, body = exchange(srv, PROMETHEUS.replace(b"GET ", b"HEAD ", 1))
+    assert head.startswith(b"HTTP/1.0 200 OK\r\n") and body == b"" and int(header(head, b"Content-Length")) > 0
+    assert exchange(srv, b"GET /-/healthy HTTP/1.0\r\n\r\n")[1] == b"OK\n"
+    head, _ = exchange(srv, b"GET /nothing HTTP/1.0\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 404 Not Found\r\n")
+    assert started == [1]
+
+
+def test_a_format_not_built_yet_goes_to_a_worker(served):
+    srv, _, _, _, started, _, _ = served
+    exchange(srv, PROMETHEUS)
+    _, body = exchange(srv, b"GET /metrics HTTP/1.0\r\n\r\n")  # text 0.0.4, no gzip: not rendered yet
+    assert started == [1, 1] and b"# TYPE vramwatch_sample_age_seconds gauge" in body
+    exchange(srv, b"GET /metrics HTTP/1.0\r\n\r\n")
+    assert started == [1, 1]  # built now: the loop serves it from then on
+
+
+def test_a_rank_that_dies_or_appears_is_shown_by_the_next_scrape(served):
+    srv, _, _, clock, _, pubs, tmp_path = served
+    exchange(srv, PROMETHEUS)
+    pubs[1].close()  # rank 1 dies: its lock is freed, no refresh has looked yet
+    text = gzip.decompress(exchange(srv, PROMETHEUS)[1])
+    assert b'rank="1"' in text and not _live_gauges(text, 1), "shown dead at once: its final sample only"
+    late = spool.RankPublisher(str(tmp_path), 6)
+    try:
+        late.publish(sample(6, clock.now))
+        text = gzip.decompress(exchange(srv, PROMETHEUS)[1])
+        assert _live_gauges(text, 6), "a new rank at once, not at the next refresh"
+    finally:
+        late.close()
+
+
+class _Huge:
+    """An exposition whose every answer is ready and bigger than the socket buffers hold."""
+
+    body = b"x" * (16 << 20)
+
+    def reply_now(self, accept: str, gzip_ok: bool) -> Reply:
+        return Reply(self.body, "text/plain")
+
+    def reply(self, accept: str, gzip_ok: bool) -> Reply:
+        return self.reply_now(accept, gzip_ok)
+
+
+def test_clients_that_do_not_read_their_answers_hold_a_bounded_number_of_them():
+    srv = ExporterHTTPServer(("127.0.0.1", 0), _Huge(), timeout=5.0, max_pending=4)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    held = []
+    try:
+        for _ in range(7):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", srv.server_address[1]))
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")  # and never reads
+            held.append(s)
+        deadline = time.monotonic() + 5
+        while srv.refused["slow-reader"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.refused["slow-reader"] == 3 and len(srv._writing) == 4  # the oldest three were closed
+        with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5) as s:
+            s.sendall(b"GET /-/healthy HTTP/1.0\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.0 200 OK")  # the loop still answers others
+    finally:
+        for s in held:
+            s.close()
+        srv.shutdown()
+        srv.server_close()
