@@ -90,7 +90,7 @@ def test_a_current_render_is_served_by_the_loop_with_ages_at_scrape_time(served)
         assert header(head, b"Server") == b"vramwatch" and header(head, b"Date").endswith(b" GMT")
         text = gzip.decompress(body)
         assert same_but_spool_time(text, whole.reply(OPENMETRICS, False).body)  # as a whole render now
-    assert re.search(rb'vramwatch_sample_age_seconds\{local_rank="1",rank="1"\} 10.75\n', text)
+    assert re.search(rb'vramwatch_sample_age_seconds\{job_id="",local_rank="1",rank="1"\} 10.75\n', text)
     assert srv.served_on_loop == 2 and cached.renders == 1
 
 
