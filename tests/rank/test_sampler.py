@@ -16,6 +16,11 @@ def _until(cond, timeout=5.0):
         time.sleep(0.005)
 
 
+def _stop(t: SamplerThread) -> None:
+    t.interval = 0.5  # stop() joins for at most 2 s (not 2 hours) should the thread not wake
+    t.stop()
+
+
 def test_ticks_at_the_interval_and_at_once_when_woken():
     ticks: list[float] = []
     t = SamplerThread(3600.0, lambda: ticks.append(time.monotonic()))
@@ -31,8 +36,8 @@ def test_ticks_at_the_interval_and_at_once_when_woken():
         time.sleep(0.05)
         assert len(ticks) == 2
     finally:
-        t.stop()
-    assert t._thread is not None and not t._thread.is_alive()
+        _stop(t)
+    assert t._thread is not None and not t._thread.is_alive(), "stop() woke the thread and it ended"
 
 
 def test_a_wake_up_during_a_tick_gets_a_tick_of_its_own():
@@ -55,7 +60,7 @@ def test_a_wake_up_during_a_tick_gets_a_tick_of_its_own():
         release.set()
         _until(lambda: count[0] == 2)
     finally:
-        t.stop()
+        _stop(t)
 
 
 def test_regular_ticks_keep_their_cadence():
