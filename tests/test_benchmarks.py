@@ -120,6 +120,7 @@ def test_run_gpu_plan_splits_the_work_into_parts(tmp_path):
     one, two, three = plan("--full", "part1"), plan("--full", "part2"), plan("--full", "part3")
     assert "pytest -m gpu tests/gpu" in one and "scrape.py" not in one
     assert "--workloads direct,launch_bound,launch_bound_fresh --pairs 20" in one and "--direct-seconds 60" in one
+    assert "--direct-parts-seconds 30" in one
     assert "--step-calls 1000000" in one and "fragmentation.py" not in one and "transformer" not in one
     assert "--workloads transformer,transformer_full --pairs 20" in two and "scrape.py" in two
     assert "-m pytest" not in two and "launch_bound" not in two and "fragmentation.py" not in two
@@ -179,8 +180,14 @@ def test_smoke_overhead_json_has_the_required_layout(smoke):
     assert direct["vramwatch_loaded"] and "vramwatch-sampler" in direct["vramwatch_threads_cpu_s"]
     assert direct["scrapes"]["ok"] >= 1, "the 1 Hz scraper hit the direct run's server"
     assert direct["step_call"]["number"] == 20000 and len(direct["step_call"]["step_us"]) == 3
+    # the guarantee's figure comes from an uninstrumented run with watch() and tokens; one without them beside it
+    assert 0 <= data["in_process_cpu_share_plain"] < 0.05 and data["direct_plain"]["vramwatch_loaded"]
+    assert "step_call" not in data["direct_plain"] and "sample_parts_cpu_share" not in data["direct_plain"]
+    # the parts are timed in a run of their own (its clock reads cost CPU too) and copied here for readers
+    assert direct["sample_parts_from"] == "direct_parts" and "step_call" not in data["direct_parts"]
     parts = direct["sample_parts_cpu_share"]  # where a sample's CPU goes, for attributing the share
-    assert {"tick", "allocator_read", "heartbeat_and_loss", "publish"} <= set(parts)
+    assert parts == data["direct_parts"]["sample_parts_cpu_share"]
+    assert {"tick", "allocator_read", "heartbeat_and_loss", "publish", "memory_by_role_walk"} <= set(parts)
     inside = ("allocator_read", "heartbeat_and_loss", "publish")  # the snapshot is part of allocator_read
     assert 0 < parts["publish"] <= parts["tick"] and sum(parts[k] for k in inside) <= parts["tick"]
     pin = data["metadata"]["pinned_core"]

@@ -243,3 +243,81 @@ def test_snapshot_cost_is_bounded(monkeypatch):
     assert len(calls) == 1
     sampler.read(now=5001.0)
     assert len(calls) == 2
+
+
+def _nested(flat: dict[str, int]) -> dict:
+    """A memory_stats() key list, nested back as torch._C._cuda_memoryStats returns it."""
+    out: dict = {}
+    for key, v in flat.items():
+        *path, leaf = key.split(".")
+        node = out
+        for k in path:
+            node = node.setdefault(k, {})
+        node[leaf] = v
+    return out
+
+
+@pytest.mark.parametrize("version", __import__("memory_stats_keys").recorded_versions())
+def test_each_value_is_its_flat_key_in_each_recorded_torch(version):
+    # the sampler reads the nested dict; torch's flat memory_stats() keys name the same numbers
+    from memory_stats_keys import recorded
+
+    from vramwatch.rank.allocator import COUNTER_KEYS, GAUGE_KEYS, _read_values
+
+    flat = {k: 1000 + i for i, k in enumerate(sorted(recorded(version)))}
+    values = _read_values(_nested(flat))
+    want = {name: float(flat[".".join(path)]) for name, path in (GAUGE_KEYS | COUNTER_KEYS).items()}
+    assert values == want and list(values) == list(want)
+    # a stat this torch lacks (or reports as None) is left out, not zero
+    del flat["requested_bytes.all.current"]
+    nested = _nested(flat)
+    nested["num_ooms"] = None
+    got = _read_values(nested)
+    assert "torch_cuda_memory_requested_bytes" not in got and "torch_cuda_memory_ooms_total" not in got
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_torch_source_reads_the_nested_stats_with_or_without_the_private_getter(private):
+    fake = _FakeTorch(initialized=True, contexts={0})
+    public_calls = []
+
+    def nested_dict(device):
+        public_calls.append(device)
+        return {"allocated_bytes": {"all": {"current": 7, "peak": 9}}}
+
+    fake.cuda.memory_stats_as_nested_dict = staticmethod(nested_dict)
+    if not private:  # a torch without torch._C._cuda_memoryStats: the public function, same dict
+        del fake._C._cuda_memoryStats
+    src = TorchSource()
+    src._torch = fake
+    (d,) = AllocatorSampler(src, 0).read()
+    assert d.values["torch_cuda_memory_allocated_bytes"] == 7.0
+    assert d.values["torch_cuda_memory_peak_allocated_bytes"] == 9.0
+    assert ("stats0" in fake.calls) is private and bool(public_calls) is not private
+
+
+def test_torch_source_asks_only_about_devices_without_a_context(monkeypatch):
+    import vramwatch.rank.allocator as alloc
+
+    now = [100.0]
+    monkeypatch.setattr(alloc.time, "monotonic", lambda: now[0])
+    contexts: set[int] = set()
+    fake = _FakeTorch(initialized=True, contexts=contexts)
+    src = TorchSource()
+    src._torch = fake
+
+    def asked():
+        n = [c for c in fake.calls if c.startswith("hasctx")]
+        fake.calls.clear()
+        return n
+
+    assert src.devices() == [] and asked() == ["hasctx0", "hasctx1"]
+    assert src.devices() == [] and asked() == ["hasctx0", "hasctx1"]  # none yet: every sample
+    contexts.add(0)
+    assert src.devices() == [0] and asked() == ["hasctx0", "hasctx1"]
+    contexts.add(1)
+    assert src.devices() == [0] and asked() == []  # device 0 keeps its context; 1 is asked about later
+    now[0] += alloc.DEVICE_PROBE_GAP
+    assert src.devices() == [0, 1] and asked() == ["hasctx1"]
+    now[0] += 100
+    assert src.devices() == [0, 1] and asked() == []  # all found: never asked again

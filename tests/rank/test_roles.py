@@ -209,3 +209,16 @@ def test_a_pass_costs_little_for_a_real_model():
     took = time.perf_counter() - t0
     # about a microsecond per tensor on the training machine; at the 30 s cadence, far under 0.05% of a core
     assert took / n < 50e-6, f"{took / n * 1e6:.1f} us per parameter"
+
+
+def test_the_flag_read_counts_what_the_device_read_counts():
+    # one device type reads t.is_cpu / t.is_cuda and t.get_device(); two read t.device: same figures
+    model, opt = _trained()
+    offloaded = torch.zeros(10, device="meta")  # neither: never counted
+    opt.state[next(iter(model.parameters()))]["meta"] = offloaded
+    fast = _walk(model, opt, types=("cpu",))
+    assert fast._flag == "is_cpu"
+    slow = _walk(model, opt, types=("cpu", "xla"))
+    assert slow._flag == ""
+    assert fast.result == slow.result and fast.result[0][0] > 0
+    assert _walk(model, opt, types=("cuda",)).result == {}

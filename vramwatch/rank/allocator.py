@@ -38,6 +38,24 @@ COUNTER_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The same paths, flattened for the sampler's loop (every gauge is three levels deep, every counter one).
+_GAUGE_PATHS: tuple[tuple[str, str, str, str], ...] = tuple((n, *p) for n, p in GAUGE_KEYS.items())  # type: ignore[misc]
+_COUNTER_PATHS: tuple[tuple[str, str], ...] = tuple((n, *p) for n, p in COUNTER_KEYS.items())  # type: ignore[misc]
+assert all(len(p) == 4 for p in _GAUGE_PATHS) and all(len(p) == 2 for p in _COUNTER_PATHS)
+# What cudaMallocAsync reports (allocated/active/reserved): its other stats are zeros, not readings.
+_ASYNC_KEYS = frozenset(
+    (
+        "torch_cuda_memory_allocated_bytes",
+        "torch_cuda_memory_reserved_bytes",
+        "torch_cuda_memory_active_bytes",
+        "torch_cuda_memory_peak_allocated_bytes",
+        "torch_cuda_memory_peak_reserved_bytes",
+    )
+)
+# Seconds between looks for a device that gained a context, once one has: a job that takes a second GPU
+# later shows it within this; a rank of an 8-GPU node using one asks about the seven others this rarely.
+DEVICE_PROBE_GAP = 5.0
+
 # Most of one core the largest-free-block snapshots may use (0.01%): a 5 ms snapshot runs every 50 s.
 SNAPSHOT_MAX_SHARE = 1e-4
 
@@ -82,14 +100,22 @@ class AllocatorSource(Protocol):
         ...
 
 
-def _get(stats: dict[str, Any], path: tuple[str, ...]) -> Any:
-    node: Any = stats
-    try:  # cheaper than checking each level: a key is rarely missing
-        for key in path:
-            node = node[key]
-    except (KeyError, TypeError, IndexError):
-        return None
-    return node
+def _read_values(stats: dict[str, Any]) -> dict[str, float]:
+    """The contract's values in one nested memory_stats dict, in GAUGE_KEYS then COUNTER_KEYS order; a
+    path that is missing (or None) is left out. Unrolled per depth: this runs every sample."""
+    values: dict[str, float] = {}
+    for name, a, b, c in _GAUGE_PATHS:
+        try:
+            v = stats[a][b][c]
+        except (KeyError, TypeError, IndexError):
+            continue
+        if v is not None:
+            values[name] = float(v)
+    for name, a in _COUNTER_PATHS:
+        v = stats.get(a)
+        if v is not None:
+            values[name] = float(v)
+    return values
 
 
 def alloc_conf(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -162,33 +188,14 @@ class AllocatorSampler:
             # job has, keep its share of a core at or below SNAPSHOT_MAX_SHARE by spacing them out
             self._next_snapshot = now + max(self.largest_block_interval, cost / SNAPSHOT_MAX_SHARE)
         out = []
+        source = self.source
         for dev in devices:
-            stats = self.source.stats(dev)
+            stats = source.stats(dev)
             if not stats:
                 continue
-            values: dict[str, float] = {}
-            for name, path in GAUGE_KEYS.items():
-                v = _get(stats, path)
-                if v is not None:
-                    values[name] = float(v)
-            for name, path in COUNTER_KEYS.items():
-                v = _get(stats, path)
-                if v is not None:
-                    values[name] = float(v)
+            values = _read_values(stats)
             if not native:
-                # cudaMallocAsync reports only allocated/active/reserved; its zeros are not readings
-                values = {
-                    k: v
-                    for k, v in values.items()
-                    if k
-                    in (
-                        "torch_cuda_memory_allocated_bytes",
-                        "torch_cuda_memory_reserved_bytes",
-                        "torch_cuda_memory_active_bytes",
-                        "torch_cuda_memory_peak_allocated_bytes",
-                        "torch_cuda_memory_peak_reserved_bytes",
-                    )
-                }
+                values = {k: v for k, v in values.items() if k in _ASYNC_KEYS}
             allocated = values.get("torch_cuda_memory_allocated_bytes", 0.0)
             reserved = values.get("torch_cuda_memory_reserved_bytes", 0.0)
             values["torch_cuda_memory_fragmentation_ratio"] = (reserved - allocated) / reserved if reserved > 0 else 0.0
@@ -201,10 +208,11 @@ class AllocatorSampler:
                 if values.get("torch_cuda_memory_segments", 0) == 0 and seg["segments"]:
                     values["torch_cuda_memory_segments"] = float(seg["segments"])  # expandable segments
             # read every time: set_per_process_memory_fraction may change it mid-run (a cheap C getter)
-            values["torch_cuda_memory_limit_bytes"] = float(self.source.limit_bytes(dev))
-            if dev not in self._uuids:
-                self._uuids[dev] = self.source.uuid(dev)
-            out.append(DeviceSample(dev, self._uuids[dev], values))
+            values["torch_cuda_memory_limit_bytes"] = float(source.limit_bytes(dev))
+            uuid = self._uuids.get(dev)
+            if uuid is None:
+                uuid = self._uuids[dev] = source.uuid(dev)
+            out.append(DeviceSample(dev, uuid, values))
         return out
 
     def _window_peak(self, dev: int, current: float, peak: float) -> float:
@@ -231,11 +239,31 @@ class TorchSource:
         self._torch: ModuleType | None = sys.modules.get("torch")
         self._count: int | None = None
         self._totals: dict[int, int] = {}
+        self._initialized = False
+        self._active: list[int] = []  # devices seen with a primary context: they keep it
+        self._next_probe = 0.0
+        # resolved once torch is ready (private getters: each has a public fallback or a safe default)
+        self._has_ctx: Callable[[int], bool] | None = None
+        self._stats: Callable[[int], dict[str, Any]] | None = None
+        self._fraction: Callable[[int], float] | None = None
 
     def _ready(self) -> bool:
+        if self._initialized:  # CUDA, once initialised, stays so in this process (a forked child has no sampler)
+            return True
         if self._torch is None:
             self._torch = sys.modules.get("torch")  # never import torch for the job
-        return self._torch is not None and self._torch.cuda.is_initialized()
+        if self._torch is None or not self._torch.cuda.is_initialized():
+            return False
+        self._initialized = True
+        self._bind(self._torch)
+        return True
+
+    def _bind(self, torch: ModuleType) -> None:
+        self._has_ctx = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        # the nested dict torch.cuda.memory_stats() flattens: the C getter itself where there is one (it is
+        # private), else the public memory_stats_as_nested_dict (one Python call more, same dict)
+        self._stats = getattr(torch._C, "_cuda_memoryStats", None) or torch.cuda.memory_stats_as_nested_dict
+        self._fraction = getattr(torch._C, "_cuda_getMemoryFraction", None)
 
     @property
     def torch(self) -> ModuleType:
@@ -247,17 +275,27 @@ class TorchSource:
     def devices(self) -> list[int]:
         if not self._ready():
             return []
-        torch = self.torch
-        if self._count is None:
-            self._count = torch.cuda.device_count()
-        has_ctx = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        has_ctx = self._has_ctx
         if has_ctx is None:
             return []
-        return [i for i in range(self._count) if has_ctx(i)]
+        if self._count is None:
+            self._count = self.torch.cuda.device_count()
+        active = self._active
+        if len(active) < self._count:
+            # a device with a context keeps it (torch never releases a primary context), so only the others
+            # are asked about: every sample until one has a context, then every DEVICE_PROBE_GAP seconds
+            now = time.monotonic()
+            if not active or now >= self._next_probe:
+                self._next_probe = now + DEVICE_PROBE_GAP
+                found = [i for i in range(self._count) if i not in active and has_ctx(i)]
+                if found:
+                    self._active = active = sorted(active + found)
+        return active
 
     def stats(self, device: int) -> dict[str, Any]:
-        fn = getattr(self.torch._C, "_cuda_memoryStats", None)
-        return fn(device) if fn is not None else self.torch.cuda.memory_stats_as_nested_dict(device)
+        if self._stats is None:
+            self._bind(self.torch)
+        return self._stats(device)  # type: ignore[misc]
 
     def uuid(self, device: int) -> str:
         props = self.torch.cuda.get_device_properties(device)
@@ -268,11 +306,12 @@ class TorchSource:
         return device_uuid(raw, name, device, env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES"))
 
     def limit_bytes(self, device: int) -> int:
-        torch = self.torch
         total = self._totals.get(device)
         if total is None:
-            total = self._totals[device] = torch.cuda.get_device_properties(device).total_memory
-        frac_fn = getattr(torch._C, "_cuda_getMemoryFraction", None)
+            total = self._totals[device] = self.torch.cuda.get_device_properties(device).total_memory
+            if self._stats is None:
+                self._bind(self.torch)
+        frac_fn = self._fraction
         frac = frac_fn(device) if frac_fn is not None else 1.0
         return int(total * frac)
 

@@ -69,6 +69,10 @@ class DeviceScalar:
         in place."""
         if v is None:
             return self.value
+        if type(v) is float or type(v) is int:  # a host number, the common case: no attribute lookups that fail
+            self._pending = self._copied_at = None
+            self.value = finite(v)
+            return self.value
         if not getattr(v, "is_cuda", False):
             self._pending = self._copied_at = None
             self.value = scalar(v)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 from vramwatch._once import OnceLog
 from vramwatch.rank.allocator import AllocatorSampler
@@ -36,6 +37,11 @@ class SampleAssembler:
         self.errors = 0
         self.roles: RoleWalker | None = None  # set by vramwatch.watch()
         self.flops_per_token: float | None = None
+        # os.getpid() is a system call each time (glibc caches it no more): read once, and again in a forked
+        # child (which publishes nothing: the handle checks; held weakly, so a stopped rank is not kept alive)
+        self._pid = os.getpid()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _refresh_pid(ref))
 
     def assemble(self) -> RankSample:
         t0 = time.perf_counter()
@@ -65,7 +71,7 @@ class SampleAssembler:
             ident.local_rank,
             ident.world_size,
             self.hostname,
-            os.getpid(),
+            self._pid,
             time.time(),
             tuple(merged),
             self.sampler.info() if merged else None,
@@ -75,3 +81,9 @@ class SampleAssembler:
             self.flops_per_token,
             ident.job_id,
         )
+
+
+def _refresh_pid(ref: weakref.ref[SampleAssembler]) -> None:
+    a = ref()
+    if a is not None:
+        a._pid = os.getpid()

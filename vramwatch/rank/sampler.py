@@ -11,8 +11,12 @@ class SamplerThread:
     def __init__(self, interval: float, tick: Callable[[], None]) -> None:
         self.interval = interval
         self.tick = tick
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        # A wake-up pending is this lock released. The thread waits by acquiring it with a timeout: one C
+        # call a second, where Event.wait runs a Condition's ~30 lines of Python (and a new lock) each time,
+        # on a core whose caches went cold since the last sample.
+        self._wake_lock = threading.Lock()
+        self._wake_lock.acquire()
+        self._stopping = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -21,25 +25,33 @@ class SamplerThread:
 
     def wake(self) -> None:
         """Tick now rather than at the next interval (safe from any thread)."""
-        self._wake.set()
+        try:
+            self._wake_lock.release()
+        except RuntimeError:  # already released: a wake-up is pending
+            pass
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
+        self._stopping = True
+        self.wake()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=max(2.0, self.interval * 2))
 
     def _run(self) -> None:
         interval = self.interval
-        next_t = time.monotonic() + interval
+        wait = self._wake_lock.acquire
+        clock = time.monotonic
+        next_t = clock() + interval
         while True:
-            self._wake.wait(max(0.0, next_t - time.monotonic()))
-            if self._stop.is_set():
+            left = next_t - clock()
+            if left > 0:
+                wait(True, left)  # True: woken (the wake-up is taken with the lock), False: the interval ended
+            else:
+                wait(False)  # take a wake-up that came during the tick, if any
+            if self._stopping:
                 return
-            self._wake.clear()
             self.tick()
-            now = time.monotonic()
+            now = clock()
             if now >= next_t:  # a regular tick (a wake-up publishes early and keeps the cadence)
                 next_t += interval
                 if next_t < now:  # we were wedged: don't burst to catch up
