@@ -66,11 +66,11 @@ elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothin
   SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5 --paced-scrapes 10 --busy-seconds 0.5 --concurrency 4 --concurrent-seconds 0.5 --mixed-seconds 0.5"
   FRAG_ARGS="--device cpu --seconds 1.5 --poll 0.2 --interval 0.2"
 else
-  PAIRS=${PAIRS:-20}; DIRECT=60; DIRECT_PARTS=30; CALLS=${STEP_CALLS:-1000000}; TESTS_CAP=200; SCRAPE_ARGS=""; FRAG_ARGS=""
+  PAIRS=${PAIRS:-20}; DIRECT=60; DIRECT_PARTS=30; CALLS=${STEP_CALLS:-1000000}; TESTS_CAP=${TESTS_CAP:-330}; SCRAPE_ARGS=""; FRAG_ARGS=""
 fi
 
 # --- commands ---
-CMD_TESTS="$PY -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -q -rfEs -p no:cacheprovider --junitxml=$OUT/pytest-gpu.xml"
+CMD_TESTS="$PY -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rfEs -p no:cacheprovider --junitxml=$OUT/pytest-gpu.xml"
 overhead_cmd() {  # $1 workloads, $2 out file, $3 deadline seconds, $4 extra arguments
   echo "$PY benchmarks/overhead.py --workloads $1 --pairs $PAIRS $RUN_ARGS --direct-seconds $DIRECT" \
        "--direct-parts-seconds $DIRECT_PARTS" \

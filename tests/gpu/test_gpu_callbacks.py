@@ -35,9 +35,11 @@ def figures(port, model, opt, want_tokens):
         m = scrape(port)
         t = [v for _, v in rank0(m, "vramwatch_training_tokens_total")]
         roles = {lab["role"]: v for lab, v in rank0(m, "vramwatch_memory_role_bytes")}
-        return (m, roles) if t == [float(want_tokens)] and roles.get("parameters") else None
-    m, roles = wait(ready, 30, "the tokens and the roles")
-    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_cuda]
+        state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_cuda]
+        # a walk runs every role_interval: a short run may end before one has seen the optimizer's state
+        done = t == [float(want_tokens)] and roles.get("parameters") and roles.get("optimizer_state") == nbytes(state)
+        return (m, roles, state) if done else None
+    m, roles, state = wait(ready, 30, "the tokens and the roles (optimizer state included)")
     return {
         "gpu": torch.cuda.get_device_name(0),
         "roles": roles,

@@ -23,7 +23,15 @@ pytestmark = pytest.mark.gpu
 
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("vramwatch-*.json"))
 # absent by design somewhere: an unsupported field, an event that has not happened
-MAY_BE_ABSENT = ("not supported", "ECC is off", "no event", "v2 memory call", "no OOM", "OOM snapshots are off")
+MAY_BE_ABSENT = (
+    "not supported",
+    "MIG mode",
+    "ECC is off",
+    "no event",
+    "v2 memory call",
+    "no OOM",
+    "OOM snapshots are off",
+)
 
 JOB = r"""
 port, spool = int(sys.argv[1]), sys.argv[2]

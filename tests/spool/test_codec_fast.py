@@ -69,6 +69,7 @@ samples = st.builds(
     st.dictionaries(keys, st.builds(spool.CollectorHealth, ids, ids, st.one_of(finite, number)), max_size=3),
     st.one_of(st.none(), st.builds(spool.OomSnapshot, text, st.one_of(finite, number))),
     st.one_of(st.none(), finite, number),
+    st.one_of(st.just(""), text),  # job_id
 )
 
 # what a rank publishes: only the plain types, every value finite; these must take the fast path
@@ -99,6 +100,7 @@ plain_samples = st.builds(
     st.dictionaries(keys, st.builds(spool.CollectorHealth, st.integers(0, 1), uint, finite), max_size=3),
     st.one_of(st.none(), st.builds(spool.OomSnapshot, text, finite)),
     st.one_of(st.none(), finite),
+    st.one_of(st.just(""), st.from_regex(r"[A-Za-z0-9_.-]{1,64}", fullmatch=True)),  # job_id
 )
 
 
@@ -162,6 +164,7 @@ def _rank_sample(**over: object) -> spool.RankSample:
         heartbeat=spool.HeartbeatSnapshot(7, 1796300000.0, BUCKETS, (0,) * 20 + (7,), 3.5, 0.5, None, 768.0, None),
         collectors={"allocator": spool.CollectorHealth(1, 0, 3.5e-05), "roles": spool.CollectorHealth(1, 0, 0.0012)},
         flops_per_token=57600.0,
+        job_id="4242.0",
     )
     base.update(over)
     return spool.RankSample(**base)  # type: ignore[arg-type]

@@ -83,6 +83,7 @@ _items: dict[str, tuple[str, float, str]] = {}  # name -> its '"name":', its las
 _ident: tuple[tuple[object, ...], str] = ((), "")
 _devices: dict[tuple[int, str], str] = {}
 _info: tuple[object, str] = (None, "null")
+_job: tuple[object, str] = (None, "")
 
 
 def _key(k: object) -> str:
@@ -137,7 +138,7 @@ def _numbers_json(values: Mapping[str, float]) -> str:
 
 
 def _fast(s: RankSample) -> str:
-    global _ident, _info
+    global _ident, _info, _job
     ids = (s.pid, s.rank, s.local_rank, s.world_size, s.hostname)
     key = (*ids, *map(type, ids))  # the types too: True == 1, but one encodes as true
     cached_for, ident = _ident
@@ -205,6 +206,12 @@ def _fast(s: RankSample) -> str:
     out.append("}")
     if s.flops_per_token is not None:
         out += (',"flops_per_token":', _float_(s.flops_per_token))
+    if s.job_id:  # constant for the process: its text encoded once
+        job_for, job = _job
+        if s.job_id is not job_for:
+            job = ',"job_id":' + _ENCODER.encode(_text_(s.job_id))
+            _job = (s.job_id, job)
+        out.append(job)
     if s.oom_snapshot is not None:  # after an OOM only: encoded whole
         out += (',"oom_snapshot":', _ENCODER.encode(_oom_doc(s.oom_snapshot)))
     out.append("}")
