@@ -37,6 +37,7 @@ SCOPES: dict[str, tuple[list[str], list[str]]] = {
         ["vramwatch/monitoring/alerts/*"],
         [
             "tests/monitoring/test_alerts.py",
+            "tests/monitoring/test_alert_paths.py",
             "--deselect=tests/monitoring/test_alerts.py::test_no_threshold_literals_outside_monitoring_config",
         ],
     ),
