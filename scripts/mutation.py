@@ -56,7 +56,13 @@ SCOPES: dict[str, tuple[list[str], list[str]]] = {
     "integrations": (["vramwatch/integrations/*"], ["tests/integrations/test_callbacks.py"]),
     # one module of collectors, for a quick rerun after its tests change
     "processes": (["vramwatch/server/collectors/processes.py"], ["tests/server/test_nvml_collector.py"]),
+    # the heartbeat and its device-scalar reader, part of rank, with their fast tests only
+    "rank-heartbeat": (
+        ["vramwatch/rank/heartbeat.py", "vramwatch/rank/device_scalar.py"],
+        ["tests/rank/test_heartbeat.py", "tests/rank/test_device_scalar.py"],
+    ),
 }
+PARTS = ("processes", "rank-heartbeat")  # parts of a larger scope: run only when named
 
 
 def tree_files() -> list[str]:
@@ -131,14 +137,14 @@ def run_scope(scope: str, mutmut: str, jobs: int) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scopes", nargs="*", help=f"one of {', '.join(SCOPES)}; default: all but processes")
+    ap.add_argument("scopes", nargs="*", help=f"one of {', '.join(SCOPES)}; default: all but {', '.join(PARTS)}")
     ap.add_argument("--mutmut", default=sys.executable, help="a Python that has mutmut")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = ap.parse_args(argv)
     unknown = [s for s in args.scopes if s not in SCOPES]
     if unknown:
         ap.error(f"unknown scope {unknown[0]!r}; one of {', '.join(SCOPES)}")
-    for scope in args.scopes or [s for s in SCOPES if s != "processes"]:
+    for scope in args.scopes or [s for s in SCOPES if s not in PARTS]:
         s = run_scope(scope, args.mutmut, args.jobs)
         print(
             f"{scope}: score {s['score']}% ({s.get('killed')} killed, {s.get('survived')} survived, "
