@@ -23,7 +23,9 @@ def beats(monkeypatch, gaps):
 
 
 def test_a_fresh_heartbeat_publishes_nothing_yet():
-    snap = Heartbeat().snapshot()
+    hb = Heartbeat()
+    assert hb.loss is None and hb.grad_norm is None  # the HF callback writes these; None: none given yet
+    snap = hb.snapshot()
     assert (snap.steps, snap.last_step_time, snap.sum, snap.loss, snap.grad_norm) == (0, 0.0, 0.0, None, None)
     assert snap.buckets == BUCKETS and snap.counts == (0,) * (len(BUCKETS) + 1)
     assert (snap.tokens, snap.samples) == (None, None)
@@ -31,16 +33,16 @@ def test_a_fresh_heartbeat_publishes_nothing_yet():
 
 def test_intervals_land_in_their_bucket_and_sum(monkeypatch):
     # bounds are inclusive upper bounds (Prometheus' le): 1 ms lands in le=0.001
-    hb = beats(monkeypatch, [0.001, 0.0011, 0.3, 5000.0])
+    hb = beats(monkeypatch, [0.001, 0.0011, 0.3, 0.4, 5000.0])
     snap = hb.snapshot()
     i = {b: k for k, b in enumerate(BUCKETS)}
     want = [0] * (len(BUCKETS) + 1)
     want[i[0.001]] += 1
     want[i[0.0025]] += 1
-    want[i[0.5]] += 1
+    want[i[0.5]] += 2  # two intervals in one bucket
     want[-1] += 1  # beyond the last bound: +Inf only
     assert list(snap.counts) == want
-    assert snap.steps == 5 and snap.sum == pytest.approx(0.001 + 0.0011 + 0.3 + 5000.0)
+    assert snap.steps == 6 and snap.sum == pytest.approx(0.001 + 0.0011 + 0.3 + 0.4 + 5000.0)
 
 
 def test_the_first_step_has_no_interval(monkeypatch):
@@ -98,3 +100,42 @@ def test_a_loss_with_a_graph_is_detached_and_a_plain_one_kept():
         requires_grad = True
 
     assert hbmod._keep(Odd()) is None
+
+
+class _CudaScalar:  # a one-element CUDA tensor the job updates in place (no GPU here)
+    is_cuda = True
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _Event:
+    done = True
+
+    def query(self):
+        return self.done
+
+
+class _Host:
+    def __init__(self, value):
+        self.value = value
+
+    def item(self):
+        return self.value
+
+
+def test_a_device_loss_updated_in_place_is_copied_again_only_after_a_step():
+    hb = Heartbeat()
+    copies = []
+    for r in hb._reads:
+        r.cpu_clock = lambda: 0.0
+        r.copy_behind = lambda t, _slots: copies.append(t.value) or (_Host(t.value), _Event())
+    loss = _CudaScalar(0.5)
+    hb.step(loss=loss, grad_norm=_CudaScalar(3.0))
+    assert hb.snapshot().loss is None and copies == [0.5, 3.0]  # queued; read at a later sample
+    assert hb.snapshot().loss == 0.5 and len(copies) == 2  # no step since: no second copy
+    loss.value = 0.25  # the job's next step wrote into the same tensor
+    hb.step(loss=loss)
+    hb.snapshot()
+    assert copies[2:] == [0.25, 3.0]  # one new copy each: the step count moved
+    assert (hb.snapshot().loss, hb.snapshot().grad_norm) == (0.25, 3.0)
