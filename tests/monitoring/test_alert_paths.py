@@ -18,9 +18,9 @@ import yaml
 from harness import ROOT
 from vramwatch.errors import ConfigError
 from vramwatch.monitoring import contract, helm
-from vramwatch.monitoring.alerts import cli, promql, rules
+from vramwatch.monitoring.alerts import cli, progress, promql, rules
 from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml
-from vramwatch.monitoring.config import DEFAULT, DEFAULT_RELEASE
+from vramwatch.monitoring.config import DEFAULT, DEFAULT_RELEASE, shown
 from vramwatch.monitoring.dashboards import ids
 
 BARE = dataclasses.replace(DEFAULT, selector="", target_selector="")
@@ -49,7 +49,14 @@ def test_metric_adds_the_selector_and_matchers_and_checks_the_contract():
 
 def test_numbers_percentages_and_durations_as_promql_writes_them():
     assert [promql.num(v) for v in (0.85, 120.0, 4294967296, 0.5, 3)] == ["0.85", "120", "4294967296", "0.5", "3"]
-    assert [promql.percent(r) for r in (0.85, 0.355, 1.0, 0.1234, 0.05)] == ["85%", "35.5%", "100%", "12.34%", "5%"]
+    assert [promql.percent(r) for r in (0.85, 0.355, 1.0, 0.1234, 0.05, 0.123456)] == [
+        "85%",
+        "35.5%",
+        "100%",
+        "12.34%",
+        "5%",
+        "12.3456%",  # four decimals of a percent, the last one kept
+    ]
     assert [promql.duration(t) for t in ("90s", "5m", "1h30m", "500ms")] == ["1m30s", "5m", "1h30m", "500ms"]
     assert promql.regex((48, 62, "x")) == "48|62|x" and promql.up(BARE) == "up{}"
     assert promql.label("rank") == "{{ $labels.rank }}"
@@ -68,6 +75,7 @@ def test_an_alert_rule_dict():
         "A", "x", "critical", "S.", "D.", "0s"
     )
     assert promql.alert("A", "x", "critical", "S.", "D.")["labels"] == {"severity": "critical"}
+    assert promql.alert("A", "x", "critical", "S.", "D.", "1s")["for"] == "1s"  # a scaled config's shortest
 
 
 def test_job_gpus_joins_only_when_configured():
@@ -118,7 +126,11 @@ def test_the_absent_target_rule_only_when_configured():
     cfg = dataclasses.replace(DEFAULT, target_absent_for="15m", target_selector='job="v"')
     r = by_name(cfg, "VramwatchTargetAbsent")
     assert r["expr"] == 'absent(up{job="v"})' and r["for"] == "15m"
-    assert 'job="v"' in r["annotations"]["description"] and "15m" in r["annotations"]["description"]
+    assert r["annotations"]["summary"] == "No vramwatch target is known to Prometheus."
+    assert r["annotations"]["description"] == (
+        'Prometheus has had no target matching job="v" for more than 15m: service discovery lost the jobs, '
+        "or none runs."
+    )
 
 
 def test_exempt_ranks_are_never_flagged_but_count_in_the_median():
@@ -132,6 +144,17 @@ def test_exempt_ranks_are_never_flagged_but_count_in_the_median():
     )
     assert expr.count(flagged) == 2  # the ratio and the byte margin
     assert "(0.5, torch_cuda_memory_reserved_bytes)" in expr  # the median over every rank, exempt ones too
+
+
+def test_the_first_stopped_ranks_query_is_a_go_string_even_with_quotes_in_the_selector():
+    assert progress._go_string('a\\b "c"') == '"a\\\\b \\"c\\""'
+    cfg = dataclasses.replace(DEFAULT, selector='job="train"', job_labels=("job",))
+    text = progress.first_stopped(cfg)
+    assert text.startswith(
+        '{{ with printf "bottomk(1, vramwatch_training_last_step_timestamp_seconds{job=\\"train\\", job=%q})" '
+        "$labels.job | query }}{{ with first . }}"
+    )
+    assert by_name(cfg, "TrainingStalled", "critical")["annotations"]["description"].endswith(text)
 
 
 # --- assembling the groups ---
@@ -182,7 +205,9 @@ def test_an_unknown_disabled_alert_is_a_config_error_naming_it():
         rules.groups(cfg)
     msg = str(e.value)
     assert msg.startswith("invalid monitoring setting disabled_alerts=") and "(from MonitoringConfig)" in msg
-    assert "no alert named AlsoNot, NoSuchAlert; known: " in msg and "VramwatchTargetAbsent" in msg
+    assert f"disabled_alerts={shown(cfg.disabled_alerts)} (from MonitoringConfig)" in msg
+    assert msg.endswith(f"no alert named AlsoNot, NoSuchAlert; known: {', '.join(sorted(rules.all_alert_names()))}")
+    assert "VramwatchTargetAbsent" in msg
     with pytest.raises(ConfigError, match=r"\(from monitoring\.yaml\)"):
         rules.check_disabled_alerts(cfg, "monitoring.yaml")
     rules.check_disabled_alerts(dataclasses.replace(DEFAULT, disabled_alerts=("VramwatchTargetAbsent",)))
