@@ -61,7 +61,7 @@ SCOPES: dict[str, tuple[list[str], list[str]]] = {
         ["vramwatch/rank/heartbeat.py", "vramwatch/rank/device_scalar.py"],
         ["tests/rank/test_heartbeat.py", "tests/rank/test_device_scalar.py"],
     ),
-    "rank-status": (["vramwatch/rank/status.py"], ["tests/rank/test_status.py"]),
+    "rank-status": (["vramwatch/rank/status.py"], ["tests/rank/test_status.py", "tests/rank/test_status_paths.py"]),
 }
 PARTS = ("processes", "rank-heartbeat", "rank-status")  # parts of a larger scope: run only when named
 
