@@ -62,7 +62,7 @@ SCOPES: dict[str, tuple[list[str], list[str]]] = {
         ["tests/rank/test_heartbeat.py", "tests/rank/test_device_scalar.py"],
     ),
     "rank-status": (["vramwatch/rank/status.py"], ["tests/rank/test_status.py", "tests/rank/test_status_paths.py"]),
-    "rank-oom": (["vramwatch/rank/oom.py"], ["tests/rank/test_oom.py"]),
+    "rank-oom": (["vramwatch/rank/oom.py"], ["tests/rank/test_oom.py", "tests/rank/test_oom_paths.py"]),
 }
 PARTS = ("processes", "rank-heartbeat", "rank-status", "rank-oom")  # parts of a larger scope: run only when named
 
