@@ -10,7 +10,7 @@ GIB = 1 << 30
 
 
 def test_byte_counts_in_the_log_line():
-    assert [_fmt(n) for n in (0, 1023, 1024, 1536, 5 << 20, 3 * GIB, GIB - 1, -2048, 1.5)] == [
+    assert [_fmt(n) for n in (0, 1023, 1024, 1536, 5 << 20, 3 * GIB, GIB - 1, -2048, 1.5, 1 << 40)] == [
         "0 B",
         "1023 B",
         "1.00 KiB",
@@ -20,6 +20,7 @@ def test_byte_counts_in_the_log_line():
         "1024.00 MiB",  # just under a GiB
         "-2.00 KiB",
         "1 B",
+        "1024.00 GiB",  # the largest unit: a TiB stays in GiB
     ]
 
 
