@@ -4,7 +4,8 @@ Each scope mutates one package and runs only the tests that mirror it (mutmut ru
 of them that reach the mutated function). It runs in a copy of the tree under .cache/mutation/<scope>/,
 whose pyproject.toml is the repository's with the scope's only_mutate and test selection added to
 [tool.mutmut], so scopes never share mutmut's state. Results: .cache/mutation/<scope>/summary.json (counts
-and score) and survivors.txt (each surviving mutant's diff); docs/mutation.md records them.
+and score) and survivors.txt (each surviving mutant's diff); mutants that timed out are run once more, alone, first.
+docs/mutation.md records the results.
 
     python scripts/mutation.py [--mutmut PYTHON] [--jobs N] [SCOPE ...]
 
@@ -30,7 +31,16 @@ WORK = ROOT / ".cache" / "mutation"
 SCOPES: dict[str, tuple[list[str], list[str]]] = {
     "spool": (["vramwatch/spool/*"], ["tests/spool"]),
     "contract": (["vramwatch/monitoring/contract.py"], ["tests/monitoring/test_contract.py"]),
-    "alerts": (["vramwatch/monitoring/alerts/*"], ["tests/monitoring/test_alerts.py"]),
+    # promtool's rule tests (tests/monitoring/test_promtool.py) take ~15 s a mutant: `make test` runs them.
+    # The literal scan reads the rule modules' source, which in mutmut's copy holds every mutant's code.
+    "alerts": (
+        ["vramwatch/monitoring/alerts/*"],
+        [
+            "tests/monitoring/test_alerts.py",
+            "tests/monitoring/test_alert_paths.py",
+            "--deselect=tests/monitoring/test_alerts.py::test_no_threshold_literals_outside_monitoring_config",
+        ],
+    ),
     "rank": (["vramwatch/rank/*"], ["tests/rank"]),
     "collectors": (
         ["vramwatch/server/collectors/*"],
@@ -41,10 +51,20 @@ SCOPES: dict[str, tuple[list[str], list[str]]] = {
             "tests/monitoring/test_contract.py",  # its golden exposition is the ranks collector's test
         ],
     ),
-    "integrations": (["vramwatch/integrations/*"], ["tests/integrations"]),
+    # the callbacks' hooks driven directly (milliseconds); test_hf.py / test_lightning.py train real models,
+    # seconds per mutant on two cores, and run in `make test`
+    "integrations": (["vramwatch/integrations/*"], ["tests/integrations/test_callbacks.py"]),
     # one module of collectors, for a quick rerun after its tests change
     "processes": (["vramwatch/server/collectors/processes.py"], ["tests/server/test_nvml_collector.py"]),
+    # the heartbeat and its device-scalar reader, part of rank, with their fast tests only
+    "rank-heartbeat": (
+        ["vramwatch/rank/heartbeat.py", "vramwatch/rank/device_scalar.py"],
+        ["tests/rank/test_heartbeat.py", "tests/rank/test_device_scalar.py"],
+    ),
+    "rank-status": (["vramwatch/rank/status.py"], ["tests/rank/test_status.py", "tests/rank/test_status_paths.py"]),
+    "rank-oom": (["vramwatch/rank/oom.py"], ["tests/rank/test_oom.py", "tests/rank/test_oom_paths.py"]),
 }
+PARTS = ("processes", "rank-heartbeat", "rank-status", "rank-oom")  # parts of a larger scope: run only when named
 
 
 def tree_files() -> list[str]:
@@ -80,6 +100,12 @@ def prepare(scope: str) -> Path:
     return dest
 
 
+def _results(mm: list[str], dest: Path, env: dict[str, str]) -> list[tuple[str, str]]:
+    """(mutant, verdict) for every mutant not killed: survived, timeout, no tests, ..."""
+    listing = subprocess.run([*mm, "results"], cwd=dest, env=env, capture_output=True, text=True, check=True).stdout
+    return [(n.strip(), v.strip()) for n, _, v in (line.partition(":") for line in listing.splitlines()) if v]
+
+
 def run_scope(scope: str, mutmut: str, jobs: int) -> dict[str, object]:
     dest = prepare(scope)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy's code, never the tree's
@@ -89,15 +115,22 @@ def run_scope(scope: str, mutmut: str, jobs: int) -> dict[str, object]:
         r = subprocess.run([*mm, "run", "--max-children", str(jobs)], cwd=dest, env=env, stdout=log, stderr=log)
     if r.returncode != 0:
         raise SystemExit(f"mutmut run failed for {scope} ({r.returncode}): see {dest / 'mutmut.log'}")
+    # a timeout on a loaded machine may be a slow kill or a slow survivor: run those mutants once more, alone
+    timeouts = [n for n, verdict in _results(mm, dest, env) if verdict == "timeout"]
+    if timeouts:
+        with open(dest / "mutmut.log", "a") as log:
+            subprocess.run([*mm, "run", "--max-children", "1", *timeouts], cwd=dest, env=env, stdout=log, stderr=log)
     subprocess.run([*mm, "export-cicd-stats"], cwd=dest, env=env, check=True, capture_output=True)
     stats = json.loads((dest / "mutants" / "mutmut-cicd-stats.json").read_text())
     tested = int(stats.get("total", 0)) - int(stats.get("skipped", 0))
     caught = int(stats.get("killed", 0)) + int(stats.get("timeout", 0)) + int(stats.get("caught_by_type_check", 0))
     summary: dict[str, object] = {"scope": scope, **stats, "score": round(100 * caught / tested, 1) if tested else None}
-    listing = subprocess.run([*mm, "results"], cwd=dest, env=env, capture_output=True, text=True, check=True).stdout
-    names = [line.split(":")[0].strip() for line in listing.splitlines() if ":" in line]
+    summary["timeouts_rerun"] = len(timeouts)
     with open(dest / "survivors.txt", "w") as out:
-        for name in names:
+        for name, verdict in _results(mm, dest, env):
+            if verdict != "survived":
+                out.write(f"# {name}: {verdict}\n")
+                continue
             shown = subprocess.run([*mm, "show", name], cwd=dest, env=env, capture_output=True, text=True)
             out.write(shown.stdout + "\n")
     (dest / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -106,14 +139,14 @@ def run_scope(scope: str, mutmut: str, jobs: int) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scopes", nargs="*", help=f"one of {', '.join(SCOPES)}; default: all but processes")
+    ap.add_argument("scopes", nargs="*", help=f"one of {', '.join(SCOPES)}; default: all but {', '.join(PARTS)}")
     ap.add_argument("--mutmut", default=sys.executable, help="a Python that has mutmut")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = ap.parse_args(argv)
     unknown = [s for s in args.scopes if s not in SCOPES]
     if unknown:
         ap.error(f"unknown scope {unknown[0]!r}; one of {', '.join(SCOPES)}")
-    for scope in args.scopes or [s for s in SCOPES if s != "processes"]:
+    for scope in args.scopes or [s for s in SCOPES if s not in PARTS]:
         s = run_scope(scope, args.mutmut, args.jobs)
         print(
             f"{scope}: score {s['score']}% ({s.get('killed')} killed, {s.get('survived')} survived, "

@@ -141,3 +141,17 @@ def test_counter_families_expose_the_contract_name():
     fam = contract.family(counter)
     fam.add_metric(["0"] * len(contract.spec(counter).labels), 1.0)
     assert [s.name for s in fam.samples] == [counter] and counter.endswith("_total")
+
+
+def test_each_table_row_is_built_from_its_arguments_in_order():
+    """`_m` builds every row of METRICS while the module is imported; called here, a test sees it."""
+    labels = (name for name in ("rank", "local_rank"))  # any iterable: the spec keeps a tuple
+    s = contract._m("x_bytes", "gauge", "bytes", labels, "Help.", "allocator", "why absent")
+    assert s == contract.MetricSpec(
+        "x_bytes", "gauge", "bytes", ("rank", "local_rank"), "Help.", "allocator", "why absent"
+    )
+    assert isinstance(s.labels, tuple)
+    assert contract._m("y_total", "counter", "", [], "H.", "self").absent_when == ""  # present unless said
+    # the table itself: what the rows were built from, as the collectors and docs read it
+    row = contract.spec("torch_cuda_memory_allocated_bytes")
+    assert (row.type, row.unit, row.labels, row.collector) == ("gauge", "bytes", contract.RANK_DEVICE, "allocator")
