@@ -122,7 +122,7 @@ def test_for_rank_takes_the_settings():
     ctx = NS(
         heartbeat=Heartbeat(),
         settings=NS(status_every=3, status_all_ranks=True),
-        identity=NS(rank=4),
+        identity=NS(rank=4, world_size=8, job_id="7.0"),
         spool_dir="/spool",
     )
     s = StatusLine.for_rank(ctx)

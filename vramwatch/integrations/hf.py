@@ -46,11 +46,15 @@ def _attr(obj: Any, name: str) -> int | None:
 
 
 def _tokens_seen(args: Any, state: Any) -> int | None:
-    """The Trainer's input-token count so far, or None when it does not count them."""
-    mode = getattr(args, "include_num_input_tokens_seen", "no")
+    """The Trainer's input-token count so far, or None when it does not count them (or cannot say: a
+    property that needs a distributed state the process lacks raises, and a callback must not)."""
+    try:
+        mode = getattr(args, "include_num_input_tokens_seen", "no")
+        seen = getattr(state, "num_input_tokens_seen", None)
+    except Exception:  # noqa: BLE001
+        return None
     if mode in ("no", False, None):
         return None
-    seen = getattr(state, "num_input_tokens_seen", None)
     if isinstance(seen, bool) or not isinstance(seen, (int, float)):
         return None
     return int(seen)
