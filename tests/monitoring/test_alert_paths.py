@@ -112,12 +112,13 @@ def test_stall_bound_floor_and_step_statistics():
 
 def test_without_a_target_selector_the_target_rules_use_what_served_vramwatch():
     down = by_name(BARE, "VramwatchTargetDown")["expr"]
-    assert down.startswith("up == 0 and on(job, instance) max_over_time(vramwatch_build_info[")
+    assert down.startswith("(\nup == 0 and on(job, instance) max_over_time(vramwatch_build_info[")
     assert "\nor " not in down
     impostor = by_name(BARE, "VramwatchTargetImpostor")["expr"]
     assert impostor.startswith("up == 1\nunless on(job, instance) vramwatch_build_info\n")
     cfg = dataclasses.replace(BARE, target_selector='job="v"')
-    assert by_name(cfg, "VramwatchTargetDown")["expr"].startswith('up{job="v"} == 0\nor up == 0 and on(job, instance)')
+    down = by_name(cfg, "VramwatchTargetDown")["expr"]
+    assert down.startswith('(\nup{job="v"} == 0\nor up == 0 and on(job, instance)')
     assert by_name(cfg, "VramwatchTargetImpostor")["expr"].startswith('up{job="v"} == 1\nunless')
 
 
@@ -151,8 +152,8 @@ def test_the_first_stopped_ranks_query_is_a_go_string_even_with_quotes_in_the_se
     cfg = dataclasses.replace(DEFAULT, selector='job="train"', job_labels=("job",))
     text = progress.first_stopped(cfg)
     assert text.startswith(
-        '{{ with printf "bottomk(1, vramwatch_training_last_step_timestamp_seconds{job=\\"train\\", job=%q})" '
-        "$labels.job | query }}{{ with first . }}"
+        '{{ with printf "bottomk(1, vramwatch_training_last_step_timestamp_seconds{job=\\"train\\", job=%q, '
+        'job_id=%q})" $labels.job $labels.job_id | query }}{{ with first . }}'
     )
     assert by_name(cfg, "TrainingStalled", "critical")["annotations"]["description"].endswith(text)
 
@@ -182,6 +183,7 @@ def test_each_alert_links_its_own_dashboard_scoped_by_its_labels():
         "https://g.example/d/uid-x?orgId=1"
         "{{ if $labels.instance }}&var-host={{ $labels.instance }}{{ end }}"
         "{{ if $labels.uuid }}&var-gpu={{ $labels.uuid }}{{ end }}"
+        "{{ if $labels.job_id }}&var-job_id={{ $labels.job_id }}{{ end }}"
         "{{ if $labels.rank }}&var-rank={{ $labels.rank }}{{ end }}"
     )
     uid = {r["alert"]: r["annotations"]["dashboard_url"].split("/d/")[1].split("?")[0] for r in rules.alerts(cfg)}
