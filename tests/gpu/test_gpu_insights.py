@@ -101,20 +101,32 @@ torch.cuda.synchronize()
 train_s = time.monotonic() - t_start
 # the gradients of the last step are kept (no zero_grad after it); wait for the energy counter and a walk
 wait(lambda: energy_and_tokens(scrape(port), uuid)[1] == loop_tokens, 10, "the loop's tokens")
-time.sleep(2.5)  # two slow NVML reads, several walks since the last step
-m1 = scrape(port)
-e1, t1 = energy_and_tokens(m1, uuid)
-roles = {lab["role"]: v for lab, v in rank0(m1, "vramwatch_memory_role_bytes")}
+time.sleep(2.5)  # two slow NVML reads since the last step
+m_energy = scrape(port)  # the energy and tokens of the loop (a later scrape would add idle joules)
 
 def nbytes(ts):
     return sum(t.numel() * t.element_size() for t in ts)
 
 cuda_state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_cuda]
+want_roles = (nbytes(model.parameters()), nbytes(p.grad for p in model.parameters() if p.grad is not None),
+              nbytes(cuda_state))
+
+def walked():  # a walk since the last step: walks are spaced by their CPU cost (at most 0.01% of a core)
+    m = scrape(port)
+    r = {lab["role"]: v for lab, v in rank0(m, "vramwatch_memory_role_bytes")}
+    return m if (r.get("parameters"), r.get("gradients"), r.get("optimizer_state")) == want_roles else None
+
+t_walk = time.monotonic()
+m1 = wait(walked, 30, "a role walk after the last step")
+walk_wait = time.monotonic() - t_walk
+e1, t1 = energy_and_tokens(m_energy, uuid)
+roles = {lab["role"]: v for lab, v in rank0(m1, "vramwatch_memory_role_bytes")}
 alloc = rank0(m1, "torch_cuda_memory_allocated_bytes")[0][1]
 reserved = rank0(m1, "torch_cuda_memory_reserved_bytes")[0][1]
 roles_cost = [v for lab, v in m1.get("vramwatch_collector_duration_seconds", []) if lab.get("collector") == "roles"]
 res = {
     "gpu": torch.cuda.get_device_name(0),
+    "walk_wait_seconds": walk_wait,
     "params": n_params,
     "roles": roles,
     "expected": {

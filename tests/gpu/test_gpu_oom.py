@@ -149,8 +149,9 @@ class Probe(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         if state.global_step != 10:
             return
-        m = wait(lambda: (lambda m: m if rank0(m, "vramwatch_training_steps_total") == [
-            ({"rank": "0", "local_rank": "0"}, 10.0)] else None)(scrape(port)), 30, "10 steps in the scrape")
+        m = wait(lambda: (lambda m: m if [(lab["rank"], lab["local_rank"], v) for lab, v in rank0(
+            m, "vramwatch_training_steps_total")] == [("0", "0", 10.0)] else None)(scrape(port)), 30,
+            "10 steps in the scrape")
         ((labels, alloc),) = rank0(m, "torch_cuda_memory_allocated_bytes")
         res.update(labels=labels, allocated=alloc, torch_allocated=torch.cuda.memory_allocated(0),
                    loss=[v for _, v in rank0(m, "vramwatch_training_loss")],
@@ -183,6 +184,7 @@ def test_a_tiny_trainer_run_on_the_gpu(tmp_path):
     assert r["device"].startswith("cuda") and r["global_step"] == 20 and r["stopped"]
     labels = r["labels"]
     assert labels["device"] == "0" and labels["local_rank"] == "0" and labels["uuid"].startswith("GPU-")
+    assert labels["job_id"].startswith("local-")  # a lone process: no launcher names its job
     if r["gpu_uuids"]:  # NVML's view of the card joins on the same uuid
         assert labels["uuid"] in r["gpu_uuids"]
     assert r["allocated"] > 0 and r["peak"] >= r["allocated"]  # the window's high is at least its end

@@ -126,13 +126,27 @@ def test_a_costly_walk_puts_off_the_next_one(monkeypatch):
 
     model = SimModel(1 << 20, layers=4)
     w = RoleWalker(model, None, 30.0, 4096)
-    clock = iter([0.0, 0.05])  # one pass of 50 ms
-    monkeypatch.setattr(roles.time, "perf_counter", lambda: next(clock))
+    cpu = iter([0.0, 0.05])  # one pass of 50 ms of this thread's CPU
+    monkeypatch.setattr(roles.time, "thread_time", lambda: next(cpu))
     w.poll(0.0)
     assert w._walk is None
     assert w._next == pytest.approx(0.05 / roles.MAX_CORE_SHARE)  # 500 s, not 30: at most 0.01% of a core
     w.poll(499.0)
     assert w.passes == 1
+
+
+def test_a_walk_that_waited_for_the_gil_is_not_put_off(monkeypatch):
+    # 50 ms of wall time, 0.1 ms of it this thread's CPU (the rest waiting on the training thread's GIL)
+    from vramwatch.rank import roles
+
+    model = SimModel(1 << 20, layers=4)
+    w = RoleWalker(model, None, 30.0, 4096)
+    wall, cpu = iter([0.0, 0.05]), iter([0.0, 0.0001])
+    monkeypatch.setattr(roles.time, "perf_counter", lambda: next(wall))
+    monkeypatch.setattr(roles.time, "thread_time", lambda: next(cpu))
+    w.poll(0.0)
+    assert w._next == pytest.approx(30.0)  # role_interval: 0.1 ms of CPU allows a walk every second
+    assert w.health.duration == pytest.approx(0.05)  # the collector's duration stays the wall time
 
 
 def test_a_walk_reads_no_cuda():

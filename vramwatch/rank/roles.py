@@ -81,7 +81,7 @@ class RoleWalker:
             self._next = now + self.interval
             self._walk = self._walk_all()
             self._walk_start, self._walk_cost = now, 0.0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         up, errors = 1, self.health.errors
         try:
             next(self._walk)
@@ -91,7 +91,9 @@ class RoleWalker:
             self._walk = None
             up, errors = 0, errors + 1
         took = time.perf_counter() - t0
-        self._walk_cost += took
+        # the budget is a share of a core: this thread's CPU time, not the wall time, which also counts the
+        # waits for the GIL while the training thread launches kernels (tens of times the walk's own cost)
+        self._walk_cost += time.thread_time() - c0
         if self._walk is None:  # done: the next waits for the share of a core it may use
             self._next = max(self._next, self._walk_start + self._walk_cost / MAX_CORE_SHARE)
         self.passes += 1
