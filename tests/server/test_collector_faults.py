@@ -108,6 +108,7 @@ def test_memory_on_an_older_driver_reports_total_used_and_free(tmp_path):
     assert total == float(g.total_bytes) and used is not None and free is not None
     assert math.isclose(used + free, total, rel_tol=0.02)
     assert rig.value("gpu_memory_reserved_bytes") is None  # only v2 knows it
+    assert rig.value("gpu_non_torch_memory_bytes") == used, "no rank here: all of the used memory is foreign"
     (reading,) = spool.read_node_readings(str(tmp_path)).values()
     assert reading.memory_free_bytes == free  # the ranks' status line gets the v1 free memory too
 
@@ -171,6 +172,17 @@ def test_slow_fields_are_served_between_slow_reads_and_dropped_when_they_fail(tm
     assert rig.value("gpu_energy_joules_total") is None
     rig.poll(10.0)
     assert rig.value("gpu_energy_joules_total") == 5000.0
+
+
+def test_gpus_known_before_nvml_went_away_keep_their_identity_labels(tmp_path):
+    rig = Rig(tmp_path)
+    rig.poll(0)
+    before = {lab["gpu"]: lab for lab, _ in rig.metrics()["gpu_info"]}
+    rig.node.inject_error("nvmlDeviceGetPowerUsage", E.NVML_ERROR_UNINITIALIZED)
+    rig.poll(1.0)
+    assert rig.value("gpu_up", gpu=0) == 0.0 and rig.value("gpu_up", gpu=1) == 0.0
+    after = {lab["gpu"]: lab for lab, _ in rig.metrics()["gpu_info"]}
+    assert after == before and before["0"]["driver_version"]  # the alert's labels do not change under it
 
 
 def test_session_errors_in_a_read_bring_every_gpu_down_and_say_why(tmp_path):
@@ -664,3 +676,45 @@ def test_families_skip_the_timestamp_of_an_xid_never_seen(tmp_path):
     ledger.record(0, "GPU-a", 79, when=1.5)
     _, last = xid_families(ledger.counts(), ScrapeContext((), 0.0, "h"))
     assert [(s.labels["xid"], s.value) for s in last.samples] == [("79", 1.5)]
+
+
+def test_registration_says_which_gpus_are_watched_and_why_the_others_are_not(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, "vramwatch")
+    node, session, ledger, w = make(tmp_path, count=4)
+    real = session.nv.nvmlDeviceGetSupportedEventTypes
+
+    def supported(h: Any) -> int:
+        return 0 if h.index == 0 else real(h)  # GPU 0 offers no Xid event at all
+
+    session.nv.nvmlDeviceGetSupportedEventTypes = supported
+    node.inject_error("nvmlDeviceRegisterEvents", E.NVML_ERROR_NOT_SUPPORTED, gpu=1)
+    node.inject_error("nvmlDeviceRegisterEvents", E.NVML_ERROR_GPU_IS_LOST, gpu=2)
+    for _ in range(2):
+        w.step()
+        session.set_lost(node.gpu(3).uuid, True)  # re-registers: each line still comes once
+        w.step()
+        session.set_lost(node.gpu(3).uuid, False)
+    w.step()
+    u = [g.uuid for g in node.gpus]
+    assert lines(caplog, "not watched") == [
+        (logging.INFO, f"vramwatch: GPU 0 {u[0]} offers no Xid events; not watched"),
+        (logging.INFO, f"vramwatch: Xid events on GPU 1 {u[1]}: NOT_SUPPORTED; not watched"),
+        (logging.INFO, f"vramwatch: Xid events on GPU 2 {u[2]}: GPU_IS_LOST; not watched"),
+    ]
+    assert set(lines(caplog, "watching Xid")) == {(logging.INFO, "vramwatch: watching Xid events on 1 GPU(s)")}
+    assert w.registered == {u[3]: 3} and sorted({r.uuid for r in ledger.counts()}) == [u[3]]
+    assert w.health.up == 1 and w.health.errors == 0
+
+
+def test_the_xid_collector_in_job_mode_shows_only_the_ranks_gpus(tmp_path):
+    node, session, ledger, other = make(tmp_path)
+    other.close()
+    from vramwatch.config import Settings
+
+    settings = Settings(simulate=True, spool_dir=str(tmp_path), gpus="job")
+    xc = XidCollector(settings, session, wait_ms=50)
+    xc.watcher.step()
+    sample = spool.RankSample(0, 0, 1, "h", 1, 0.0, devices=(spool.DeviceSample(0, node.gpu(1).uuid, {}),))
+    total, _ = xc.families(xc.read(None), ScrapeContext((sample,), 0.0, "h"))  # type: ignore[arg-type]
+    assert {s.labels["gpu"] for s in total.samples} == {"1"}
+    assert xc.watcher.wait_ms == 50

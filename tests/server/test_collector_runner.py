@@ -206,10 +206,11 @@ def test_stop_does_not_close_while_a_read_may_still_run():
 def test_the_duration_is_the_reads_own_time():
     r = Runner(Counter(sleep=0.05), settings())
     r.poll_once()
-    assert 0.05 <= r.health.duration < 2.0
+    slow = r.health.duration
+    assert 0.05 <= slow < 2.0
     r.collector.sleep = 0.0
     r.poll_once()
-    assert r.health.duration < 0.05
+    assert r.health.duration < slow, "each read's own time, not a running total"
 
 
 def test_a_crashing_read_is_logged_once_per_kind_with_the_error(caplog):
