@@ -718,3 +718,101 @@ def test_the_xid_collector_in_job_mode_shows_only_the_ranks_gpus(tmp_path):
     total, _ = xc.families(xc.read(None), ScrapeContext((sample,), 0.0, "h"))  # type: ignore[arg-type]
     assert {s.labels["gpu"] for s in total.samples} == {"1"}
     assert xc.watcher.wait_ms == 50
+
+
+def test_the_event_line_for_an_xid_without_a_mnemonic_and_several_ranks():
+    from vramwatch.server.collectors.xid import describe_event
+
+    assert describe_event(2, "GPU-x", 150, [("0", 5), ("1", 6)]) == (
+        "vramwatch: Xid 150 on GPU 2 GPU-x: rank 0 (last step 5), rank 1 (last step 6)"
+    )
+    assert describe_event(0, "GPU-y", 13, []) == (
+        "vramwatch: Xid 13 (graphics engine exception) on GPU 0 GPU-y: no rank of this job"
+    )
+
+
+def test_a_warning_xid_logs_a_warning_and_a_critical_one_an_error(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, "vramwatch")
+    from vramwatch.config import Settings
+    from vramwatch.server.collectors.xid import log_event
+
+    settings = Settings(simulate=True, spool_dir=str(tmp_path))
+    log_event(settings, 0, "GPU-a", 31)
+    log_event(settings, 0, "GPU-a", 48)
+    assert lines(caplog, "GPU-a") == [
+        (logging.WARNING, "vramwatch: Xid 31 (MMU fault (illegal address)) on GPU 0 GPU-a: no rank of this job"),
+        (logging.ERROR, "vramwatch: Xid 48 (double-bit ECC error) on GPU 0 GPU-a: no rank of this job"),
+    ]
+
+
+def test_after_an_event_the_watcher_waits_again_at_once_and_a_later_failure_backs_off_from_the_start(tmp_path):
+    node, session, ledger, w = make(tmp_path, count=1)
+    w.step()
+    node.inject_xid(0, 13)
+    assert w.step() == 0.0, "the next wait starts at once: events may come in bursts"
+    node.inject_error("nvmlEventSetWait", E.NVML_ERROR_UNKNOWN)
+    assert [w.step() for _ in range(2)] == [1.0, 2.0]
+
+
+def test_only_xid_events_are_counted(tmp_path):
+    node, session, ledger, w = make(tmp_path, count=1)
+    w.step()
+    real = session.nv.nvmlEventSetWait
+    shapes = iter([dict(eventType=0x1), dict()])  # a single-bit ECC event, then one without a type
+
+    def wait(es: Any, ms: int) -> Any:
+        data = real(es, ms)
+        return SimpleNamespace(device=data.device, eventData=data.eventData, **next(shapes))
+
+    session.nv.nvmlEventSetWait = wait
+    for _ in range(2):
+        node.inject_xid(0, 31)
+        assert w.step() == 0.0
+    assert w.events == 0 and xids(ledger, node.gpu(0).uuid)["31"] == (0, 0.0) and w.health.up == 1
+
+
+def test_while_nvml_is_down_the_watcher_retries_between_half_a_second_and_five(tmp_path):
+    from vramwatch.config import Settings
+    from vramwatch.server import nvml_backend as nb
+
+    node = SimNode.default(1)
+    clock = [1000.0]
+    settings = Settings(simulate=True, spool_dir=str(tmp_path))
+    session = nb.NvmlSession(settings, module=SimNvml.from_node(node), clock=lambda: clock[0])
+    w = XidWatcher(session, XidLedger(), settings, wait_ms=50)
+    node.inject_error("nvmlInit", E.NVML_ERROR_UNKNOWN)
+    pauses = []
+    for _ in range(8):
+        pauses.append(w.step())
+        clock[0] += pauses[-1]
+    assert pauses[0] == 1.0 and pauses[-1] == 5.0 and all(0.5 <= p <= 5.0 for p in pauses)
+    clock[0] += 0.9 * session.next_try_in()
+    assert w.step() == 0.5, "never a busy loop just before the next try"
+
+
+def test_the_watcher_frees_its_event_set_on_close_and_on_re_registration(tmp_path):
+    node = SimNode.default(2)
+    from vramwatch.config import Settings
+    from vramwatch.server import nvml_backend as nb
+
+    settings = Settings(simulate=True, spool_dir=str(tmp_path))
+    nv = Counting(SimNvml.from_node(node))
+    session = nb.NvmlSession(settings, module=nv)
+    w = XidWatcher(session, XidLedger(), settings, wait_ms=50)
+    w.step()
+    assert nv.calls["nvmlEventSetFree"] == 0
+    session.set_lost(node.gpu(1).uuid, True)
+    w.step()
+    assert nv.calls["nvmlEventSetCreate"] == 2 and nv.calls["nvmlEventSetFree"] == 1
+    w.close()
+    w.close()
+    assert nv.calls["nvmlEventSetFree"] == 2, "once per set"
+
+
+def test_the_ledger_bounds_preinitialised_xids_and_stamps_events_with_now():
+    ledger = XidLedger(max_per_gpu=3)
+    ledger.preinit(0, "GPU-a", (1, 2, 3, 4, 5))
+    assert sorted(r.xid for r in ledger.counts()) == ["1", "2", "3"]
+    t0 = time.time()
+    ledger.record(0, "GPU-a", 2)
+    assert t0 <= ledger.last("GPU-a", 2) <= time.time() and ledger.last("GPU-a", 3) == 0.0
