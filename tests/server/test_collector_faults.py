@@ -816,3 +816,39 @@ def test_the_ledger_bounds_preinitialised_xids_and_stamps_events_with_now():
     t0 = time.time()
     ledger.record(0, "GPU-a", 2)
     assert t0 <= ledger.last("GPU-a", 2) <= time.time() and ledger.last("GPU-a", 3) == 0.0
+
+
+def test_nvlink_is_asked_again_after_nvml_reinitialises(tmp_path):
+    rig = _gpm_rig(tmp_path)
+    rig.node.gpu(0).nvlink_links = 0
+    rig.poll(10)
+    assert rig.node.gpu(0).uuid in rig.nvlink.collector.unavailable
+    rig.node.gpu(0).nvlink_links = 4  # e.g. a fabric manager that came up late
+    rig.node.inject_error("nvmlDeviceGetPowerUsage", E.NVML_ERROR_UNINITIALIZED)
+    rig.poll(1)
+    rig.node.clear_error()
+    for _ in range(3):
+        rig.poll(10)
+    assert rig.session.generation == 2 and rig.nvlink.collector.unavailable == {}
+    assert rig.value("gpu_nvlink_errors_total", gpu=0, type="replay") == 0.0
+
+
+def test_a_lost_gpu_is_not_asked_for_nvlink_and_not_reported_as_a_failure(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, "vramwatch")
+    rig = _gpm_rig(tmp_path)
+    rig.poll(0)
+    rig.node.gpu(1).lost = True
+    for _ in range(3):
+        rig.poll(10)
+    assert rig.nvlink.health.up == 0 and lines(caplog, "reading NVLink errors failed") == []
+
+
+def test_two_different_gpm_errors_on_one_gpu_are_two_lines(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, "vramwatch")
+    rig = _gpm_rig(tmp_path, count=1)
+    rig.poll(0)
+    for code in (E.NVML_ERROR_UNKNOWN, E.NVML_ERROR_TIMEOUT, E.NVML_ERROR_UNKNOWN):
+        rig.node.inject_error("nvmlGpmSampleGet", code)
+        rig.poll(10)
+    got = [m.rsplit("(", 2)[-2] for _, m in lines(caplog, "reading GPM failed")]
+    assert got == ["UNKNOWN ", "TIMEOUT "]

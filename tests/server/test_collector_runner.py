@@ -153,6 +153,38 @@ def test_the_watch_runs_on_its_own_thread_and_owns_up_and_errors():
     assert w.closed == 1 and c.closed == 1 and not r.running
 
 
+def test_a_read_failed_is_counted_without_a_line_of_the_frameworks(caplog):
+    caplog.set_level(logging.DEBUG, "vramwatch")
+
+    class Partial(Counter):
+        def read(self, tick: Tick) -> int:
+            raise ReadFailed(7)  # the collector logged what went wrong, once
+
+    r = Runner(Partial(), settings())
+    r.poll_once()
+    r.poll_once()
+    assert (r.snapshot, r.health.up, r.health.errors) == (7, 0, 2) and caplog.records == []
+
+
+def test_stop_waits_for_a_hung_watch_only_a_bounded_time():
+    release = threading.Event()
+
+    class Hung(FakeWatch):
+        def step(self) -> float:
+            release.wait(30.0)  # a driver that never returns from the wait
+            return 0.0
+
+    w = Hung(max_wait=0.05)
+    r = Runner(Watched(w), settings(interval=10.0))
+    r.start()
+    try:
+        t0 = time.monotonic()
+        r.stop()
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        release.set()
+
+
 def test_a_failed_read_of_a_watched_collector_still_counts():
     w = FakeWatch()
     r = Runner(Watched(w, fail=True), settings())
