@@ -6,7 +6,7 @@ whose pyproject.toml is the repository's with the scope's only_mutate and test s
 [tool.mutmut], so scopes never share mutmut's state. Results: .cache/mutation/<scope>/summary.json (counts
 and score) and survivors.txt (each surviving mutant's diff); docs/mutation.md records them.
 
-    python scripts/mutation.py [--mutmut PYTHON] [--jobs N] [SCOPE ...]
+    python scripts/mutation.py [--mutmut PYTHON] [--jobs N] [SCOPE ...]   # SCOPE may be collectors:xid,gpm
 
 PYTHON is the interpreter that has mutmut (the Makefile's .cache/mutation-venv); the project's own venv
 provides everything else through a .pth file there, so mutmut never goes into the project's venv.
@@ -49,9 +49,10 @@ SCOPES: dict[str, tuple[list[str], list[str]]] = {
     "integrations": (["vramwatch/integrations/*"], ["tests/integrations"]),
     # one module of collectors, for a quick rerun after its tests change (not part of a plain `make mutation`)
     "processes": (["vramwatch/server/collectors/processes.py"], COLLECTOR_TESTS),
-    "xid": (["vramwatch/server/collectors/xid.py"], COLLECTOR_TESTS),
 }
-QUICK = ("processes", "xid")
+QUICK = ("processes",)
+# "collectors:xid,gpm": only those modules of the collectors, with all of the collectors' tests
+PART = "collectors:"
 
 
 def tree_files() -> list[str]:
@@ -69,9 +70,23 @@ def toml_list(items: list[str]) -> str:
     return json.dumps(items)  # a JSON array of strings is a TOML array
 
 
+def scope_of(name: str) -> tuple[list[str], list[str]]:
+    if name.startswith(PART):
+        modules = [m for m in name[len(PART) :].split(",") if m]
+        missing = [m for m in modules if not (ROOT / "vramwatch/server/collectors" / f"{m}.py").is_file()]
+        if not modules or missing:
+            raise SystemExit(f"no collectors module {missing[0] if missing else '(none given)'!r}")
+        return [f"vramwatch/server/collectors/{m}.py" for m in modules], COLLECTOR_TESTS
+    return SCOPES[name]
+
+
+def work_dir(scope: str) -> Path:
+    return WORK / scope.replace(":", "-").replace(",", "-")
+
+
 def prepare(scope: str) -> Path:
-    mutate, tests = SCOPES[scope]
-    dest = WORK / scope
+    mutate, tests = scope_of(scope)
+    dest = work_dir(scope)
     if dest.exists():
         shutil.rmtree(dest)
     for f in tree_files():
@@ -113,11 +128,15 @@ def run_scope(scope: str, mutmut: str, jobs: int) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scopes", nargs="*", help=f"one of {', '.join(SCOPES)}; default: all but {', '.join(QUICK)}")
+    ap.add_argument(
+        "scopes",
+        nargs="*",
+        help=f"one of {', '.join(SCOPES)}, or {PART}MODULE,...; default: all but {', '.join(QUICK)}",
+    )
     ap.add_argument("--mutmut", default=sys.executable, help="a Python that has mutmut")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = ap.parse_args(argv)
-    unknown = [s for s in args.scopes if s not in SCOPES]
+    unknown = [s for s in args.scopes if s not in SCOPES and not s.startswith(PART)]
     if unknown:
         ap.error(f"unknown scope {unknown[0]!r}; one of {', '.join(SCOPES)}")
     for scope in args.scopes or [s for s in SCOPES if s not in QUICK]:
@@ -125,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{scope}: score {s['score']}% ({s.get('killed')} killed, {s.get('survived')} survived, "
             f"{s.get('no_tests')} without tests, {s.get('timeout')} timeouts of {s.get('total')}); "
-            f"{WORK / scope / 'survivors.txt'}"
+            f"{work_dir(scope) / 'survivors.txt'}"
         )
     return 0
 
