@@ -459,3 +459,47 @@ def test_a_label_set_is_carried_only_while_someone_exports_it(tmp_path, order):
     assert sorted((lab["uuid"], v) for lab, v in scrape(view, 1020.0)[OOMS]) == [("GPU-1", 1.0)]
     b.publish(1021.0, devices=(dev(**{OOMS: 1.0}),))  # back on GPU-0: its series started again
     assert by_rank(scrape(view, 1021.0), OOMS) == {"0": 1.0}
+
+
+def test_info_series_are_one(tmp_path):
+    d = str(tmp_path)
+    Proc(d, 0, 100).publish(1000.0, allocator_info=spool.AllocatorInfo("native", "False", "0", "0"))
+    m = scrape(RankView(d, 64, 30.0), 1000.0)
+    assert [v for _, v in m["torch_cuda_allocator_info"]] == [1.0]
+    assert [v for _, v in m["vramwatch_rank_info"]] == [1.0]
+
+
+def test_of_two_dead_processes_with_snapshots_the_newest_snapshot_is_shown(tmp_path):
+    d = str(tmp_path)
+    view = RankView(d, 64, 30.0)
+    Proc(d, 0, 100).publish(1000.0, oom_snapshot=spool.OomSnapshot("/snap/old", 999.0)).die()
+    Proc(d, 0, 200).publish(1005.0, oom_snapshot=spool.OomSnapshot("/snap/new", 1004.0)).die()
+    m = scrape(view, 1006.0)
+    assert [lab["path"] for lab, _ in m["vramwatch_oom_snapshot_info"]] == ["/snap/new"]
+
+
+def test_a_dead_processes_last_oom_stays_even_when_it_counted_nothing_to_carry(tmp_path):
+    # a final sample with the last OOM's values and no counter at all (an older or partial sample)
+    d = str(tmp_path)
+    view = RankView(d, 64, 30.0)
+    Proc(d, 0, 100).publish(1000.0, devices=(dev(**{LAST_REQ: 64.0}),)).die()
+    Proc(d, 0, 200).publish(1001.0, devices=(dev(**{ALLOC: 1.0}),))
+    m = scrape(view, 1002.0)
+    assert by_rank(m, LAST_REQ) == {"0": 64.0}
+
+
+def test_a_counter_the_live_process_does_not_report_goes_on_from_the_dead_ones(tmp_path):
+    d = str(tmp_path)
+    view = RankView(d, 64, 30.0)
+    Proc(d, 0, 100).publish(1000.0, devices=(dev(**{RETRIES: 2.0, OOMS: 1.0}),)).die()
+    Proc(d, 0, 200).publish(1001.0, devices=(dev(**{OOMS: 0.0}),))  # no retries counter in its sample
+    m = scrape(view, 1002.0)
+    assert by_rank(m, RETRIES) == {"0": 2.0} and by_rank(m, OOMS) == {"0": 1.0}
+
+
+def test_a_dead_rank_that_fails_to_render_is_reported_with_its_sample():
+    bad = _sample(3, hostname=None, devices=(dev("GPU-3", **{OOMS: 1.0}),))
+    told: list[Any] = []
+    _, m = render(ScrapeContext((), 1000.0, "n", final=(bad,)), lambda s, e: told.append(s))
+    assert told == [bad]
+    assert "vramwatch_rank_info" not in m
