@@ -7,6 +7,7 @@ error however many reads hit it (two GPUs failing alike give two lines).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -852,3 +853,76 @@ def test_two_different_gpm_errors_on_one_gpu_are_two_lines(tmp_path, caplog):
         rig.poll(10)
     got = [m.rsplit("(", 2)[-2] for _, m in lines(caplog, "reading GPM failed")]
     assert got == ["UNKNOWN ", "TIMEOUT "]
+
+
+def test_nvml_is_asked_for_the_gpu_sensor_the_clocks_and_the_volatile_ecc_counts(tmp_path):
+    rig = Rig(tmp_path, count=1)
+    fake = rig.nv.nv
+    asked: list[tuple[str, tuple[Any, ...]]] = []
+    for name in ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetClockInfo", "nvmlDeviceGetTotalEccErrors"):
+        real = getattr(SimNvml, name)
+
+        def wrapped(h: Any, *args: Any, _real: Any = real, _name: str = name) -> Any:
+            asked.append((_name, args))
+            return _real(fake, h, *args)
+
+        setattr(fake, name, wrapped)
+    rig.poll(10.0)
+    assert sorted(asked) == sorted(
+        [
+            ("nvmlDeviceGetTemperatureV", (E.NVML_TEMPERATURE_GPU,)),
+            ("nvmlDeviceGetClockInfo", (E.NVML_CLOCK_SM,)),
+            ("nvmlDeviceGetClockInfo", (E.NVML_CLOCK_MEM,)),
+            ("nvmlDeviceGetTotalEccErrors", (E.NVML_MEMORY_ERROR_TYPE_CORRECTED, E.NVML_VOLATILE_ECC)),
+            ("nvmlDeviceGetTotalEccErrors", (E.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, E.NVML_VOLATILE_ECC)),
+        ]
+    )
+
+
+def test_while_a_gpu_is_lost_every_read_is_fresh_for_the_others_and_down_for_it(tmp_path):
+    rig = Rig(tmp_path)
+    rig.poll(0)
+    rig.node.gpu(1).lost = True
+    for i in range(25):  # across probes that fail
+        rig.node.gpu(0).power_w = 100.0 + i
+        rig.poll(1.0)
+        assert rig.nvml.health.up == 0, i
+        assert rig.value("gpu_up", gpu=1) == 0.0, i
+        assert rig.value("gpu_power_watts", gpu=0) == 100.0 + i, i
+    assert rig.nvml.health.errors == 25
+    rig.node.gpu(1).lost = False
+    for _ in range(10):
+        rig.poll(1.0)
+        if rig.value("gpu_up", gpu=1) == 1.0:
+            break
+    # back: everything read at once, the slow fields too
+    assert rig.value("gpu_energy_joules_total", gpu=1) is not None and rig.value("gpu_power_watts", gpu=1) is not None
+
+
+def test_quiet_fields_are_logged_once_per_gpu(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, "vramwatch")
+    rig = Rig(tmp_path)
+    rig.node.inject_error("nvmlDeviceGetPowerUsage", E.NVML_ERROR_NO_DATA)
+    rig.poll(1.0)
+    rig.poll(1.0)
+    assert [m for _, m in lines(caplog, "has no data yet")] == [
+        "vramwatch: GPU 0: power has no data yet (NO_DATA)",
+        "vramwatch: GPU 1: power has no data yet (NO_DATA)",
+    ]
+
+
+def test_non_torch_memory_with_a_rank_that_reports_no_reservation_and_a_long_hostname(tmp_path):
+    rig = Rig(tmp_path)
+    rig.rank(0, 300, 0, 0)
+    devices = (
+        spool.DeviceSample(0, rig.node.gpu(0).uuid, {}),  # no reserved bytes in its sample
+        spool.DeviceSample(1, "", {"torch_cuda_memory_reserved_bytes": 5.0}),  # a device NVML cannot name
+    )
+    rig.samples[0] = dataclasses.replace(rig.samples[0], devices=devices)
+    rig.poll(1.0)
+    assert rig.value("gpu_non_torch_memory_bytes", gpu=0) == rig.value("gpu_memory_used_bytes", gpu=0)
+    ctx = ScrapeContext((), time.time(), "h" * 300)
+    from vramwatch.server.collectors.nvml import nvml_families
+
+    info = [s for f in nvml_families(rig.nvml.snapshot, ctx) for s in f.samples if s.name == "gpu_info"]
+    assert len(info) == 2 and {s.labels["hostname"] for s in info} == {"h" * 128}
