@@ -810,6 +810,34 @@ def test_the_watcher_frees_its_event_set_on_close_and_on_re_registration(tmp_pat
     assert nv.calls["nvmlEventSetFree"] == 2, "once per set"
 
 
+def test_every_event_set_the_watcher_created_is_freed(tmp_path):
+    node, session, ledger, w = make(tmp_path)
+    made: list[Any] = []
+    real = session.nv.nvmlEventSetCreate
+
+    def create() -> Any:
+        made.append(real())
+        return made[-1]
+
+    session.nv.nvmlEventSetCreate = create
+    w.step()
+    session.set_lost(node.gpu(0).uuid, True)  # GPU 0, not the last: GPU 1 must stay watched
+    w.step()
+    assert list(w.registered) == [node.gpu(1).uuid]
+    w.close()
+    assert len(made) == 2 and all(es.freed for es in made)
+
+
+def test_each_gpu_without_xid_events_is_logged(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, "vramwatch")
+    node, session, ledger, w = make(tmp_path)
+    session.nv.nvmlDeviceGetSupportedEventTypes = lambda h: 0
+    w.step()
+    assert [m for _, m in lines(caplog, "offers no Xid events")] == [
+        f"vramwatch: GPU {i} {node.gpu(i).uuid} offers no Xid events; not watched" for i in (0, 1)
+    ]
+
+
 def test_the_ledger_bounds_preinitialised_xids_and_stamps_events_with_now():
     ledger = XidLedger(max_per_gpu=3)
     ledger.preinit(0, "GPU-a", (1, 2, 3, 4, 5))
