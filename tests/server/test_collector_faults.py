@@ -948,7 +948,9 @@ def test_non_torch_memory_with_a_rank_that_reports_no_reservation_and_a_long_hos
     )
     rig.samples[0] = dataclasses.replace(rig.samples[0], devices=devices)
     rig.poll(1.0)
-    assert rig.value("gpu_non_torch_memory_bytes", gpu=0) == rig.value("gpu_memory_used_bytes", gpu=0)
+    used = rig.value("gpu_memory_used_bytes", gpu=0)
+    assert used is not None and rig.value("gpu_non_torch_memory_bytes", gpu=0) == used
+    assert rig.nvml.health.errors == 0
     ctx = ScrapeContext((), time.time(), "h" * 300)
     from vramwatch.server.collectors.nvml import nvml_families
 
