@@ -956,3 +956,23 @@ def test_non_torch_memory_with_a_rank_that_reports_no_reservation_and_a_long_hos
 
     info = [s for f in nvml_families(rig.nvml.snapshot, ctx) for s in f.samples if s.name == "gpu_info"]
     assert len(info) == 2 and {s.labels["hostname"] for s in info} == {"h" * 128}
+
+
+# --- foreign processes ---
+
+
+def test_a_gpu_that_cannot_list_processes_does_not_stop_the_next_ones(tmp_path):
+    rig = Rig(tmp_path)
+    rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_NOT_SUPPORTED, gpu=0)
+    rig.node.add_foreign(1, 4242, 1 << 30)
+    for _ in range(3):  # GPU 0 is remembered as unsupported from the second read on
+        rig.poll(10.0)
+        assert rig.value("gpu_foreign_processes", gpu=1) == 1.0 and rig.value("gpu_foreign_processes", gpu=0) is None
+
+
+def test_nvml_gone_under_the_process_listing_marks_the_session_down_with_the_error(tmp_path):
+    rig = Rig(tmp_path)
+    rig.poll(0)
+    rig.node.inject_error("nvmlDeviceGetComputeRunningProcesses", E.NVML_ERROR_DRIVER_NOT_LOADED, gpu=0)
+    rig.procs.poll_once()
+    assert not rig.session.ready and rig.session.last_error == "DRIVER_NOT_LOADED" and rig.procs.health.up == 0
