@@ -923,8 +923,49 @@ def test_while_a_gpu_is_lost_every_read_is_fresh_for_the_others_and_down_for_it(
         rig.poll(1.0)
         if rig.value("gpu_up", gpu=1) == 1.0:
             break
-    # back: everything read at once, the slow fields too
-    assert rig.value("gpu_energy_joules_total", gpu=1) is not None and rig.value("gpu_power_watts", gpu=1) is not None
+    # back: everything read at once, the slow fields too (not the values from before the loss)
+    assert rig.value("gpu_power_watts", gpu=1) is not None
+
+
+def test_a_gpu_that_comes_back_between_slow_reads_reports_its_slow_fields_at_once(tmp_path):
+    rig = Rig(tmp_path)
+    rig.poll(0)  # a slow read at t; the next at t + 10
+    rig.node.gpu(1).energy_mj = 1_000_000
+    rig.node.gpu(1).lost = True
+    rig.poll(1.0)  # lost at t + 1: probed again at t + 11, between slow reads
+    rig.node.gpu(1).lost = False
+    rig.node.gpu(1).energy_mj = 7_000_000
+    for _ in range(10):
+        rig.poll(1.0)
+        if rig.value("gpu_up", gpu=1) == 1.0:
+            break
+    assert rig.value("gpu_energy_joules_total", gpu=1) == 7000.0
+
+
+def test_a_reinit_clears_the_loss_of_a_gpu_that_answers_for_every_collector(tmp_path):
+    rig = Rig(tmp_path)
+    rig.poll(0)
+    uuid = rig.node.gpu(1).uuid
+    rig.node.gpu(1).lost = True
+    rig.poll(1.0)
+    assert uuid in rig.session.lost
+    rig.node.gpu(1).lost = False
+    rig.node.inject_error("nvmlDeviceGetPowerUsage", E.NVML_ERROR_UNINITIALIZED, gpu=0)
+    rig.poll(1.0)  # NVML went away before the probe came
+    rig.node.clear_error()
+    rig.poll(2.0)
+    assert rig.session.generation == 2 and uuid not in rig.session.lost
+    assert rig.value("gpu_up", gpu=1) == 1.0 and rig.value("gpu_foreign_processes", gpu=1) is not None
+
+
+def test_the_identity_kept_for_a_later_server_names_the_card(tmp_path):
+    rig = Rig(tmp_path)
+    rig.poll(0)
+    later = Rig(tmp_path)
+    later.node.gpu(1).lost = True
+    later.poll(0)
+    info = {lab["gpu"]: lab for lab, _ in later.metrics()["gpu_info"]}
+    assert info["1"]["name"] == rig.node.gpu(1).name
 
 
 def test_quiet_fields_are_logged_once_per_gpu(tmp_path, caplog):

@@ -268,6 +268,7 @@ def test_a_crashing_read_is_logged_once_per_kind_with_the_error(caplog):
     ]
     assert all(m.levelno == logging.WARNING for m in msgs)
     assert r.health.errors == 4 and r.health.up == 0
+    assert r.collect(ctx()) == () and r.health.errors == 4, "nothing read yet: nothing to render, no error more"
 
 
 def test_failing_families_are_logged_once_and_counted_each_time(caplog):
