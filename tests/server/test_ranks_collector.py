@@ -117,12 +117,12 @@ def test_a_live_rank_exports_every_family_with_its_values_and_labels(tmp_path):
         hostname="trainer-7",
     )
     m = scrape(RankView(d, 64, 30.0), 1000.0)
-    labels = dict(uuid="GPU-a", device="1", rank="3", local_rank="1")
+    labels = dict(uuid="GPU-a", device="1", rank="3", local_rank="1", job_id="")
     for name, value in FULL_VALUES.items():
         assert pick(m, name, **labels) == [value], name
     for role, v in roles.items():
         assert one(m, "vramwatch_memory_role_bytes", role=role, **labels) == v
-    rl = dict(rank="3", local_rank="1")
+    rl = dict(rank="3", local_rank="1", job_id="")
     info = [lab for lab, _ in m["torch_cuda_allocator_info"]]
     assert len(info) == 1 and {k: info[0][k] for k in contract.spec("torch_cuda_allocator_info").labels} == {
         **rl,
@@ -261,7 +261,7 @@ def test_the_age_family_and_rank_collector_health():
     assert age.name == "vramwatch_sample_age_seconds"
     assert {s.labels["rank"]: s.value for s in age.samples} == {"0": 0.0, "1": 10.0}
     ctx = ScrapeContext((a, b), 1000.0, "n", final=(_sample(5, collectors={"x": spool.CollectorHealth(0, 1, 0)}),))
-    assert list(ranks.rank_collector_health(ctx)) == [("allocator", "0", spool.CollectorHealth(1, 2, 0.5))]
+    assert list(ranks.rank_collector_health(ctx)) == [("allocator", "0", "", spool.CollectorHealth(1, 2, 0.5))]
 
 
 # --- dead ranks: the final sample, the newest winning, counters carried ---
