@@ -13,12 +13,12 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-from collections import Counter
 from typing import Any
 
 import pytest
 from jobs import job_env, run_job
 
+from harness.nvml_calls import CountingNvml
 from vramwatch.config import Settings
 from vramwatch.server import nvml_backend as nb
 from vramwatch.server.collectors import Runner, ScrapeContext
@@ -26,23 +26,6 @@ from vramwatch.server.collectors.nvml import NvmlCollector
 
 pytestmark = pytest.mark.gpu
 _MIG_LINE = re.compile(r"^\s+MIG\s+(\S+)\s+Device\s+\d+:\s+\(UUID:\s+(MIG-[0-9a-f-]+)\)", re.M)
-
-
-class Counting:
-    def __init__(self, nv: Any) -> None:
-        self.nv = nv
-        self.calls: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        v = getattr(self.nv, name)
-        if callable(v) and name.startswith("nvml"):
-
-            def call(*a: Any, **k: Any) -> Any:
-                self.calls[name] += 1
-                return v(*a, **k)
-
-            return call
-        return v
 
 
 def _modes(nv: Any) -> dict[str, tuple[int, int] | str]:
@@ -67,7 +50,7 @@ def _smi_mig() -> dict[str, str]:
 def test_enumeration_reads_the_mode_and_changes_nothing(tmp_path):
     import pynvml
 
-    nv = Counting(pynvml)
+    nv = CountingNvml(pynvml)
     before = _modes(pynvml)
     settings = Settings(spool_dir=str(tmp_path), nvml_interval=1.0, nvml_slow_interval=2.0)
     session = nb.NvmlSession(settings, module=nv)

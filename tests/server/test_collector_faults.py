@@ -18,8 +18,9 @@ from typing import Any
 import pynvml as E
 import pytest
 from test_gpm_collector import GpmRig
-from test_nvml_collector import Counting, Rig
+from test_nvml_collector import Rig
 
+from harness.nvml_calls import CountingNvml
 from vramwatch import spool
 from vramwatch.server.collectors import ScrapeContext
 from vramwatch.server.collectors.gpm import GpmCollector
@@ -500,7 +501,7 @@ def test_a_counter_the_gpu_lacks_is_logged_once_and_the_other_crc_counter_still_
 
 
 def test_a_binding_without_the_max_links_constant_tries_eighteen_links(tmp_path):
-    class Older(Counting):
+    class Older(CountingNvml):
         def __getattr__(self, name: str) -> Any:
             if name == "NVML_NVLINK_MAX_LINKS":
                 raise AttributeError(name)
@@ -797,7 +798,7 @@ def test_the_watcher_frees_its_event_set_on_close_and_on_re_registration(tmp_pat
     from vramwatch.server import nvml_backend as nb
 
     settings = Settings(simulate=True, spool_dir=str(tmp_path))
-    nv = Counting(SimNvml.from_node(node))
+    nv = CountingNvml(SimNvml.from_node(node))
     session = nb.NvmlSession(settings, module=nv)
     w = XidWatcher(session, XidLedger(), settings, wait_ms=50)
     w.step()

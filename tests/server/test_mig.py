@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from typing import Any
 
 import pynvml
 import pytest
 
+from harness.nvml_calls import CountingNvml
 from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
@@ -25,23 +25,6 @@ GIB = 1 << 30
 E = pynvml
 
 
-class Counting:
-    def __init__(self, nv: Any) -> None:
-        self.nv = nv
-        self.calls: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        v = getattr(self.nv, name)
-        if callable(v) and name.startswith("nvml"):
-
-            def call(*a: Any, **k: Any) -> Any:
-                self.calls[name] += 1
-                return v(*a, **k)
-
-            return call
-        return v
-
-
 class MigRig:
     """Two simulated GPUs; GPU 0 in MIG mode with two 3g.71gb instances, on a fake clock."""
 
@@ -50,7 +33,7 @@ class MigRig:
         if mig:
             self.node.gpu(0).enable_mig(("3g.71gb", "3g.71gb"))
         self.samples: list[RankSample] = []
-        self.nv = Counting(SimNvml.from_node(self.node, lambda: self.samples))
+        self.nv = CountingNvml(SimNvml.from_node(self.node, lambda: self.samples))
         self.t = 1000.0
         kw = dict(simulate=True, spool_dir=str(tmp_path), nvml_interval=1.0, nvml_slow_interval=10.0)
         kw.update(settings)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from typing import Any
 
 import pynvml
 import pytest
 
+from harness.nvml_calls import CountingNvml
 from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
@@ -23,25 +23,6 @@ from vramwatch.sim.state import SimNode
 from vramwatch.spool import DeviceSample, HeartbeatSnapshot, RankSample
 
 GIB = 1 << 30
-
-
-class Counting:
-    """Wraps an NVML module and counts calls per function."""
-
-    def __init__(self, nv: Any) -> None:
-        self.nv = nv
-        self.calls: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        v = getattr(self.nv, name)
-        if callable(v) and name.startswith("nvml"):
-
-            def call(*a: Any, **k: Any) -> Any:
-                self.calls[name] += 1
-                return v(*a, **k)
-
-            return call
-        return v
 
 
 class Clock:
@@ -61,7 +42,7 @@ class Rig:
     def __init__(self, tmp_path, count: int = 2, **settings: Any) -> None:
         self.node = SimNode.default(count)
         self.samples: list[RankSample] = []
-        self.nv = Counting(SimNvml.from_node(self.node, lambda: self.samples))
+        self.nv = CountingNvml(SimNvml.from_node(self.node, lambda: self.samples))
         self.clock = Clock()
         kw = dict(simulate=True, spool_dir=str(tmp_path), nvml_interval=1.0, nvml_slow_interval=10.0)
         kw.update(settings)
