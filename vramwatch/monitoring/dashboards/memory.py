@@ -36,6 +36,19 @@ RANK = "rank {{rank}} ({{job_id}})"  # two jobs on one target have a rank 0 each
 RANK_DEVICE_ON = "job, instance, uuid, device, rank, local_rank"
 
 
+# A projection is drawn up to this multiple of the limit: beyond it the job runs out anyway, and an
+# extrapolation tens of TiB out would stretch the axis until the real series is a flat line.
+PROJECTION_CAP = 1.25
+
+
+def capped_projection(step_peak: str, limit: str, cfg: MonitoringConfig) -> str:
+    """``predict_linear`` of the step peak over the leak alert's window and horizon, held at PROJECTION_CAP x
+    the limit; where a rank has no limit series the projection is drawn uncapped."""
+    projected = f"predict_linear({step_peak}[{cfg.leak_window}], {num(cfg.leak_horizon_hours * 3600)})"
+    cap = f"({num(PROJECTION_CAP)} * {limit})"
+    return f"({projected} < {cap}) or ({cap} and {projected}) or {projected}"
+
+
 def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     s = Scope(cfg)
     alloc, reserved = m("torch_cuda_memory_allocated_bytes"), m("torch_cuda_memory_reserved_bytes")
@@ -216,15 +229,12 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                     f"High-water mark of allocated bytes per sample window; a peak that keeps rising is a leak. The "
                     f"projection extends the last {cfg.leak_window}'s trend {hours} h ahead "
                     f"(the leak alert's horizon): "
-                    f"when it crosses the limit, the job runs out within that time.",
+                    f"when it crosses the limit, the job runs out within that time. It is drawn at most "
+                    f"{num(PROJECTION_CAP)}x the limit, so a steep trend does not flatten the peak.",
                     units.BytesIEC,
                     [
                         q(step_peak, f"step peak {RANK}", "A"),
-                        q(
-                            f"predict_linear({step_peak}[{cfg.leak_window}], {num(cfg.leak_horizon_hours * 3600)})",
-                            f"in {hours} h {RANK}",
-                            "B",
-                        ),
+                        q(capped_projection(step_peak, f"{limit}{s.device}", cfg), f"in {hours} h {RANK}", "B"),
                         q(f"{limit}{s.device}", f"limit {RANK}", "C"),
                     ],
                     min_=0,
