@@ -16,6 +16,7 @@ provides everything else through a .pth file there, so mutmut never goes into th
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -68,21 +69,121 @@ SCOPES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "rank-status": (["vramwatch/rank/status.py"], ["tests/rank/test_status.py", "tests/rank/test_status_paths.py"]),
     "rank-oom": (["vramwatch/rank/oom.py"], ["tests/rank/test_oom.py", "tests/rank/test_oom_paths.py"]),
+    # the rest of rank (handle, sampler, allocator, roles, ...) with all of rank's tests
+    "rank-rest": (
+        sorted(
+            f"vramwatch/rank/{p.name}"
+            for p in (ROOT / "vramwatch" / "rank").glob("*.py")
+            if p.name not in {"oom.py", "heartbeat.py", "device_scalar.py", "status.py"}
+        ),
+        ["tests/rank"],
+    ),
 }
-PARTS = ("processes", "rank-heartbeat", "rank-status", "rank-oom")  # parts of a larger scope: run only when named
+PARTS = (
+    "processes",
+    "rank-heartbeat",
+    "rank-status",
+    "rank-oom",
+    "rank-rest",
+)  # parts of a larger scope: run only when named
 # "collectors:xid,gpm": only those modules of the collectors, with all of the collectors' tests
 PART = "collectors:"
 
 
+# never copied when the tree is walked without git: caches, virtualenvs, wheels, mutmut's own copies
+WALK_SKIP = {".git", ".cache", ".venv", "mutants", "__pycache__"}
+
+
 def tree_files() -> list[str]:
-    """The repository's files as git sees them (tracked, and untracked but not ignored)."""
-    out = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout
-    return [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+    """The repository's files as git sees them (tracked, and untracked but not ignored); without git (the GPU
+    machine gets the tree without .git) a walk of the tree that skips WALK_SKIP and what .gitignore ignores."""
+    if (ROOT / ".git").exists():
+        try:
+            out = subprocess.run(
+                ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                cwd=ROOT,
+                capture_output=True,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            pass  # no git binary, or a .git it cannot read: walk instead
+        else:
+            return [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+    return walk_files(ROOT)
+
+
+def _ignore_rules(directory: Path, rel: str) -> list[tuple[str, str, bool, bool]]:
+    """(base, pattern, anchored, directories only) for each simple line of directory/.gitignore; `!` lines
+    (re-includes) are not supported and are left out, so a re-included file is not copied."""
+    try:
+        lines = (directory / ".gitignore").read_text().splitlines()
+    except OSError:
+        return []
+    rules = []
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith(("#", "!")):
+            continue
+        dir_only = line.endswith("/")
+        line = line.rstrip("/")
+        anchored = "/" in line  # git: a slash anywhere but at the end anchors the pattern to its .gitignore
+        if line:
+            rules.append((rel, line.lstrip("/"), anchored, dir_only))
+    return rules
+
+
+def _ignored(rel: str, is_dir: bool, rules: list[tuple[str, str, bool, bool]]) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    for base, pattern, anchored, dir_only in rules:
+        if (dir_only and not is_dir) or (base and not rel.startswith(base + "/")):
+            continue
+        below = rel[len(base) + 1 :] if base else rel  # the path relative to the .gitignore's directory
+        if fnmatch.fnmatchcase(below if anchored else name, pattern):
+            return True
+    return False
+
+
+def walk_files(root: Path) -> list[str]:
+    """Every file under root, as paths relative to it, but WALK_SKIP, `.whl*` and what the .gitignore files
+    ignore (simple patterns: globs, a leading or inner `/` anchoring, a trailing `/` for directories)."""
+    files: list[str] = []
+    rules_at: dict[str, list[tuple[str, str, bool, bool]]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        rel_dir = "" if here == root else here.relative_to(root).as_posix()
+        parent = rel_dir.rpartition("/")[0]
+        rules = (rules_at.get(parent, []) if rel_dir else []) + _ignore_rules(here, rel_dir)
+        rules_at[rel_dir] = rules
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if d not in WALK_SKIP
+            and not d.startswith(".whl")
+            and not (here / d).is_symlink()
+            and not _ignored(prefix + d, True, rules)
+        )
+        files += [
+            prefix + f
+            for f in sorted(filenames)
+            if f not in WALK_SKIP and (here / f).is_file() and not _ignored(prefix + f, False, rules)
+        ]
+    return files
+
+
+def child_pythonpath(value: str | None, cwd: Path) -> str | None:
+    """PYTHONPATH for mutmut: the caller's entries, absolute, but the repository root (the copy's code must
+    win over the tree's) and empty ones (the current directory); a mutmut installed with `pip --target` is
+    found through PYTHONPATH. None when nothing is left."""
+    kept = []
+    for entry in (value or "").split(os.pathsep):
+        if not entry:
+            continue
+        path = Path(entry) if os.path.isabs(entry) else cwd / entry
+        if path.resolve() == ROOT:
+            continue
+        kept.append(str(path))
+    return os.pathsep.join(kept) or None
 
 
 def toml_list(items: list[str]) -> str:
@@ -130,6 +231,9 @@ def _results(mm: list[str], dest: Path, env: dict[str, str]) -> list[tuple[str, 
 def run_scope(scope: str, mutmut: str, jobs: int) -> dict[str, object]:
     dest = prepare(scope)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy's code, never the tree's
+    pythonpath = child_pythonpath(os.environ.get("PYTHONPATH"), Path.cwd())
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     env.setdefault("TEST_TOOLS_DIR", str(ROOT / ".cache" / "debian" / "usr" / "bin"))
     mm = [os.path.abspath(mutmut), "-m", "mutmut"]  # absolute: it runs in the copy
     with open(dest / "mutmut.log", "w") as log:

@@ -1,0 +1,107 @@
+"""scripts/mutation.py without git (the GPU machine gets the tree without .git) and its child's PYTHONPATH."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load():  # scripts/ is no package: load the script as a module
+    spec = importlib.util.spec_from_file_location("mutation_script", ROOT / "scripts" / "mutation.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mutation_script"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+mutation = _load()
+
+
+def _tree(root: Path, files: list[str]) -> None:
+    for f in files:
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_text(f)
+
+
+def test_walk_skips_caches_venvs_wheels_and_what_gitignore_ignores(tmp_path: Path) -> None:
+    kept = ["pyproject.toml", "vramwatch/a.py", "tests/t.py", "docs/build/keep.md", "sub/x.txt", "sub/.gitignore"]
+    dropped = [
+        ".git/config",
+        ".git/objects/ab",
+        ".cache/mutation/x.py",
+        ".whl/w.whl",
+        ".whl-cache/w.whl",
+        "mutants/vramwatch/a.py",
+        "vramwatch/__pycache__/a.cpython-311.pyc",
+        "vramwatch/b.pyc",  # *.pyc
+        "build/lib/a.py",  # /build/ is anchored: only the top one
+        "x.egg-info/PKG-INFO",  # *.egg-info/
+        "out/report.html",  # /out/
+        "sub/gen.log",  # sub/.gitignore's *.log
+        "sub/deep/gen.log",
+    ]
+    # the virtualenv among them (test_layout keeps the name out of the tests' literals)
+    dropped += [f"{d}/bin/python" for d in sorted(mutation.WALK_SKIP)]
+    _tree(tmp_path, kept + dropped + [".gitignore"])
+    (tmp_path / ".gitignore").write_text(
+        "# comment\n\n*.pyc\n/build/\n*.egg-info/\n/out/\n!vramwatch/b.pyc\n", encoding="utf-8"
+    )
+    (tmp_path / "sub" / ".gitignore").write_text("*.log\n", encoding="utf-8")
+    (tmp_path / "egg.egg-info").write_text("a file, and the pattern names directories only")
+    got = mutation.walk_files(tmp_path)
+    assert {".git", ".cache", "mutants", "__pycache__"} < mutation.WALK_SKIP and len(mutation.WALK_SKIP) == 5
+    assert set(got) == {*kept, ".gitignore", "egg.egg-info"}
+
+
+def test_walk_skips_a_worktrees_git_file_and_symlinked_directories(tmp_path: Path) -> None:
+    _tree(tmp_path, ["a.py", "elsewhere/b.py"])
+    (tmp_path / ".git").write_text("gitdir: /somewhere/else\n")  # a worktree's .git is a file
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    assert set(mutation.walk_files(tmp_path)) == {"a.py", "elsewhere/b.py"}
+
+
+def test_tree_files_walks_a_tree_without_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _tree(tmp_path, ["pyproject.toml", "vramwatch/a.py", ".cache/x"])
+    monkeypatch.setattr(mutation, "ROOT", tmp_path)
+    assert sorted(mutation.tree_files()) == ["pyproject.toml", "vramwatch/a.py"]
+
+
+def test_tree_files_walks_when_git_cannot_be_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _tree(tmp_path, ["a.py", ".git/HEAD"])
+    monkeypatch.setattr(mutation, "ROOT", tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no git binary
+    assert mutation.tree_files() == ["a.py"]
+
+
+def test_tree_files_matches_git_in_this_checkout() -> None:
+    if not (ROOT / ".git").exists():
+        pytest.skip("a tree without .git")
+    assert set(mutation.walk_files(ROOT)) == set(mutation.tree_files())
+
+
+def test_child_pythonpath_keeps_all_but_the_repository_root(tmp_path: Path) -> None:
+    root = str(mutation.ROOT)
+    value = os.pathsep.join([root, "/opt/mutmut-target", "", "rel/dir", root + "/"])
+    assert mutation.child_pythonpath(value, tmp_path) == os.pathsep.join(
+        ["/opt/mutmut-target", str(tmp_path / "rel/dir")]
+    )
+    assert mutation.child_pythonpath(".", mutation.ROOT) is None  # "." from the root is the root
+    assert mutation.child_pythonpath(None, tmp_path) is None
+    assert mutation.child_pythonpath(f"{root}{os.pathsep}", tmp_path) is None
+
+
+def test_rank_rest_is_rank_but_its_other_parts() -> None:
+    mutate, tests = mutation.SCOPES["rank-rest"]
+    assert tests == ["tests/rank"]
+    parts = {m for s in ("rank-oom", "rank-heartbeat", "rank-status") for m in mutation.SCOPES[s][0]}
+    every = {f"vramwatch/rank/{p.name}" for p in (ROOT / "vramwatch" / "rank").glob("*.py")}
+    assert set(mutate) == every - parts and "vramwatch/rank/sampler.py" in mutate
+    assert "rank-rest" in mutation.PARTS
