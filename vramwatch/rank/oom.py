@@ -272,7 +272,8 @@ class OomWatcher:
             self.count += 1
             values = self.values.setdefault(int(device), {})
             values[LAST_REQUESTED] = float(alloc)
-            values[LAST_FREE] = float(max(device_free, 0))
+            free = max(device_free, 0)  # the metric and the log line say 0 where a count below 0 comes
+            values[LAST_FREE] = float(free)
             values[LAST_TIME] = now
             if self.publish is not None:
                 self.publish()  # the count and these values are in the spool before the job sees the error
@@ -282,7 +283,7 @@ class OomWatcher:
                 path = self.write_snapshot(now)
                 if path is not None and self.publish is not None:
                     self.publish()  # and where the snapshot is
-            self._log_oom(now, device, alloc, device_free, path)
+            self._log_oom(now, device, alloc, free, path)
         except Exception as e:  # noqa: BLE001 - an observer that raises would replace the job's OOM
             self._log_once("observer:" + type(e).__name__, "vramwatch: OOM observer failed: %r", e)
 
