@@ -315,6 +315,16 @@ def test_without_a_publish_or_a_directory_the_values_are_still_kept(tmp_path):
     assert extras.device_values[0][LAST_REQUESTED] == 6.0  # a copy: the next OOM does not change a sample taken
 
 
+def test_snapshots_without_a_publish_are_written_and_said(tmp_path, caplog):
+    w = OomWatcher(_Source(), snapshot_dir=str(tmp_path), dump=lambda: DATA, min_interval=0.0)
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        w(0, GIB, 8 * GIB, GIB)
+    assert w.snapshots == 1 and caplog.messages == [
+        f"vramwatch: CUDA out of memory on device 0: tried to allocate 1.00 GiB with 1.00 GiB free"
+        f"; memory snapshot: {w.last_path}"
+    ]
+
+
 def test_a_failing_observer_logs_once_per_kind_of_error_and_never_raises(tmp_path, caplog):
     errors = iter([RuntimeError("a"), RuntimeError("b"), ValueError("c")])
 
@@ -692,6 +702,10 @@ def test_the_exclusive_create_is_private_never_reuses_a_name_and_checks_the_dire
         ) as e:
             oom._create_in(dir_fd, str(b), "o")
         assert e.value.errno == errno.EXDEV
+        # the descriptor's directory holds a link to the file the path made: still another file, refused
+        os.symlink(b / "p", a / "p")
+        with pytest.raises(OSError, match="was replaced"):
+            oom._create_in(dir_fd, str(b), "p")
         assert _fd_count() == fds
     finally:
         os.close(dir_fd)
@@ -722,4 +736,6 @@ def test_snapshot_files_lists_regular_snapshots_oldest_first_by_path_or_descript
         return real_stat(path, *a, **kw)
 
     monkeypatch.setattr(oom.os, "stat", stat)
+    listed = os.listdir(tmp_path)
+    monkeypatch.setattr(oom.os, "listdir", lambda d: sorted(listed, key=lambda n: "c.pickle" not in n))  # c first
     assert [n for _, _, n in snapshot_files(str(tmp_path))] == [str(tmp_path / names[0]), str(tmp_path / names[2])]
