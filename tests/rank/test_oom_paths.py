@@ -315,6 +315,36 @@ def test_without_a_publish_or_a_directory_the_values_are_still_kept(tmp_path):
     assert extras.device_values[0][LAST_REQUESTED] == 6.0  # a copy: the next OOM does not change a sample taken
 
 
+def test_the_log_line_is_rate_limited_through_the_observer_but_a_snapshot_is_always_said(tmp_path, monkeypatch, caplog):
+    w, clock, _ = _snapper(tmp_path, monkeypatch)
+    plain = OomWatcher(_Source())  # no directory: every line is subject to the limit
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        for _ in range(3):
+            plain(0, GIB, 8 * GIB, 0)
+        w(0, GIB, 8 * GIB, 0)  # a snapshot: said
+        clock.wall += 5
+        clock.mono += 5
+        w(0, 2 * GIB, 8 * GIB, 0)  # 5 s later, no snapshot (the interval): left out
+        clock.wall += 5
+        w(0, 3 * GIB, 8 * GIB, 0)  # 10 s after the snapshot's line: said, with the one left out
+    line = "vramwatch: CUDA out of memory on device 0: tried to allocate {} with 0 B free{}"
+    assert caplog.messages == [
+        line.format("1.00 GiB", ""),
+        line.format("1.00 GiB", f"; memory snapshot: {w.last_path}"),
+        line.format("3.00 GiB", " (1 more since the last report)"),
+    ]
+    assert plain._unlogged == 2 and w.snapshots == 1
+
+
+def test_the_snapshot_carries_the_time_of_its_oom(tmp_path, monkeypatch):
+    w, clock, _ = _snapper(tmp_path, monkeypatch)
+    ticks = iter(range(1000))
+    monkeypatch.setattr(clock, "time", lambda: clock.wall + next(ticks))  # each reading of the clock is later
+    w(0, GIB, 8 * GIB, 0)
+    assert w.last_snapshot == OomSnapshot(w.last_path, w.values[0][LAST_TIME])
+    assert "-20260101T000000-" in w.last_path
+
+
 def test_snapshots_without_a_publish_are_written_and_said(tmp_path, caplog):
     w = OomWatcher(_Source(), snapshot_dir=str(tmp_path), dump=lambda: DATA, min_interval=0.0)
     with caplog.at_level(logging.WARNING, logger="vramwatch"):
@@ -636,6 +666,17 @@ def test_the_private_directory_accepts_0755_and_refuses_group_or_world_writes(tm
             with pytest.raises(oom._UnsafeDirectory, match=rf"^{d} is writable by others \(mode {mode:o}\)$"):
                 oom.open_owned_dir(str(d))
         assert _fd_count() == fds
+
+
+def test_a_directory_swapped_for_a_file_after_it_was_made_is_refused(tmp_path, monkeypatch):
+    f = tmp_path / "was-a-directory"
+    f.write_text("")
+    f.chmod(0o600)
+    monkeypatch.setattr(oom.os, "makedirs", lambda *a, **kw: None)  # it was a directory when made
+    fds = _fd_count()
+    with pytest.raises(NotADirectoryError):
+        oom.open_owned_dir(str(f))
+    assert _fd_count() == fds
 
 
 def test_a_directory_of_another_uid_is_refused_by_its_descriptor(tmp_path, monkeypatch):
