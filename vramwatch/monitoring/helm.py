@@ -460,8 +460,9 @@ def _schema(field: str) -> dict[str, Any]:
                 "type": "object",
                 "minProperties": 1,
                 "maxProperties": 1,
-                "propertyNames": {"pattern": r'^[^"\\]+$'},
-                "additionalProperties": {"type": "number", "exclusiveMinimum": 0},
+                # no quotes or backslashes (config.py _peak_flops); not propertyNames: its errors name no key
+                "patternProperties": {r'^[^"\\]+$': {"type": "number", "exclusiveMinimum": 0}},
+                "additionalProperties": False,
             },
         }
     if field == "disabled_alerts":
