@@ -170,6 +170,24 @@ def test_each_key_set_through_helm_reaches_the_rules(key, tmp_path, crd_validato
     assert spec != rule_file(DEFAULT), f"{key}: the value changed nothing"
 
 
+# durations as a user may write them: the rules normalise them (90s is for: 1m30s), a `for` of 0 or none
+# leaves the rule without one
+DURATION_CASES = [
+    ("memory_warning_for", "90s"),
+    ("memory_warning_for", ""),
+    ("memory_critical_for", "0s"),
+    ("stall_window", "1h30m"),
+    ("xid_window", "120m"),
+    ("target_absent_for", "90s"),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), DURATION_CASES)
+def test_durations_through_helm_are_normalised_as_the_python_rules(key, value, tmp_path):
+    spec = rules_through_helm(tmp_path, {key: value})
+    assert spec == rule_file(dataclasses.replace(DEFAULT, **{key: value}))
+
+
 @pytest.mark.parametrize("shape", ["every key", "the other shapes"])
 def test_every_key_at_once_through_helm(shape, tmp_path, crd_validators):
     """All keys changed together (the rules' shapes both ways); promtool accepts the result."""

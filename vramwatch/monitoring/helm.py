@@ -32,7 +32,7 @@ from vramwatch.monitoring import contract
 from vramwatch.monitoring.alerts.promql import num, percent
 from vramwatch.monitoring.alerts.render import HEADER, to_yaml
 from vramwatch.monitoring.alerts.rules import all_alert_names, groups
-from vramwatch.monitoring.config import DEFAULT, GIB, MonitoringConfig, parse_duration
+from vramwatch.monitoring.config import DEFAULT, GIB, MonitoringConfig, format_duration, parse_duration
 
 CHART = Path("helm") / "vramwatch"
 RULE_TEMPLATE_PATH = CHART / "templates" / "prometheusrule.yaml"
@@ -74,7 +74,7 @@ _EXEMPT = ('vwrse_a="1"', 'vwrse_b="2"')
 _XL = (("vwxlk", "vwxlv"),)
 _LEAK_HOURS = 7.0160173
 _SKEW_BYTES = 3000000017.0
-_ABSENT_FOR = "1099d"
+_ABSENT_FOR = "26376h"  # 1099d: as given, and normalised (duration()) differently
 
 
 def _is_duration(field: str) -> bool:
@@ -93,7 +93,7 @@ def _sentinel_config(cfg: MonitoringConfig) -> tuple[MonitoringConfig, dict[str,
             simple[name] = round(0.7 + i * 0.001 + 0.0000173, 7)
             i += 1
         elif _is_duration(name):
-            simple[name] = f"{1001 + i}d"
+            simple[name] = f"{1001 + i}h"  # as given (1001h) and normalised (41d17h) differ
             i += 1
     changes = {
         **simple,
@@ -191,7 +191,13 @@ def _numbers(text: str, sentinels: dict[str, Any]) -> str:
     for field, s in sentinels.items():
         r = ref(field)
         if isinstance(s, str):
-            sub(s, "{{ " + r + " }}", field)
+            normal = format_duration(parse_duration(s))  # the rules' for: and windows (promql.duration)
+            if not (present(s) or present(normal)):
+                raise ValueError(f"helm: the rules do not use MonitoringConfig.{field}")
+            if present(s):
+                sub(s, "{{ " + r + " }}", field)
+            if present(normal):
+                sub(normal, '{{ include "vramwatch.duration" ' + r + " }}", field)
             seconds = num(parse_duration(s))  # a window as a number of seconds (time() - t < window)
             if present(seconds):
                 sub(seconds, '{{ include "vramwatch.seconds" ' + r + " }}", field)
@@ -216,7 +222,15 @@ def _numbers(text: str, sentinels: dict[str, Any]) -> str:
         '{{ include "vramwatch.num" (divf ' + skew + " " + str(float(GIB)) + ") }}",
         "rank_skew_min_bytes",
     )
-    sub(_ABSENT_FOR, "{{ " + ref("target_absent_for") + " }}", "target_absent_for")
+    absent = ref("target_absent_for")
+    sub(_ABSENT_FOR, "{{ " + absent + " }}", "target_absent_for")
+    sub(format_duration(parse_duration(_ABSENT_FOR)), '{{ include "vramwatch.duration" ' + absent + " }}", "target_absent_for")
+    # promql.alert leaves out a `for` of 0 (or none): so does the chart
+    text = re.sub(
+        r'( *for: \{\{ include "vramwatch.duration" (\S+) \}\}\n)',
+        lambda m: '{{ if ne (include "vramwatch.seconds" ' + m.group(2) + ') "0" }}' + m.group(1) + "{{ end }}",
+        text,
+    )
     return text
 
 
@@ -342,7 +356,7 @@ def rule_spec_template(cfg: MonitoringConfig = DEFAULT) -> str:
             cond: str | None = None
             if name is not None:
                 cond = "not " + _has_disabled(name)
-                if _ABSENT_FOR in text:  # the opt-in rule exists only with target_absent_for set
+                if format_duration(parse_duration(_ABSENT_FOR)) in text:  # the opt-in rule exists only with target_absent_for set
                     cond = f"and {ref('target_absent_for')} ({cond})"
                 text = "{{ if " + cond + " }}" + text + "{{ end }}"
             conds.append(cond)
@@ -437,7 +451,7 @@ def _schema(field: str) -> dict[str, Any]:
         return {"type": "boolean"}
     if kind is float:
         return {"type": "number", "minimum": 0}
-    if field == "target_absent_for":
+    if field.endswith("_for"):  # empty: at once (target_absent_for: no such rule), as config.py's _for
         return {"type": "string", "pattern": r"^(([0-9]+(ms|s|m|h|d|w|y))+)?$"}
     if _is_duration(field):
         return {"type": "string", "pattern": DURATION_PATTERN}
