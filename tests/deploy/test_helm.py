@@ -343,8 +343,16 @@ def test_helm_dashboards_equal_the_dashboards_command(tmp_path):
     (tmp_path / "monitoring.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
     r = subprocess.run(
-        [sys.executable, "-m", "vramwatch", "dashboards", "--config", str(tmp_path / "monitoring.yaml"), "--write",
-         str(out)],
+        [
+            sys.executable,
+            "-m",
+            "vramwatch",
+            "dashboards",
+            "--config",
+            str(tmp_path / "monitoring.yaml"),
+            "--write",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,

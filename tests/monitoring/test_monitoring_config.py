@@ -152,8 +152,8 @@ BAD = [
 
 def test_gpu_peak_flops_as_the_charts_list_is_the_mapping_in_order(tmp_path):
     """The Helm chart's form (a list of one-entry mappings) loads to the same config as the mapping."""
-    listed = _load_text(tmp_path, "gpu_peak_flops: [{'NVIDIA L4.*': 121000000000000}, {'NVIDIA A.*': 312000000000000}]\n")
-    mapped = _load_text(tmp_path, "gpu_peak_flops: {'NVIDIA L4.*': 121000000000000, 'NVIDIA A.*': 312000000000000}\n")
+    listed = _load_text(tmp_path, "gpu_peak_flops: [{'NVIDIA L4.*': 121.0e+12}, {'NVIDIA A.*': 312.0e+12}]\n")
+    mapped = _load_text(tmp_path, "gpu_peak_flops: {'NVIDIA L4.*': 121.0e+12, 'NVIDIA A.*': 312.0e+12}\n")
     assert listed == mapped
     assert listed.gpu_peak_flops == (("NVIDIA L4.*", 121e12), ("NVIDIA A.*", 312e12))
 

@@ -74,7 +74,8 @@ _EXEMPT = ('vwrse_a="1"', 'vwrse_b="2"')
 _XL = (("vwxlk", "vwxlv"),)
 _LEAK_HOURS = 7.0160173
 _SKEW_BYTES = 3000000017.0
-_ABSENT_FOR = "26376h"  # 1099d: as given, and normalised (duration()) differently
+_ABSENT_FOR = "26376h"  # as given, and normalised (duration()) differently:
+_ABSENT_NORMAL = "1099d"
 
 
 def _is_duration(field: str) -> bool:
@@ -224,7 +225,7 @@ def _numbers(text: str, sentinels: dict[str, Any]) -> str:
     )
     absent = ref("target_absent_for")
     sub(_ABSENT_FOR, "{{ " + absent + " }}", "target_absent_for")
-    sub(format_duration(parse_duration(_ABSENT_FOR)), '{{ include "vramwatch.duration" ' + absent + " }}", "target_absent_for")
+    sub(_ABSENT_NORMAL, '{{ include "vramwatch.duration" ' + absent + " }}", "target_absent_for")
     # promql.alert leaves out a `for` of 0 (or none): so does the chart
     text = re.sub(
         r'( *for: \{\{ include "vramwatch.duration" (\S+) \}\}\n)',
@@ -356,7 +357,7 @@ def rule_spec_template(cfg: MonitoringConfig = DEFAULT) -> str:
             cond: str | None = None
             if name is not None:
                 cond = "not " + _has_disabled(name)
-                if format_duration(parse_duration(_ABSENT_FOR)) in text:  # the opt-in rule exists only with target_absent_for set
+                if _ABSENT_NORMAL in text:  # the opt-in rule exists only with target_absent_for set
                     cond = f"and {ref('target_absent_for')} ({cond})"
                 text = "{{ if " + cond + " }}" + text + "{{ end }}"
             conds.append(cond)

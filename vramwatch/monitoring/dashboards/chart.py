@@ -25,7 +25,7 @@ from vramwatch.monitoring.config import DEFAULT, format_duration, parse_duration
 from vramwatch.monitoring.dashboards import build_all
 from vramwatch.monitoring.dashboards.common import HOST, TITLES, num
 from vramwatch.monitoring.dashboards.render import dashboard_json
-from vramwatch.monitoring.helm import FIELDS, _TYPES, ref, value_key
+from vramwatch.monitoring.helm import _TYPES, FIELDS, ref, value_key
 
 TEMPLATE_PATH = "helm/vramwatch/templates/dashboards-configmap.yaml"
 
@@ -138,7 +138,9 @@ def _peaks(text: str) -> str:
         if (before, mid) != (before_b, mid_b):
             raise ValueError("helm: gpu_peak_flops' entries are not rendered alike")
         return (
-            "{{ range $pi, $pe := " + ref("gpu_peak_flops") + " }}{{ range $pp, $pf := $pe }}{{ if $pi }} or {{ end }}("
+            "{{ range $pi, $pe := "
+            + ref("gpu_peak_flops")
+            + " }}{{ range $pp, $pf := $pe }}{{ if $pi }} or {{ end }}("
             + before
             + _js("$pp")
             + mid
@@ -174,8 +176,13 @@ def _substitute(text: str, simple: dict[str, Any]) -> str:
     text = _sub(text, _escaped(alerts), each, "job_labels")
     text = _sub(text, ", ".join((*_JL, contract.JOB_ID)), '{{ join ", " $vwPeers }}', "job_labels")
     sel = _escaped(_SEL)
-    text = _sub(text, "{" + sel + "}", "{{ with " + ref("selector") + ' }}{{ "{" }}' + _js(".") + '{{ "}" }}{{ end }}',
-                "selector", required=False)
+    text = _sub(
+        text,
+        "{" + sel + "}",
+        "{{ with " + ref("selector") + ' }}{{ "{" }}' + _js(".") + '{{ "}" }}{{ end }}',
+        "selector",
+        required=False,
+    )
     text = _sub(text, sel + ", ", "{{ with " + ref("selector") + " }}" + _js(".") + ", {{ end }}", "selector")
     for items, field in ((_XC, "xid_critical"), (_XW, "xid_warning")):
         text = _sub(text, ", ".join(map(str, items)), '{{ join ", " ' + ref(field) + " }}", field)
@@ -185,16 +192,22 @@ def _substitute(text: str, simple: dict[str, Any]) -> str:
         if isinstance(s, str):
             normal = format_duration(parse_duration(s))
             text = _sub(text, s, "{{ " + r + " }}", field, bounded=True, required=False)
-            text = _sub(text, normal, '{{ include "vramwatch.duration" ' + r + " }}", field, bounded=True,
-                        required=False)
+            text = _sub(
+                text, normal, '{{ include "vramwatch.duration" ' + r + " }}", field, bounded=True, required=False
+            )
         else:
-            text = _sub(text, num(s), '{{ include "vramwatch.pynum" ' + r + " }}", field, bounded=True,
-                        required=False)
+            text = _sub(text, num(s), '{{ include "vramwatch.pynum" ' + r + " }}", field, bounded=True, required=False)
     leak = ref("leak_horizon_hours")
-    text = _sub(text, num(_LEAK_HOURS * 3600), '{{ include "vramwatch.pynum" (mulf ' + leak + " 3600.0) }}",
-                "leak_horizon_hours", bounded=True)
-    text = _sub(text, num(_LEAK_HOURS), '{{ include "vramwatch.pynum" ' + leak + " }}", "leak_horizon_hours",
-                bounded=True)
+    text = _sub(
+        text,
+        num(_LEAK_HOURS * 3600),
+        '{{ include "vramwatch.pynum" (mulf ' + leak + " 3600.0) }}",
+        "leak_horizon_hours",
+        bounded=True,
+    )
+    text = _sub(
+        text, num(_LEAK_HOURS), '{{ include "vramwatch.pynum" ' + leak + " }}", "leak_horizon_hours", bounded=True
+    )
     return text.replace("{{{", '{{ "{" }}{{')  # a PromQL brace right before an action
 
 
@@ -232,7 +245,10 @@ def dashboard_templates() -> dict[str, str]:
         block = _targets_var(data)
         text = json.dumps(data, indent=2, sort_keys=True) + "\n"
         text = text.replace("{{", '{{ "{{" }}')  # Grafana's legend templates ({{instance}}), for Helm
-        text = re.sub(r'^ *"' + _TARGETS_SLOT + '",\n', lambda _m: block, text, count=1, flags=re.M)
+        slot = re.search(r'^ *"' + _TARGETS_SLOT + '",\n', text, flags=re.M)
+        if slot is None:
+            raise ValueError("helm: the target variables' slot is gone")
+        text = text[: slot.start()] + block + text[slot.end() :]
         text = _substitute(text, simple)
         _leftovers(text, simple)
         out[f"{model.uid}.json"] = text
@@ -288,7 +304,8 @@ def configmap_template() -> str:
     out = [HEAD]
     for name, text in sorted(dashboard_templates().items()):
         out.append(f"  {name}: |\n")
-        out += [("    " + line if line.strip() and not line.startswith("{{-") else line) for line in text.splitlines(True)]
+        # the JSON indented into the block scalar; the range's own lines ({{- ...) trim, so they stay
+        out += [("    " + ln if ln.strip() and not ln.startswith("{{-") else ln) for ln in text.splitlines(True)]
     out.append("{{- end }}\n")
     return "".join(out)
 
