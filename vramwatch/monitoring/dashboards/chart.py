@@ -23,8 +23,7 @@ from typing import Any
 from vramwatch.monitoring import contract
 from vramwatch.monitoring.config import DEFAULT, format_duration, parse_duration
 from vramwatch.monitoring.dashboards import build_all
-from vramwatch.monitoring.dashboards.common import HOST, TITLES, num
-from vramwatch.monitoring.dashboards.render import dashboard_json
+from vramwatch.monitoring.dashboards.common import HOST, TITLES, JSONEncoder, num
 from vramwatch.monitoring.helm import _TYPES, FIELDS, ref, value_key
 
 TEMPLATE_PATH = "helm/vramwatch/templates/dashboards-configmap.yaml"
@@ -238,7 +237,7 @@ def dashboard_templates() -> dict[str, str]:
     cfg, simple = _sentinels()
     out = {}
     for model in build_all(cfg):
-        data = json.loads(dashboard_json(model))
+        data = json.loads(JSONEncoder().encode(model))  # as render.dashboard_json, parsed
         if data.get("tags") != list(_TAGS):
             raise ValueError("helm: the dashboards' tags are not dashboard_tags")
         data["tags"] = _TAGS_SLOT

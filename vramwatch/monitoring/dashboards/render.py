@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
-from vramwatch.monitoring.dashboards import build_all
+from vramwatch.monitoring.dashboards import build_all, chart
 from vramwatch.monitoring.dashboards.common import JSONEncoder
 
 if TYPE_CHECKING:
@@ -66,8 +66,6 @@ def generated_files(cfg: MonitoringConfig = DEFAULT) -> dict[str, str]:
     """Relative path under the deploy directory -> file content."""
     dashboards = {f"{m.uid}.json": dashboard_json(m) for m in build_all(cfg)}
     out = {f"grafana/dashboards/{k}": v for k, v in dashboards.items()}
-    from vramwatch.monitoring.dashboards import chart
-
     # the chart's template: the dashboards with every config key a Helm value (not cfg's: values.yaml's)
     out[chart.TEMPLATE_PATH] = chart.configmap_template()
     out["kubernetes/dashboards-configmap.yaml"] = configmap_yaml(dashboards)
