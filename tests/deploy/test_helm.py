@@ -170,6 +170,24 @@ def test_each_key_set_through_helm_reaches_the_rules(key, tmp_path, crd_validato
     assert spec != rule_file(DEFAULT), f"{key}: the value changed nothing"
 
 
+# durations as a user may write them: the rules normalise them (90s is for: 1m30s), a `for` of 0 or none
+# leaves the rule without one
+DURATION_CASES = [
+    ("memory_warning_for", "90s"),
+    ("memory_warning_for", ""),
+    ("memory_critical_for", "0s"),
+    ("stall_window", "1h30m"),
+    ("xid_window", "120m"),
+    ("target_absent_for", "90s"),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), DURATION_CASES)
+def test_durations_through_helm_are_normalised_as_the_python_rules(key, value, tmp_path):
+    spec = rules_through_helm(tmp_path, {key: value})
+    assert spec == rule_file(dataclasses.replace(DEFAULT, **{key: value}))
+
+
 @pytest.mark.parametrize("shape", ["every key", "the other shapes"])
 def test_every_key_at_once_through_helm(shape, tmp_path, crd_validators):
     """All keys changed together (the rules' shapes both ways); promtool accepts the result."""
@@ -210,14 +228,161 @@ def test_helm_set_on_the_command_line_reaches_the_rule():
     assert rule["spec"] == rule_file(cfg)
 
 
-@pytest.mark.parametrize(
-    ("key", "value"),
-    [("nodeLabel", "host"), ("dashboardTags", ["gpu"]), ("gpuPeakFlops", {"NVIDIA L4": 121e12})],
+# a non-default value of each key that changes only the dashboards (peaks: order kept, one above 1e15)
+DASHBOARD_VALUES: dict[str, Any] = {
+    "node_label": "kubernetes_node",
+    "dashboard_tags": ("gpu", "ml-infra"),
+    "gpu_peak_flops": (("NVIDIA L4.*", 121e12), ("NVIDIA B200.*", 2.25e15), ("NVIDIA A.*", 312e12)),
+}
+# more values worth a dashboard each: durations not in normal form (stall_bound normalises them), the
+# target variables' corner cases (a job label that is the node label, none, the node label `instance`)
+DASHBOARD_CASES: list[tuple[str, Any]] = [
+    ("stall_window", "90s"),
+    ("straggler_window", "1h30m"),
+    ("job_labels", ()),
+    ("job_labels", ("node", "job")),
+    ("node_label", "instance"),
+    ("leak_horizon_hours", 0.25),
+    ("gpu_peak_flops", (("NVIDIA H100.*", 1e16), ("NVIDIA H200.*", 1.5e-05))),
+]
+
+
+def dashboards_through_helm(tmp_path: Path, changes: dict[str, Any]) -> dict[str, Any]:
+    """The chart's dashboards ConfigMap for these keys, each dashboard's JSON parsed."""
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(helm_values(changes)))
+    (cm,) = kinds(objects("-f", str(tmp_path / "values.yaml")))["ConfigMap"]
+    return {name: json.loads(text) for name, text in cm["data"].items()}
+
+
+def python_dashboards(cfg: MonitoringConfig) -> dict[str, Any]:
+    from vramwatch.monitoring.dashboards import build_all
+    from vramwatch.monitoring.dashboards.render import dashboard_json
+
+    return {f"{m.uid}.json": json.loads(dashboard_json(m)) for m in build_all(cfg)}
+
+
+def test_the_dashboards_are_the_python_dashboards_with_the_defaults():
+    (cm,) = kinds(objects())["ConfigMap"]
+    shipped = {p.name: json.loads(p.read_text()) for p in (DEPLOY / "grafana" / "dashboards").glob("*.json")}
+    assert {name: json.loads(text) for name, text in cm["data"].items()} == shipped == python_dashboards(DEFAULT)
+
+
+DASHBOARD_PARAMS = [
+    *((k, other_config()[k]) for k in sorted(other_config())),
+    *SHAPES.items(),
+    *DASHBOARD_VALUES.items(),
+    *DASHBOARD_CASES,
+]
+
+
+@pytest.mark.parametrize(("key", "value"), DASHBOARD_PARAMS, ids=[f"{k}={v!r}"[:60] for k, v in DASHBOARD_PARAMS])
+def test_each_key_set_through_helm_reaches_the_dashboards(key, value, tmp_path):
+    """One key at a time: the chart's dashboards == the Python dashboards of that config (keys the
+    dashboards do not use included: the chart must not change them either)."""
+    cfg = dataclasses.replace(DEFAULT, **{key: value})
+    assert dashboards_through_helm(tmp_path, {key: value}) == python_dashboards(cfg)
+
+
+# the keys the dashboards use (tests/deploy/test_helm.py checks each changes them; docs/monitoring-config.md)
+DASHBOARD_KEYS = frozenset(
+    {
+        *DASHBOARD_VALUES,
+        "selector",
+        "job_labels",
+        "memory_warning_ratio",
+        "memory_critical_ratio",
+        "memory_warning_for",
+        "fragmentation_ratio",
+        "stall_factor",
+        "stall_min_seconds",
+        "stall_window",
+        "busy_utilization_ratio",
+        "busy_power_ratio",
+        "leak_horizon_hours",
+        "leak_window",
+        "sample_stale_seconds",
+        "straggler_ratio",
+        "straggler_window",
+        "straggler_for",
+        "xid_critical",
+        "xid_warning",
+    }
 )
-def test_a_dashboards_only_key_is_refused_not_ignored(key, value, tmp_path):
-    (tmp_path / "values.yaml").write_text(yaml.safe_dump({"monitoring": {key: value}}))
-    r = template("-f", str(tmp_path / "values.yaml"))
-    assert r.returncode != 0 and f"monitoring.{key} changes only the dashboards" in r.stderr, r.stderr
+
+
+def test_which_keys_change_the_dashboards():
+    """The list in docs/monitoring-config.md: these keys change the dashboards, the others do not."""
+    values = {**other_config(), **DASHBOARD_VALUES}
+    base = python_dashboards(DEFAULT)
+    changing = {k for k, v in values.items() if python_dashboards(dataclasses.replace(DEFAULT, **{k: v})) != base}
+    assert changing == DASHBOARD_KEYS
+    doc = (ROOT / "docs" / "monitoring-config.md").read_text()
+    assert all(f"`{k}`" in doc for k in DASHBOARD_KEYS)
+
+
+@pytest.mark.parametrize("shape", ["every key", "the other shapes"])
+def test_every_key_at_once_through_helm_reaches_the_dashboards(shape, tmp_path):
+    changes = {**other_config(), **DASHBOARD_VALUES}
+    if shape == "the other shapes":
+        changes.update(SHAPES, selector="", job_labels=(), node_label="instance")
+    cfg = dataclasses.replace(DEFAULT, **changes)
+    assert dashboards_through_helm(tmp_path, changes) == python_dashboards(cfg)
+
+
+def test_helm_dashboards_equal_the_dashboards_command(tmp_path):
+    """`vramwatch dashboards --config F --write DIR` and `helm template -f` of the same keys: equal."""
+    config = {
+        "selector": 'namespace="ml"',
+        "node_label": "kubernetes_node",
+        "dashboard_tags": ["gpu"],
+        "memory_warning_ratio": 0.8,
+        "stall_window": "90s",
+        "job_labels": ["job", "namespace"],
+        "gpu_peak_flops": [{"NVIDIA L4.*": 121e12}, {"NVIDIA A.*": 312e12}],  # the chart's form, in a file
+    }
+    (tmp_path / "monitoring.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vramwatch",
+            "dashboards",
+            "--config",
+            str(tmp_path / "monitoring.yaml"),
+            "--write",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    want = {p.name: json.loads(p.read_text()) for p in (out / "grafana" / "dashboards").glob("*.json")}
+    values = {"monitoring": {helm.value_key(k): v for k, v in config.items()}}
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    (cm,) = kinds(objects("-f", str(tmp_path / "values.yaml")))["ConfigMap"]
+    got = {name: json.loads(text) for name, text in cm["data"].items()}
+    assert got == want and got != python_dashboards(DEFAULT)
+    assert all(d["tags"] == ["gpu"] for d in got.values())
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ('monitoring.nodeLabel="kubernetes-node"', "nodeLabel"),
+        ("monitoring.dashboardTags=[1]", "dashboardTags"),
+        ('monitoring.gpuPeakFlops={"NVIDIA L4.*": 121e12}', "gpuPeakFlops"),  # a mapping: its order is lost
+        ('monitoring.gpuPeakFlops=[{"NVIDIA L4.*": 0}]', "gpuPeakFlops"),
+        ('monitoring.gpuPeakFlops=[{"a": 1, "b": 2}]', "gpuPeakFlops"),
+        ('monitoring.gpuPeakFlops=[{"NVIDIA \\"L4": 1}]', "gpuPeakFlops"),
+        ('monitoring.stallWindow="90 s"', "stallWindow"),
+    ],
+)
+def test_the_schema_rejects_a_bad_dashboard_value(setting, message):
+    r = template("--set-json", setting)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
 
 
 def test_values_hold_the_monitoring_config_defaults():
@@ -252,8 +417,8 @@ def test_the_objects_are_the_kustomize_bases():
     assert k["PodMonitor"][0]["spec"] == base["PodMonitor"]["spec"]
     assert k["NetworkPolicy"][0]["spec"] == base["NetworkPolicy"]["spec"]
     (cm,) = k["ConfigMap"]
-    shipped = {p.name: p.read_text() for p in (DEPLOY / "grafana" / "dashboards").glob("*.json")}
-    assert cm["data"] == shipped
+    shipped = {p.name: json.loads(p.read_text()) for p in (DEPLOY / "grafana" / "dashboards").glob("*.json")}
+    assert {name: json.loads(text) for name, text in cm["data"].items()} == shipped
 
 
 @pytest.mark.parametrize(

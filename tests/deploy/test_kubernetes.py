@@ -377,3 +377,5 @@ def test_every_monitoring_config_key_reaches_the_kustomize_overlay(tmp_path, crd
     memory = json_.loads(data["vramwatch-training-memory.json"])
     assert memory["tags"] == ["gpu", "team-ml"]
     assert any(v.get("name") == "node" and "host" in json_.dumps(v) for v in memory["templating"]["list"])
+    exprs = [t.get("expr", "") for p in memory["panels"] for t in p.get("targets", [])]
+    assert any('name=~"NVIDIA L4"' in e and "121000000000000" in e for e in exprs), "gpu_peak_flops"

@@ -143,8 +143,19 @@ BAD = [
     ("xid_critical: [79, x]\n", "xid_critical=[79, 'x']", "whole numbers"),
     ("xid_warning: [13, 79]\n", "xid_warning=(13, 79)", "Xid 79 also in xid_critical"),
     ("throttle_reasons: [HW Slowdown]\n", "throttle_reasons=", "not a throttle reason name"),
+    ("gpu_peak_flops: [{a: 1, b: 2}]\n", "gpu_peak_flops=", "list of one-entry mappings"),
+    ("gpu_peak_flops: [[a, 1]]\n", "gpu_peak_flops=", "list of one-entry mappings"),
+    ("gpu_peak_flops: {a: x}\n", "gpu_peak_flops=", "regexes to FLOP/s"),
     ("- memory_warning_ratio\n", "monitoring.yaml: must hold a mapping", ""),
 ]
+
+
+def test_gpu_peak_flops_as_the_charts_list_is_the_mapping_in_order(tmp_path):
+    """The Helm chart's form (a list of one-entry mappings) loads to the same config as the mapping."""
+    listed = _load_text(tmp_path, "gpu_peak_flops: [{'NVIDIA L4.*': 121.0e+12}, {'NVIDIA A.*': 312.0e+12}]\n")
+    mapped = _load_text(tmp_path, "gpu_peak_flops: {'NVIDIA L4.*': 121.0e+12, 'NVIDIA A.*': 312.0e+12}\n")
+    assert listed == mapped
+    assert listed.gpu_peak_flops == (("NVIDIA L4.*", 121e12), ("NVIDIA A.*", 312e12))
 
 
 @pytest.mark.parametrize("text,names,why", BAD, ids=[b[0].split(":")[0].strip("- \n") for b in BAD])

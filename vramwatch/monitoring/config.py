@@ -330,7 +330,8 @@ class MonitoringConfig:
         "Peak dense BF16 FLOP/s by GPU name (a regex on gpu_info's name, the first match wins): the MFU "
         "panel divides the model's FLOP/s by it. The defaults are half of NVIDIA's datasheet BF16 figures, "
         "which are printed with 2:4 sparsity (A100, H100 SXM/PCIe/NVL, H200 SXM/NVL; sources in "
-        "vramwatch/monitoring/peaks.py). A mapping in YAML; set your own for another GPU or precision.",
+        "vramwatch/monitoring/peaks.py). A mapping in YAML (or a list of one-entry mappings, the Helm chart's "
+        "form: Helm does not keep a mapping's order); set your own for another GPU or precision.",
         _peak_flops,
     )
     target_down_for: str = setting("5m", "How long a target must fail its scrapes before it warns.", _for)

@@ -52,14 +52,19 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
             raise _fail(key, raw, source, "must be a mapping of label names to strings, e.g. {team: ml-infra}")
         return tuple((str(k), v) for k, v in raw.items())
     if key == "gpu_peak_flops":
-        ok = isinstance(raw, dict) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw.values()
-        )
-        if not ok:
+        # a mapping, or a list of one-entry mappings (the Helm chart's form: Helm loses a mapping's order)
+        entries = raw if isinstance(raw, list) else [raw]
+        ok = all(isinstance(e, dict) for e in entries) and (isinstance(raw, dict) or all(len(e) == 1 for e in entries))
+        pairs = [(k, v) for e in entries if isinstance(e, dict) for k, v in e.items()]
+        if not ok or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in pairs):
             raise _fail(
-                key, raw, source, "must be a mapping of GPU name regexes to FLOP/s, e.g. {'NVIDIA H200.*': 989e12}"
+                key,
+                raw,
+                source,
+                "must be a mapping of GPU name regexes to FLOP/s, e.g. {'NVIDIA H200.*': 989e12}, or a list of "
+                "one-entry mappings",
             )
-        return tuple((str(k), float(v)) for k, v in raw.items())
+        return tuple((str(k), float(v)) for k, v in pairs)
     (item,) = {a for a in typing.get_args(kind) if a is not Ellipsis}
     if not isinstance(raw, list):
         raise _fail(key, raw, source, "must be a list")

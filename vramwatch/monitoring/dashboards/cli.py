@@ -71,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 # the files `--write` writes (render.generated_files), as globs over the shipped tree
-SHIPPED = ("grafana/dashboards/*.json", "kubernetes/dashboards-configmap.yaml", "helm/vramwatch/dashboards/*.json")
+SHIPPED = (
+    "grafana/dashboards/*.json",
+    "kubernetes/dashboards-configmap.yaml",
+    "helm/vramwatch/templates/dashboards-configmap.yaml",
+)
 
 
 def shipped_dashboard_files() -> list[str]:

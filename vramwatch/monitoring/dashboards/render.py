@@ -3,7 +3,8 @@
 ``grafana/dashboards/<uid>.json`` is for Grafana's file provisioning (and for import in
 the UI); ``kubernetes/dashboards-configmap.yaml`` holds the same JSON in a ConfigMap
 labelled ``grafana_dashboard: "1"``, which the Grafana dashboard sidecar (for example
-kube-prometheus-stack's) loads.
+kube-prometheus-stack's) loads; ``helm/vramwatch/templates/dashboards-configmap.yaml`` is the Helm
+chart's ConfigMap, a template of the same dashboards (:mod:`.chart`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
-from vramwatch.monitoring.dashboards import build_all
+from vramwatch.monitoring.dashboards import build_all, chart
 from vramwatch.monitoring.dashboards.common import JSONEncoder
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ def generated_files(cfg: MonitoringConfig = DEFAULT) -> dict[str, str]:
     """Relative path under the deploy directory -> file content."""
     dashboards = {f"{m.uid}.json": dashboard_json(m) for m in build_all(cfg)}
     out = {f"grafana/dashboards/{k}": v for k, v in dashboards.items()}
-    out |= {f"helm/vramwatch/dashboards/{k}": v for k, v in dashboards.items()}  # the chart's own copy
+    # the chart's template: the dashboards with every config key a Helm value (not cfg's: values.yaml's)
+    out[chart.TEMPLATE_PATH] = chart.configmap_template()
     out["kubernetes/dashboards-configmap.yaml"] = configmap_yaml(dashboards)
     return out
 
@@ -89,10 +91,11 @@ def stale(root: str | os.PathLike, cfg: MonitoringConfig = DEFAULT) -> list[str]
         path = Path(root) / rel
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             bad.append(rel)
-    dash_dir = Path(root) / "grafana" / "dashboards"
-    if dash_dir.is_dir():
-        for p in sorted(dash_dir.glob("vramwatch-*.json")):
-            rel = f"grafana/dashboards/{p.name}"
-            if rel not in files:
-                bad.append(rel + " (no longer generated)")
+    for under in ("grafana/dashboards", "helm/vramwatch/dashboards"):  # the chart's copies: now a template
+        dash_dir = Path(root) / under
+        if dash_dir.is_dir():
+            for p in sorted(dash_dir.glob("vramwatch-*.json")):
+                rel = f"{under}/{p.name}"
+                if rel not in files:
+                    bad.append(rel + " (no longer generated)")
     return bad

@@ -55,3 +55,27 @@ release: {{ .ctx.Values.release | quote }}
 {{- define "vramwatch.g" -}}
 {{- printf "%.6g" (float64 .) -}}
 {{- end -}}
+
+{{/* A number as the dashboards print it (vramwatch/monitoring/dashboards/common.py num, Python's repr):
+0.85, 120, 1979000000000000.0, 1e+16. */}}
+{{- define "vramwatch.pynum" -}}
+{{- $v := float64 . -}}
+{{- $a := ternary (mulf $v -1.0) $v (lt $v 0.0) -}}
+{{- if and (eq $v (floor $v)) (lt $a 1e15) -}}{{ int64 $v }}
+{{- else if and (eq $v (floor $v)) (lt $a 1e16) -}}{{ int64 $v }}.0
+{{- else if or (ge $a 1e16) (lt $a 0.0001) -}}{{ printf "%g" $v }}
+{{- else -}}{{ toJson $v }}
+{{- end -}}
+{{- end -}}
+
+{{/* A Prometheus duration normalised (config.py format_duration): 90s -> 1m30s, 1h0m -> 1h. */}}
+{{- define "vramwatch.duration" -}}
+{{- $ms := round (mulf (include "vramwatch.seconds" . | float64) 1000.0) 0 | int64 -}}
+{{- if le $ms 0 -}}0s{{- else -}}
+{{- range list (list "d" 86400000) (list "h" 3600000) (list "m" 60000) (list "s" 1000) (list "ms" 1) -}}
+{{- $n := div $ms (index . 1) -}}
+{{- $ms = mod $ms (index . 1) -}}
+{{- if $n }}{{ $n }}{{ index . 0 }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
