@@ -17,6 +17,7 @@ import time
 
 from vramwatch import spool
 from vramwatch.config import ConfigError, Settings
+from vramwatch.server import process
 from vramwatch.server.collectors import Runner, enabled_collectors
 from vramwatch.server.exposition_cache import CachedExposition
 from vramwatch.server.http import ExporterHTTPServer
@@ -165,6 +166,7 @@ def serve(settings: Settings, exit_when_idle: bool = False, node_daemon: bool = 
     if node_daemon and not settings.node_dir:
         log.error("vramwatch: serve --node needs node_dir (the node spool's root)")
         return 1
+    process.tune()  # before any thread of the server starts
     server = Server(settings, node_daemon)
     try:
         server.guard.ensure_dir()
