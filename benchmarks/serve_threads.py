@@ -32,18 +32,20 @@ import json, sys, time
 sys.path.insert(0, sys.argv[4])
 from scrape import raw_get
 port, rate, seconds = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-lat, bad = [], 0
+lat, starts, bad = [], [], 0
 t0 = nxt = time.monotonic()
 while time.monotonic() - t0 < seconds:
+    start = time.monotonic()
     status, _, elapsed = raw_get(port)
     if status == 200:
         lat.append(elapsed)
+        starts.append(start)
     else:
         bad += 1
     if rate > 0:
         nxt += 1.0 / rate
         time.sleep(max(0.0, nxt - time.monotonic()))
-print(json.dumps({"lat": lat, "errors": bad}))
+print(json.dumps({"lat": lat, "starts": starts, "errors": bad}))
 """
 
 
@@ -52,6 +54,57 @@ def _process_cpu() -> float:
 
 
 _WAKES = [0]  # the event loop's select() calls
+_BUSY: list[tuple[str, float, float]] = []  # (what, start, end) on the monotonic clock: renders, collector reads
+
+
+def _record_busy() -> None:
+    """Note when each render and each collector read ran (CLOCK_MONOTONIC is the scraper's clock too)."""
+    from vramwatch.server.collectors.framework import Runner
+    from vramwatch.server.exposition_cache import CachedExposition
+
+    build, poll = CachedExposition.refresh, Runner.poll_once
+
+    def refresh(self: CachedExposition) -> bool:
+        t0 = time.monotonic()
+        did = build(self)
+        if did and len(_BUSY) < 100000:
+            _BUSY.append(("render", t0, time.monotonic()))
+        return did
+
+    def poll_once(self: Runner) -> None:
+        t0 = time.monotonic()
+        poll(self)
+        if len(_BUSY) < 100000:
+            _BUSY.append((self.name, t0, time.monotonic()))
+
+    CachedExposition.refresh = refresh  # type: ignore[method-assign]
+    Runner.poll_once = poll_once  # type: ignore[method-assign]
+
+
+def _tail_overlap(lat: list[float], starts: list[float]) -> dict[str, Any]:
+    """How many of the slowest 2% of scrapes ran while a render or a collector read did, against all."""
+    if len(lat) < 50:
+        return {}
+    spans = list(_BUSY)
+
+    def hit(i: int) -> str:
+        a, b = starts[i], starts[i] + lat[i]
+        return next((w for w, s, e in spans if s < b and e > a), "")
+
+    cut = sorted(lat)[int(len(lat) * 0.98)]
+    slow = [i for i in range(len(lat)) if lat[i] >= cut]
+    kinds: dict[str, int] = {}
+    for i in slow:
+        k = hit(i) or "none"
+        kinds[k] = kinds.get(k, 0) + 1
+    every = sum(1 for i in range(len(lat)) if hit(i))
+    return {
+        "slowest_2pct": len(slow),
+        "slowest_2pct_from_ms": cut * 1e3,
+        "slowest_overlapping": kinds,
+        "all_overlapping_share": every / len(lat),
+        "busy_ms": {w: sum(e - s for x, s, e in spans if x == w) * 1e3 for w in sorted({x for x, _, _ in spans})},
+    }
 
 
 def _count_wakes() -> None:
@@ -72,6 +125,7 @@ def _window(port: int, rate: float | None, seconds: float) -> dict[str, Any]:
     before, c0, t0 = common.thread_cpu_seconds(), _process_cpu(), time.monotonic()
     lat: list[float] = []
     errors = 0
+    overlap: dict[str, Any] = {}
     if rate is None:
         time.sleep(seconds)
     else:
@@ -85,6 +139,7 @@ def _window(port: int, rate: float | None, seconds: float) -> dict[str, Any]:
         )
         got = json.loads(p.stdout)
         lat, errors = got["lat"], got["errors"]
+        overlap = _tail_overlap(lat, got["starts"])
     after, c1, t1 = common.thread_cpu_seconds(), _process_cpu(), time.monotonic()
     threads = {k: round(v * 1e3, 3) for k, v in sorted(common.cpu_delta(before, after).items()) if v > 0}
     return {
@@ -97,6 +152,7 @@ def _window(port: int, rate: float | None, seconds: float) -> dict[str, Any]:
         "max_ms": _ms(max(lat, default=None)),
         "process_cpu_ms": (c1 - c0) * 1e3,
         "loop_wakes": _WAKES[0] - wakes,
+        "tail": overlap,
         "threads_cpu_ms": threads,
     }
 
@@ -127,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     _count_wakes()
+    _record_busy()
     work = tempfile.mkdtemp(prefix="vwbench-threads-")
     spool = os.path.join(work, "spool")
     os.makedirs(spool)
