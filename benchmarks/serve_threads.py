@@ -13,6 +13,7 @@ window's process CPU minus the idle window's rate over the same time, per scrape
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -77,6 +78,15 @@ def _record_busy() -> None:
         if len(_BUSY) < 100000:
             _BUSY.append((self.name, t0, time.monotonic()))
 
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_start[0] = time.monotonic()
+        elif len(_BUSY) < 100000:
+            _BUSY.append((f"gc{info['generation']}", gc_start[0], time.monotonic()))
+
+    gc.callbacks.append(on_gc)
     CachedExposition.refresh = refresh  # type: ignore[method-assign]
     Runner.poll_once = poll_once  # type: ignore[method-assign]
 
@@ -104,6 +114,8 @@ def _tail_overlap(lat: list[float], starts: list[float]) -> dict[str, Any]:
         "slowest_overlapping": kinds,
         "all_overlapping_share": every / len(lat),
         "busy_ms": {w: sum(e - s for x, s, e in spans if x == w) * 1e3 for w in sorted({x for x, _, _ in spans})},
+        "busy_count": {w: sum(1 for x, _, _ in spans if x == w) for w in sorted({x for x, _, _ in spans})},
+        "busy_max_ms": {w: max(e - s for x, s, e in spans if x == w) * 1e3 for w in sorted({x for x, _, _ in spans})},
     }
 
 
