@@ -219,14 +219,16 @@ s = load("scrape.json")
 if s:
     for k, v in (s.get("vramwatch") or {}).items():
         print(f"scrape vramwatch {k} rank(s): p50 {v['p50_ms']:.2f} ms, p99 {v['p99_ms']:.2f} ms, {v['bytes']} B, "
-              f"cpu/scrape {ms(v['cpu_per_scrape_s'])} (net {ms(v['cpu_per_scrape_net_s'])}), RSS {v.get('rss_mb')} MB")
+              f"cpu/scrape {ms(v['cpu_per_scrape_s'])} total (marginal {ms(v['cpu_per_scrape_net_s'])}), "
+              f"idle {ms(v.get('idle_cpu_share'))} CPU per s, RSS {v.get('rss_mb')} MB")
         pr = v.get("paced_raw")
         if pr:
-            print(f"  {pr['scrapes']} at {pr['rate_per_s']}/s on raw sockets: p50 {pr['p50_ms'] or 0:.2f} ms, p99 {pr['p99_ms'] or 0:.2f} ms")
+            print(f"  {pr['scrapes']} at {pr['rate_per_s']}/s on raw sockets: p50 {pr['p50_ms'] or 0:.2f} ms, p99 {pr['p99_ms'] or 0:.2f} ms, "
+                  f"cpu/scrape {ms(pr.get('cpu_per_scrape_marginal_s'))} marginal, {ms(pr.get('cpu_per_scrape_total_s'))} total")
         b = v.get("back_to_back")
         if b:
             print(f"  back to back: {b['scrapes']} scrapes, p50 {b['p50_ms'] or 0:.2f} ms, p99 {b['p99_ms'] or 0:.2f} ms, "
-                  f"cpu/scrape {ms(b['cpu_per_scrape_s'])} (net {ms(b['cpu_per_scrape_net_s'])})")
+                  f"cpu/scrape {ms(b['cpu_per_scrape_s'])} total (marginal {ms(b['cpu_per_scrape_net_s'])})")
         if v.get("rss_by_mapping_mb"):
             print("  RSS by mapping (MB):", ", ".join(f"{k} {x}" for k, x in v["rss_by_mapping_mb"].items()))
         c = v.get("concurrent")
@@ -238,6 +240,9 @@ if s:
             print(f"  {m['clients']} at once, half Prometheus: " + "; ".join(
                 f"{k} {h['requests']} requests, {h['ok']} x 200, {h['status_503']} x 503, p50 {h['p50_ms']} ms, "
                 f"p99 {h['p99_ms']} ms" for k, h in ((k, m[k]) for k in ("prometheus", "plain"))))
+    for row in s.get("targets") or []:
+        print(f"scrape target {row['target']}: {row['figures']} -> "
+              + {True: "MET", False: "NOT MET", None: "n/a"}[row["met"]])
     nv = s.get("nvitop_exporter") or {}
     print("scrape nvitop-exporter:", nv.get("skipped") or f"p50 {nv['p50_ms']:.2f} ms, p99 {nv['p99_ms']:.2f} ms, "
           f"{nv['bytes']} B, cpu/scrape {ms(nv['cpu_per_scrape_s'])} (net {ms(nv['cpu_per_scrape_net_s'])}), "

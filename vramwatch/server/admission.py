@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from email.message import Message
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar
+
+if TYPE_CHECKING:  # the email package is about 1 MB resident: for the annotation only
+    from email.message import Message
 
 T = TypeVar("T")
-Headers = Mapping[str, str] | Message  # a request's headers, as parsed by http.client or given by a test
+Headers: TypeAlias = "Mapping[str, str] | Message"  # a request's headers, as parsed by http.client or given by a test
 
 __all__ = ["Admission", "Decision", "is_scrape", "scrape_wait"]
 

@@ -16,8 +16,6 @@ second (a token bucket per address), so one attacker cannot keep the bcrypt work
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 import struct
@@ -51,9 +49,15 @@ class BasicAuth:
     CACHE_SIZE = 256
 
     def __init__(self, users: tuple[tuple[str, str], ...]) -> None:
+        import hashlib  # lazily, with hmac: hashlib loads libcrypto (about 3 MB resident)
+        import hmac
+
         import bcrypt  # lazily: only when basic_auth_users is set
 
         self._bcrypt = bcrypt
+        self._compare = hmac.compare_digest
+        self._hmac = hmac.new
+        self._sha256 = hashlib.sha256
         self._users = [(name.encode("utf-8"), hashed.encode("ascii")) for name, hashed in users]
         costs = sorted({_cost(h) for _, h in self._users})
         if len(costs) > 1:
@@ -86,13 +90,13 @@ class BasicAuth:
     def _lookup(self, user: bytes) -> bytes | None:
         hashed = None
         for name, h in self._users:  # every name compared, in constant time each
-            if hmac.compare_digest(name, user):
+            if self._compare(name, user):
                 hashed = h
         return hashed
 
     def _cache_key(self, user: bytes, hashed: bytes, password: bytes) -> bytes:
         msg = b"".join(struct.pack(">I", len(x)) + x for x in (user, hashed, password))
-        return hmac.new(self._key, msg, hashlib.sha256).digest()
+        return self._hmac(self._key, msg, self._sha256).digest()
 
     def check(self, header: str | None) -> tuple[Check, Credentials | None]:
         """The cheap step: no bcrypt, ever."""
@@ -104,7 +108,7 @@ class BasicAuth:
         with self._cache_lock:
             cached = False
             for k in self._ok:
-                cached |= hmac.compare_digest(k, key)
+                cached |= self._compare(k, key)
         return (Check.VERIFIED if cached else Check.UNVERIFIED), creds
 
     def verify(self, creds: Credentials) -> bool:

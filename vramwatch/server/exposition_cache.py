@@ -45,13 +45,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from vramwatch import spool
 from vramwatch.server.collectors import ScrapeContext, ranks
+from vramwatch.server.promtext import choose_encoder
 from vramwatch.server.registry import ExporterCollector
 
 log = logging.getLogger("vramwatch")

@@ -32,17 +32,15 @@ import re
 import selectors
 import socket
 import socketserver
-import ssl
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from email.utils import formatdate
 from functools import partial
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client.registry import CollectorRegistry
 
 from vramwatch.server.admission import Admission, Decision, is_scrape, scrape_wait
 from vramwatch.server.auth import BasicAuth, Check, Credentials, FailureBudget
@@ -179,6 +177,19 @@ _REASONS |= {431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 _REASONS |= {200: "OK", 404: "Not Found", 500: "Internal Server Error"}
 
 
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def imf_fixdate(now: float) -> str:
+    """``email.utils.formatdate(now, usegmt=True)`` without the email package (about 1 MB resident)."""
+    t = time.gmtime(now)
+    return (
+        f"{_DAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} {t.tm_year:04d} "
+        f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT"
+    )
+
+
 class _Date:
     """The ``Date`` header's value (RFC 9110, 6.6.1: IMF-fixdate), formatted once a second."""
 
@@ -189,7 +200,7 @@ class _Date:
         now = time.time()
         second, value = self._last
         if int(now) != second:
-            value = formatdate(now, usegmt=True)
+            value = imf_fixdate(now)
             self._last = (int(now), value)
         return value
 
@@ -263,6 +274,15 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self.exposition = RegistryExposition(registry) if isinstance(registry, CollectorRegistry) else registry
         self.conn_timeout = timeout
         self.ssl_context = ssl_context  # an ssl.SSLContext, or anything with its wrap_socket()
+        # what a non-blocking step may raise to wait for the socket; ssl (about 5 MB resident with
+        # libssl) only when TLS is configured: a plain socket never raises its errors
+        self._want_read: tuple[type[BaseException], ...] = (BlockingIOError, InterruptedError)
+        self._want_write: tuple[type[BaseException], ...] = ()
+        if ssl_context is not None:
+            import ssl
+
+            self._want_read += (ssl.SSLWantReadError,)
+            self._want_write = (ssl.SSLWantWriteError,)
         self.auth = authorize
         self.extra_headers = headers or {}
         self.max_pending = max_pending
@@ -462,14 +482,16 @@ class ExporterHTTPServer(socketserver.TCPServer):
                 self._flush(conn)
             elif conn.state == "linger":
                 self._drain(conn)
-        except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+        except self._want_read:
             self._watch(conn, selectors.EVENT_READ)
-        except ssl.SSLWantWriteError:
+        except self._want_write:
             self._watch(conn, selectors.EVENT_WRITE)
         except OSError:  # resets, TLS alerts mid-stream: the client's problem
             self._close(conn)
 
     def _handshake(self, conn: _Conn) -> None:
+        import ssl  # loaded with the TLS context
+
         try:
             conn.sock.do_handshake()  # type: ignore[attr-defined]
         except ssl.SSLError as e:

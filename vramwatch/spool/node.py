@@ -25,7 +25,6 @@ import fcntl
 import logging
 import os
 import re
-import secrets
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -355,7 +354,7 @@ def user_dir(root: str) -> str:
         return own
     log.warning("vramwatch: refused %s: %s; publishing into a directory of a new name", own, why)
     for _ in range(3):
-        alt = f"{own}-{secrets.token_hex(8)}"
+        alt = f"{own}-{os.urandom(8).hex()}"  # secrets.token_hex, without hmac/hashlib/libcrypto
         try:
             _mkdir(alt)
         except FileExistsError:

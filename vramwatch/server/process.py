@@ -1,0 +1,53 @@
+"""Settings of the ``vramwatch serve`` process itself, made once before its threads start.
+
+The server owns its interpreter (it is always a process of its own, never inside a training job), so
+it may tune what is process-wide:
+
+- the GIL's switch interval: the event loop answers a scrape in well under a millisecond, but when a
+  background thread (a render, a collector's read) holds the GIL, the loop waits for it up to
+  ``sys.getswitchinterval()`` (5 ms by default), which is the tail of a scrape's latency;
+- glibc's malloc arenas: each thread that mallocs gets an arena of its own (up to 8 per core), and
+  every arena's touched pages stay resident; the server's threads mostly wait, so two arenas are plenty.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+
+log = logging.getLogger("vramwatch")
+
+SWITCH_INTERVAL = 0.0005  # s: a render's slice before the loop gets the GIL back (CPython's default: 0.005)
+ARENA_MAX = 2
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def tune(switch_interval: float = SWITCH_INTERVAL, arena_max: int = ARENA_MAX) -> dict[str, object]:
+    """Apply both; never raises (a libc without mallopt keeps its default). Returns what was set."""
+    done: dict[str, object] = {}
+    try:
+        sys.setswitchinterval(switch_interval)
+        done["switch_interval"] = sys.getswitchinterval()
+    except (ValueError, TypeError):
+        pass
+    done["arena_max"] = _set_arena_max(arena_max)
+    return done
+
+
+def _set_arena_max(n: int) -> int | None:
+    """mallopt(M_ARENA_MAX, n) on glibc (before the threads it is meant for); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)  # the process's own symbols: its libc (find_library would fork)
+        gnu = getattr(libc, "gnu_get_libc_version", None)  # musl and others: their own allocator
+        mallopt = getattr(libc, "mallopt", None)
+        if gnu is None or mallopt is None:
+            return None
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt.restype = ctypes.c_int
+        return n if mallopt(_M_ARENA_MAX, n) == 1 else None
+    except (OSError, AttributeError):
+        log.debug("vramwatch: mallopt unavailable", exc_info=True)
+        return None
