@@ -159,6 +159,36 @@ def test_a_costly_read_still_comes_back_within_the_longest_gap(reader):
     assert reader.read(FakeCudaScalar(2.0), step=2) == 1.0, "never staler than the longest gap allows"
 
 
+def _read_times(reader, interval: float, seconds: float, copy_cpu: float) -> list[float]:
+    """When copies were queued over ``seconds`` of samples every ``interval`` s (a jitter of up to 5% of an
+    interval either way, as a loaded host's waits have), a new step at each and the GPU always done."""
+    clocks = Clocks(reader, copy_cpu=copy_cpu)
+    reader.sample_interval = interval
+    times, k = [], 0
+    while k * interval <= seconds:
+        clocks.wall = k * interval + (0.05 if k % 2 else -0.05) * interval * (k > 0)
+        for ev in reader.queued:
+            ev.done = True
+        n = len(reader.queued)
+        reader.read(FakeCudaScalar(float(k)), step=k + 1)
+        if len(reader.queued) > n:
+            times.append(clocks.wall)
+        k += 1
+    return times
+
+
+@pytest.mark.parametrize(("interval", "spacing"), [(1.0, 5.0), (2.0, 4.0), (0.5, 5.0), (3.0, 3.0), (10.0, 10.0)])
+def test_reads_land_on_samples_never_further_apart_than_the_longest_gap(reader, interval, spacing):
+    # 0.27 ms a read (an H200 host's, cold): its share alone would space reads 5.4 s apart, the cap says 5 s.
+    # Reads happen at samples: at a 2 s cadence the last one inside 5 s is at 4 s (a 6 s gap would break
+    # the loss help's "at most 5 s apart"); at 1 s it is 5 s, as before; a cadence longer than the gap reads
+    # at every sample
+    times = _read_times(reader, interval, 120.0, 0.27e-3)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert gaps and max(gaps) <= max(READ_MAX_GAP, interval) * 1.1, gaps
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(spacing, abs=0.11 * interval), gaps
+
+
 def test_a_pending_copy_is_looked_at_again_soon(reader):
     clocks = Clocks(reader, copy_cpu=0.0)  # queries and copies that cost (next to) nothing
     reader.read(FakeCudaScalar(1.0), step=1)
