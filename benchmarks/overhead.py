@@ -279,7 +279,12 @@ def _start_vramwatch(settings: dict[str, Any], pin: int | None, others: set[int]
         handle.sim.allocate(1 << 30)
     health = handle.url[: -len("/metrics")] + "/-/healthy"
     up = common.wait_http(health, timeout=20.0)
-    info: dict[str, Any] = {"server_up": up, "vramwatch_start_s": time.perf_counter() - t0}
+    # the share is per interval's sample: the figure holds for the interval it ran at (the default unless set)
+    info: dict[str, Any] = {
+        "server_up": up,
+        "vramwatch_start_s": time.perf_counter() - t0,
+        "sample_interval_s": handle.settings.interval,
+    }
     _pin_training_thread(pin)
     if not up:  # a B run without its server is not the condition we claim to measure
         raise RuntimeError(
@@ -841,6 +846,7 @@ def run_direct(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
     sc = res.get("step_call", {})
     common.progress(
         f"direct cost: vramwatch threads {share * 100:.4f}% of a core over {res['wall_s']:.1f} s "
+        f"(a sample every {res.get('sample_interval_s')} s) "
         f"({res.get('scrapes', {}).get('ok', 0)} scrapes ok); step() {sc.get('median_us', 0):.3f} us "
         f"median (with loss {sc.get('with_loss_median_us', 0):.3f} us, empty call "
         f"{sc.get('noop_call_us', 0):.3f} us)"

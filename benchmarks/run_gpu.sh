@@ -60,7 +60,7 @@ RUN_ARGS="--run-seconds 3"
 if [ "$MODE" = quick ]; then
   PAIRS=4; DIRECT=10; DIRECT_PARTS=5; CALLS=200000; TESTS_CAP=200; SCRAPE_ARGS="--quick"; FRAG_ARGS="--quick"
 elif [ "$MODE" = smoke ]; then  # CPU only: proves the pipeline, measures nothing
-  PAIRS=2; DIRECT=1.5; DIRECT_PARTS=1.5; CALLS=20000; TESTS_CAP=120
+  PAIRS=2; DIRECT=1.5; DIRECT_PARTS=2.5; CALLS=20000; TESTS_CAP=120  # parts: a window holding a tick (2 s)
   RUN_ARGS="--device cpu --run-seconds 0.2 --warmup-seconds 0.05 --step-repeats 3 --pairs-per-process 1"
   NP=$(nproc 2>/dev/null || echo 1); [ "$NP" -ge 2 ] && RUN_ARGS="$RUN_ARGS --pin-core $((NP - 1))"  # the pinning path too
   SCRAPE_ARGS="--device cpu --ranks 1,2 --scrapes 10 --rate 20 --idle-seconds 0.5 --paced-scrapes 10 --busy-seconds 0.5 --concurrency 4 --concurrent-seconds 0.5 --mixed-seconds 0.5"
@@ -203,7 +203,8 @@ for n in ("overhead-part1.json", "overhead-part2.json", "overhead-direct-nopin.j
         plain = d.get("in_process_cpu_share_plain")
         print(f"{n}: in_process_cpu_share {d['in_process_cpu_share'] * 100:.4f}% of a core with watch() and tokens "
               f"(target <= 0.05%, issue 19: 0.03%), without them {'n/a' if plain is None else f'{plain * 100:.4f}%'}; "
-              f"step() {d.get('step_call_us'):.3f} us (target <= 5); pinned core {d['metadata'].get('pinned_core')}")
+              f"step() {d.get('step_call_us'):.3f} us (target <= 5); pinned core {d['metadata'].get('pinned_core')}; "
+              f"sample interval {(d.get('direct') or {}).get('sample_interval_s')} s")
         parts = (d.get("direct") or {}).get("sample_parts_cpu_share") or {}
         if parts:
             print("  by part (% of a core): " + ", ".join(f"{k} {v * 100:.4f}" for k, v in sorted(parts.items())))

@@ -3,6 +3,7 @@ CUDA tensor and event standing in for the device: the GPU half is in tests/gpu/t
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -157,6 +158,42 @@ def test_a_costly_read_still_comes_back_within_the_longest_gap(reader):
     assert reader.read(FakeCudaScalar(2.0), step=2) is None
     clocks.wall = READ_MAX_GAP
     assert reader.read(FakeCudaScalar(2.0), step=2) == 1.0, "never staler than the longest gap allows"
+
+
+def _read_times(reader, interval: float, seconds: float, copy_cpu: float) -> tuple[list[float], float]:
+    """When copies were queued over ``seconds`` of samples every ``interval`` s (a jitter of up to 5% of an
+    interval either way, as a loaded host's waits have), a new step at each and the GPU always done; and
+    the reads' share of a core."""
+    clocks = Clocks(reader, copy_cpu=copy_cpu)
+    reader.sample_interval = interval
+    times, k = [], 0
+    while k * interval <= seconds:
+        clocks.wall = k * interval + (0.05 if k % 2 else -0.05) * interval * (k > 0)
+        for ev in reader.queued:
+            ev.done = True
+        n = len(reader.queued)
+        reader.read(FakeCudaScalar(float(k)), step=k + 1)
+        if len(reader.queued) > n:
+            times.append(clocks.wall)
+        k += 1
+    return times, clocks.cpu / clocks.wall
+
+
+@pytest.mark.parametrize(
+    ("interval", "spacing", "within_share"),
+    [(1.0, 6.0, True), (2.0, 6.0, True), (0.5, 5.5, True), (4.0, 4.0, False), (10.0, 10.0, False)],
+)
+def test_reads_land_on_samples_within_their_share_and_the_longest_gap(reader, interval, spacing, within_share):
+    # 0.27 ms a read (an H200 host's, cold): its share spaces reads 5.4 s apart, the cap says 6 s. Reads
+    # happen at samples: the first one past 5.4 s (at 2 s intervals the third, 6 s: the second, 4 s, would
+    # spend 0.0068% of a core), unless that is past the cap (at 4 s intervals: 8 s, so 4 s); a cadence
+    # longer than the cap reads at every sample
+    times, share = _read_times(reader, interval, 240.0, 0.27e-3)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps and max(gaps) <= max(READ_MAX_GAP, interval) * 1.1, gaps
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(spacing, abs=0.11 * interval), gaps
+    if within_share:
+        assert share <= READ_MAX_SHARE * 1.05, share
 
 
 def test_a_pending_copy_is_looked_at_again_soon(reader):

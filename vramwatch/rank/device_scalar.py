@@ -11,8 +11,8 @@ step counter; until the GPU gets there, the last value read stands.
 A read of a GPU value costs more CPU than the rest of a sample (~0.27 ms on an H200 host whose sampler
 core is idle between samples: cold caches, three CUDA calls), so reads are spaced by
 their own measured cost to keep them at or below ``READ_MAX_SHARE`` of a core, and at most
-``READ_MAX_GAP`` apart: on that host, one read every 5 s instead of every sample. Host numbers are read
-every sample (they cost nothing).
+``READ_MAX_GAP`` apart: on that host, one read every 6 s (every third sample at the default 2 s
+interval) instead of every sample. Host numbers are read every sample (they cost nothing).
 
 The copy runs on the default stream of the tensor's device, where the job's own ``loss.item()``
 would read it; it touches only that device, which already has a context since the tensor lives there.
@@ -51,14 +51,28 @@ def scalar(v: Any) -> float | None:
 class DeviceScalar:
     """The last value of a series of scalars the job hands over, read without blocking."""
 
-    __slots__ = ("value", "_pending", "_copied_at", "_slots", "_next_read", "copy_behind", "clock", "cpu_clock")
+    __slots__ = (
+        "value",
+        "_pending",
+        "_copied_at",
+        "_slots",
+        "_next_read",
+        "sample_interval",
+        "copy_behind",
+        "clock",
+        "cpu_clock",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, sample_interval: float = 0.0) -> None:
         self.value: float | None = None
         self._pending: Any = None  # (pinned host tensor, event) of the copy in flight
         self._copied_at: Any = None  # the step count the newest copy was taken at
         self._slots: dict[Any, Any] = {}  # (device, dtype) -> reused pinned buffer, event, stream
         self._next_read = 0.0  # monotonic time before which a GPU value is not looked at again
+        # seconds between the samples that call read() (0: unknown): reads land on samples, so the gap is
+        # a whole number of intervals, else a read due just after a sample would wait for the next one,
+        # past READ_MAX_GAP
+        self.sample_interval = sample_interval
         self.copy_behind = queue_copy  # seams for tests without a GPU
         self.clock = time.monotonic
         self.cpu_clock = time.thread_time  # this thread's CPU: what the read costs the job's process
@@ -84,7 +98,16 @@ class DeviceScalar:
         try:
             return self._read_gpu(v, step)
         finally:
-            self._next_read = now + min((self.cpu_clock() - t0) / READ_MAX_SHARE, READ_MAX_GAP)
+            gap = (self.cpu_clock() - t0) / READ_MAX_SHARE  # the spacing that keeps reads to their share
+            tick = self.sample_interval
+            if tick > 0:  # the first sample past that gap, unless it lies past the cap: then the last inside
+                n = math.ceil(gap / tick)
+                if n * tick > READ_MAX_GAP:
+                    n = int(READ_MAX_GAP // tick)
+                gap = max(n, 1) * tick - tick / 2  # half an interval of slack for a sample's jitter
+            else:
+                gap = min(gap, READ_MAX_GAP)
+            self._next_read = now + gap
 
     def _read_gpu(self, v: Any, step: int | None) -> float | None:
         pending = self._pending

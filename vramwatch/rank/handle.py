@@ -50,7 +50,7 @@ class Handle:
         self.identity: RankIdentity = identify(
             settings.rank, settings.local_rank, settings.world_size, job_id=settings.job_id
         )
-        self.heartbeat = Heartbeat()
+        self.heartbeat = Heartbeat(settings.interval)
         self.spool_dir = settings.resolved_spool_dir()
         # a node daemon (deploy/systemd/) serves every user's ranks: publish into its root, start no server
         self.node_root = None if settings.spool_dir or settings.serve == "off" else node.daemon_root(settings.node_dir)

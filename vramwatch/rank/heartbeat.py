@@ -53,7 +53,7 @@ class Heartbeat:
         "_reads",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, sample_interval: float = 0.0) -> None:
         self.steps = 0
         self.last_step_time = 0.0
         self._last_mono: float | None = None
@@ -63,7 +63,8 @@ class Heartbeat:
         self.grad_norm: Any = None
         self.tokens: int | float | None = None  # None until the job passes any: the counter stays absent
         self.samples: int | float | None = None
-        self._reads = (DeviceScalar(), DeviceScalar())  # loss, grad norm: on the sampler thread only
+        # loss, grad norm: on the sampler thread only, which samples every sample_interval seconds
+        self._reads = (DeviceScalar(sample_interval), DeviceScalar(sample_interval))
 
     def step(self, loss: Any = None, grad_norm: Any = None, tokens: Any = None, samples: Any = None) -> None:
         now = time.monotonic()
