@@ -27,7 +27,7 @@ from harness import Exporter, Prometheus, ToolMissing, start_sim_rank, stop_proc
 
 @pytest.hookimpl(tryfirst=True)  # before the tmp_path factory reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
-    # Under pytest-xdist (`make test` runs `-n 2`) each worker's tmp_path gains a "popen-gwN" level. Start
+    # Under pytest-xdist (`make test` runs `-n 4`) each worker's tmp_path gains a "popen-gwN" level. Start
     # the controller from a short base instead, so paths stay as short as in a plain run: tests quote
     # them in messages that shorten long values.
     if config.getoption("numprocesses", None) and not config.option.basetemp and not hasattr(config, "workerinput"):
@@ -46,7 +46,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 # Seconds per file on two loaded cores (`make test`, 2026-12-03), for the order only: under xdist a file runs on
 # one worker, so the longest start first (longest-processing-time first) and none ends the run alone. A file
-# not named here comes after these, those with slow or e2e tests first; a stale figure only costs time.
+# not named here comes after these, those with slow or e2e tests first; a stale figure only costs time
+# (refresh from a run's per-file sums of `--durations=0` when files grow or move).
 # (`make test` passes --no-loadscope-reorder: xdist's own order, by test count, started the soak last.)
 FILE_SECONDS = {
     "test_benchmarks.py": 83,
