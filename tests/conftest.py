@@ -27,7 +27,7 @@ from harness import Exporter, Prometheus, ToolMissing, start_sim_rank, stop_proc
 
 @pytest.hookimpl(tryfirst=True)  # before the tmp_path factory reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
-    # Under pytest-xdist (`make test` runs `-n 2`) each worker's tmp_path gains a "popen-gwN" level. Start
+    # Under pytest-xdist (`make test` runs `-n 4`) each worker's tmp_path gains a "popen-gwN" level. Start
     # the controller from a short base instead, so paths stay as short as in a plain run: tests quote
     # them in messages that shorten long values.
     if config.getoption("numprocesses", None) and not config.option.basetemp and not hasattr(config, "workerinput"):
@@ -44,11 +44,92 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
+# Seconds per file on two loaded cores (`make test`, 2026-12-03), for the order only: under xdist a file runs on
+# one worker, so the longest start first (longest-processing-time first) and none ends the run alone. A file
+# not named here comes after these, those with slow or e2e tests first; a stale figure only costs time
+# (refresh from a run's per-file sums of `--durations=0` when files grow or move).
+# (`make test` passes --no-loadscope-reorder: xdist's own order, by test count, started the soak last.)
+FILE_SECONDS = {
+    "test_benchmarks.py": 83,
+    "system/test_soak.py": 73,
+    "test_report.py": 69,
+    "system/test_nothing_lost.py": 50,
+    "system/test_e2e_tls.py": 42,
+    "system/test_e2e_alerting.py": 37,
+    "system/test_faults.py": 28,
+    "system/test_e2e_core.py": 28,
+    "monitoring/test_dashboards_live.py": 21,
+    "system/test_node_daemon.py": 19,
+    "system/test_e2e_device.py": 17,
+    "deploy/test_helm.py": 15,
+    "system/test_e2e_squat.py": 14,
+    "rank/test_api.py": 13,
+    "server/test_http_admission.py": 13,
+    "sim/test_scenario.py": 12,
+    "deploy/test_slurm.py": 11,
+    "test_cli.py": 11,
+    "deploy/test_demo_stack.py": 10,
+    "rank/test_step_peak.py": 10,
+    "system/test_e2e_jobs.py": 9,
+    "server/test_collector_runner.py": 8,
+    "monitoring/test_dcgm_recipe.py": 7,
+    "system/test_e2e_mig.py": 7,
+    "deploy/test_wheel.py": 7,
+    "integrations/test_lightning.py": 6,
+}
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--timing",
+        choices=("include", "exclude", "only"),
+        default="include",
+        help="tests marked `timing` (a wall-clock or CPU-time bound that load can break): run them with the "
+        "rest (include, the default), leave them out (exclude: `make test`'s parallel run), or run only them "
+        "(only: its serial run after)",
+    )
+
+
+def _mentions_timing(path: Path) -> bool:
+    try:
+        return "mark.timing" in path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return True
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # --timing=only: a test file that never names the marker is not even imported (collecting the whole
+    # suite costs ~10 s of CPU here, for the few timing tests)
+    if (
+        config.getoption("timing") == "only"
+        and collection_path.suffix == ".py"
+        and collection_path.name.startswith("test_")
+        and not _mentions_timing(collection_path)
+    ):
+        return True
+    return None
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # the files with slow or e2e tests first (stable otherwise): under xdist the long ones then start
-    # early instead of ending the run on one worker while the other idles
+    phase = config.getoption("timing")
+    if phase != "include":
+        timing = [it.get_closest_marker("timing") is not None for it in items]
+        keep = [it for it, t in zip(items, timing, strict=True) if t == (phase == "only")]
+        dropped = [it for it, t in zip(items, timing, strict=True) if t != (phase == "only")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
     heavy = {it.path for it in items if it.get_closest_marker("slow") or it.get_closest_marker("e2e")}
-    items.sort(key=lambda it: it.path not in heavy)
+
+    def seconds(it: pytest.Item) -> int:
+        try:
+            return FILE_SECONDS.get(it.path.relative_to(_TESTS).as_posix(), 0)
+        except ValueError:
+            return 0
+
+    items.sort(key=lambda it: (-seconds(it), it.path not in heavy))  # stable: a file's tests stay in order
 
 
 def _skip_or_fail(e: ToolMissing) -> None:

@@ -214,6 +214,7 @@ def test_step_with_tokens_stays_cheap(start_rank):
     assert best < 5e-6 * 4, f"step(tokens=, samples=) took {best * 1e6:.2f} us"
 
 
+@pytest.mark.timing
 def test_a_pass_costs_little_for_a_real_model():
     model = torch.nn.Transformer(d_model=64, nhead=4, num_encoder_layers=4, num_decoder_layers=4)
     opt = torch.optim.AdamW(model.parameters())

@@ -293,6 +293,7 @@ def _median_refusal(auth: BasicAuth, user: str, n: int = 7) -> float:
     return statistics.median(times)
 
 
+@pytest.mark.timing
 def test_refusing_an_unknown_user_takes_as_long_as_a_known_one():
     # cost 9: a dummy of any other cost (e.g. a fixed cost-10 one) is 2x off and fails this
     auth = BasicAuth((("alice", bcrypt.hashpw(b"pw", bcrypt.gensalt(9)).decode()),))

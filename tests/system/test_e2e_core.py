@@ -44,6 +44,7 @@ def test_prometheus_scrapes_two_ranks_through_one_target(exporter, prometheus, s
     assert all(0 <= float(r["value"][1]) < 1 for r in frag)
 
 
+@pytest.mark.timing
 def test_metrics_answer_while_a_rank_holds_the_gil(exporter, sim_rank):
     exp = exporter().start()
     sim_rank(exp, 0, "--duration", "40", "--wedge-after", "1", "--wedge-seconds", "20")

@@ -519,6 +519,7 @@ def test_the_oom_that_ends_a_rank_reaches_every_scraper_in_every_trial(ha_pair, 
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_a_job_that_ooms_and_restarts_within_one_interval_alerts_on_every_prometheus(ha_pair):
     exp, proms, meddler, tmp = ha_pair
     ranks = [40 + i for i in range(TRIALS)]
