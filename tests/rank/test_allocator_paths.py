@@ -9,8 +9,8 @@ import types
 import pytest
 
 from vramwatch.rank.allocator import (
-    AllocatorSampler,
     AllocatorInfo,
+    AllocatorSampler,
     ObserverUnavailable,
     TorchSource,
     alloc_conf,
@@ -55,7 +55,9 @@ class _Torch:
         if "ctx" in private:
             c._cuda_hasPrimaryContext = lambda i: i in contexts
         if "stats" in private:
-            c._cuda_memoryStats = lambda i: calls.append(("stats", i)) or {"allocated_bytes": {"all": {"current": 10 + i}}}
+            c._cuda_memoryStats = lambda i: (
+                calls.append(("stats", i)) or {"allocated_bytes": {"all": {"current": 10 + i}}}
+            )
         if "fraction" in private:
             c._cuda_getMemoryFraction = lambda i: {0: 0.5, 1: 0.25}[i]
         self._C = c
@@ -83,7 +85,11 @@ def test_a_setting_value_holding_a_colon_is_kept_whole():
 
 def test_expandable_segments_accepts_1_and_unset_settings_are_empty():
     assert alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:1"})["expandable_segments"] == "true"
-    assert alloc_conf({}) == {"expandable_segments": "false", "garbage_collection_threshold": "", "max_split_size_mb": ""}
+    assert alloc_conf({}) == {
+        "expandable_segments": "false",
+        "garbage_collection_threshold": "",
+        "max_split_size_mb": "",
+    }
 
 
 def test_segment_summary_reads_missing_fields_as_device_0_no_blocks_size_0():

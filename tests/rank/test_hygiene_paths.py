@@ -15,7 +15,9 @@ GIB = float(1 << 30)
 
 
 def _dev(idx=0, **values):
-    return DeviceSample(device=idx, uuid=f"GPU-{idx}", values={f"torch_cuda_memory_{k}_bytes": v for k, v in values.items()})
+    return DeviceSample(
+        device=idx, uuid=f"GPU-{idx}", values={f"torch_cuda_memory_{k}_bytes": v for k, v in values.items()}
+    )
 
 
 class _Release:
@@ -122,7 +124,9 @@ def test_a_sample_within_the_gap_after_a_reclaim_asks_for_nothing(clock):
 
 def test_for_rank_takes_the_threshold_the_release_and_the_interval_as_the_gap():
     release = _Release()
-    ctx = SimpleNamespace(settings=SimpleNamespace(reclaim_threshold=0.7, interval=5.0), source=SimpleNamespace(release_cache=release))
+    ctx = SimpleNamespace(
+        settings=SimpleNamespace(reclaim_threshold=0.7, interval=5.0), source=SimpleNamespace(release_cache=release)
+    )
     h = Hygiene.for_rank(ctx)
     assert (h.threshold, h.release, h.min_gap) == (0.7, release, 5.0)
 

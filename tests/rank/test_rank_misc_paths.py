@@ -96,7 +96,9 @@ def test_the_first_mig_entry_after_a_gpu_entry_is_the_visible_one():
 
 
 def _assembler(sampler):
-    return SampleAssembler(RankIdentity(0, 0, 1, "j"), "host", sampler, Heartbeat(), Plugins(), OnceLog(logging.getLogger("vramwatch")))
+    return SampleAssembler(
+        RankIdentity(0, 0, 1, "j"), "host", sampler, Heartbeat(), Plugins(), OnceLog(logging.getLogger("vramwatch"))
+    )
 
 
 def test_a_fresh_sample_counts_no_allocator_errors_and_carries_this_pid():
