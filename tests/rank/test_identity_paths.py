@@ -64,7 +64,7 @@ def test_read_replaces_what_is_not_ascii_and_reads_nothing_from_a_missing_file(t
 
 def test_the_process_hash_keeps_over_the_processs_life():
     before = process_job_id(os.getpid())
-    grown = bytearray(256 << 20)  # the process's size (the field after its start time) changes; the id must not
+    grown = bytearray(32 << 20)  # the process's size (the field after its start time) changes; the id must not
     grown[-1] = 1
     assert process_job_id(os.getpid()) == before
     del grown
