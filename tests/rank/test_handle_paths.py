@@ -431,3 +431,41 @@ def test_step_reports_each_value_in_its_place_and_runs_the_hooks(tmp_path):
     hb = h.heartbeat.snapshot()
     assert (hb.steps, hb.loss, hb.grad_norm, hb.tokens, hb.samples) == (2, 0.25, 3.0, 256, 8)
     assert ran == [1, 1]
+
+
+def test_stop_leaves_the_last_moments_sample_and_a_stopped_handle_stays_harmless(tmp_path):
+    h = _handle(tmp_path)
+    h.start()
+    for _ in range(3):
+        h.step()
+    h.stop()
+    (final,) = spool.read_spool(str(tmp_path), 64, 60.0, reap=False).final
+    assert final.heartbeat.steps == 3, "published at stop, not only at the last tick"
+    h.step()  # a job still holding the handle
+    assert h.publish_now() is False
+    h.stop()
+
+
+def test_a_failing_publish_is_one_warning_per_kind_of_error_and_never_raises(tmp_path, caplog, monkeypatch):
+    h = _handle(tmp_path)
+    h.start()
+    try:
+        assert h._publisher is not None
+        errors: list[Exception] = [OSError(28, "No space left on device"), OSError(28, "again"), ValueError("bad")]
+
+        def fail(sample: Any, replace: bool = False) -> None:
+            raise errors.pop(0)
+
+        monkeypatch.setattr(h._publisher, "publish", fail)
+        with caplog.at_level(logging.DEBUG, logger="vramwatch"):
+            h.tick()
+            assert h.publish_now() is True  # it ran here; what failed is said once
+            h.tick()
+        assert errors == []
+        assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+            (logging.WARNING, "vramwatch: publishing failed: OSError(28, 'No space left on device')"),
+            (logging.WARNING, "vramwatch: publishing failed: ValueError('bad')"),
+        ]
+    finally:
+        monkeypatch.undo()
+        h.stop()
