@@ -163,9 +163,7 @@ def _user_dirs(root: Path) -> list[str]:
     return [n for n in os.listdir(root) if n.startswith("u")]
 
 
-def test_a_rank_under_a_node_root_publishes_into_its_user_dir_and_starts_no_server(
-    root, caplog, monkeypatch, spawned
-):
+def test_a_rank_under_a_node_root_publishes_into_its_user_dir_and_starts_no_server(root, caplog, monkeypatch, spawned):
     seen: list[Any] = []
     real_attach = handle_mod.attach
     monkeypatch.setattr(handle_mod, "attach", lambda ctx: seen.append(ctx) or real_attach(ctx))

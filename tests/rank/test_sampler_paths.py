@@ -4,6 +4,7 @@ once; and the thread itself (a daemon, by name; stop() before start())."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import types
@@ -62,7 +63,7 @@ def test_ticks_keep_the_grid_of_the_interval_whatever_each_one_costs(clock):
         _until(lambda: len(starts) >= 4)
     finally:
         _stop(t)
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert all(0.15 < g < 0.3 for g in gaps), gaps  # 0.2 apart, not 0.2 after the last one ended (0.35)
 
 

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from vramwatch import spool
-from vramwatch.spool import files
 from vramwatch._once import OnceLog
 from vramwatch.config import Settings
 from vramwatch.rank import server_spawn
 from vramwatch.rank.server_spawn import SPAWN_BACKOFF_MAX, ServerSpawner, last_error, spawn_server
+from vramwatch.spool import files
 
 log = logging.getLogger("vramwatch")
 
