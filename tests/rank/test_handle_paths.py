@@ -413,9 +413,11 @@ def test_watch_publishes_only_a_positive_finite_flops_per_token(tmp_path, given,
     h.start()
     try:
         h.watch(None, flops_per_token=given)
+        h.step()
         h.tick()
-        got = _samples(tmp_path)[0].flops_per_token
-        assert got == published and type(got) is type(published)
+        (s,) = _samples(tmp_path)
+        assert s.heartbeat.steps == 1, "published: an infinity would fail every publish from then on"
+        assert s.flops_per_token == published and type(s.flops_per_token) is type(published)
     finally:
         h.stop()
 
