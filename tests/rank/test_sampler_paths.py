@@ -117,3 +117,24 @@ def test_the_thread_is_a_named_daemon_and_stop_before_start_is_harmless():
     finally:
         _stop(t)
     assert not th.is_alive()
+
+
+def test_stop_waits_for_a_wedged_tick_two_intervals_and_no_longer():
+    release = threading.Event()
+    inside = threading.Event()
+
+    def tick() -> None:
+        inside.set()
+        release.wait(10)  # a tick stuck (a hung NVML or file system call)
+
+    t = SamplerThread(1.5, tick)
+    t.start()
+    try:
+        t.wake()
+        assert inside.wait(5)
+        t0 = time.monotonic()
+        t.stop()  # joins max(2 s, 2 intervals) = 3 s, then returns: the job's exit is never held longer
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert 2.9 <= took < 4.4, took
