@@ -20,6 +20,9 @@ torch = pytest.importorskip("torch")
 
 def _walk(model, optimizer, max_tensors=4096, types=("cpu",)):
     w = RoleWalker(model, optimizer, 30.0, max_tensors, device_types=types)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for _ in range(1 + sum(1 for _ in model.parameters()) // max_tensors):
+            optimizer.step()  # the training thread's safe point, where the walker locates the gradients
     for i in range(10_000):
         w.poll(float(i) * 1e-3)  # within the interval: only the walk under way continues
         if w.result is not None and w._walk is None:

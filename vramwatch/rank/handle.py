@@ -152,6 +152,9 @@ class Handle:
             with self._publish_lock:  # the final sample, left in the spool for the server to serve after us
                 self._publish(replace=False)
         self.plugins.close()
+        roles = self._assembler.roles
+        if roles is not None:
+            roles.close()  # no optimizer-step hook left behind in the job
         self._spawner.release()
         if self._publisher is not None and os.getpid() == self._pid:
             self._publisher.close()
@@ -165,6 +168,9 @@ class Handle:
     def watch(self, model: Any, optimizer: Any = None, flops_per_token: float | None = None) -> None:
         """Publish memory by role for ``model`` (and ``optimizer``); see :mod:`.roles`. A later call replaces it."""
         interval = self.settings.role_interval
+        old = self._assembler.roles
+        if old is not None:
+            old.close()  # its optimizer-step hook goes with it
         if interval and (model is not None or optimizer is not None):
             self._assembler.roles = RoleWalker(model, optimizer, interval, self.settings.role_max_tensors)
         else:

@@ -1,8 +1,17 @@
 """Memory by role: the bytes of a watched model's parameters, gradients and optimizer state per device.
 
 ``vramwatch.watch(model, optimizer)`` hands both over; the sampler thread walks them every
-``role_interval`` seconds, never the training thread. A walk reads only tensor metadata
-(``.device``, ``untyped_storage().data_ptr()`` and ``.nbytes()``): no CUDA call, no context, no sync.
+``role_interval`` seconds. A walk reads only tensor metadata (``.device``, ``untyped_storage().data_ptr()``
+and ``.nbytes()``): no CUDA call, no context, no sync.
+
+A torch parameter's ``.grad`` is never read off the training thread: autograd replaces it during
+``backward()`` without the GIL, and a concurrent read of that pointer crashes the process (a thread
+reading ``p.grad`` in a loop beside a training loop segfaulted it within 15 s, 5 runs of 5). The gradients
+are located instead at the training thread's next optimizer step, the point where backward is over: a
+step pre-hook (the watched optimizer's, else torch's global one) reads at most ``max_tensors`` gradients a
+step while a snapshot is due, and does nothing otherwise. A walk counts the newest snapshot, so the
+gradients figure is that of an optimizer step since the walk before; without optimizer steps (no
+training) it stays 0. Tensor-likes that are not torch tensors (the simulator's) are read by the walk.
 
 - Each storage counts once (tied weights, views, a flat parameter's views: keyed by device and data
   pointer), in the first role that holds it (parameters, then gradients, then optimizer state).
@@ -20,6 +29,7 @@ allocated) the four roles stack up to reserved.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -71,6 +81,65 @@ class RoleWalker:
         self._walk_start = 0.0
         self._walk_cost = 0.0  # seconds the walk under way has taken, over its passes
         self.health = CollectorHealth(1, 0, 0.0)
+        # gradients of torch parameters, located on the training thread (see the module's doc)
+        self._grads: list[tuple[int, int, int]] = []  # (device, data_ptr, nbytes) of the newest snapshot
+        self._grads_pending: list[tuple[int, int, int]] = []
+        self._grads_cursor = 0
+        self._grads_due = True  # the first step after watch() takes one
+        self._hook = self._hook_safe_points(optimizer)
+
+    def _hook_safe_points(self, optimizer: Any) -> Any:
+        """Register :meth:`on_optimizer_step` as a step pre-hook; None without torch (never imported here)."""
+        optim = sys.modules.get("torch.optim.optimizer")
+        if optim is None:
+            return None
+        register = getattr(optimizer, "register_step_pre_hook", None) if optimizer is not None else None
+        if register is None:
+            register = getattr(optim, "register_optimizer_step_pre_hook", None)
+        try:
+            return register(self.on_optimizer_step) if register is not None else None
+        except Exception:  # noqa: BLE001 - no hook: torch gradients then read 0
+            return None
+
+    def close(self) -> None:
+        """Remove the step hook (watch() replacing this walker, or the exporter stopping)."""
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            try:
+                hook.remove()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # --- on the training thread, at an optimizer step (backward is over) ---
+    def on_optimizer_step(self, *_: Any) -> None:
+        """Locate up to ``max_tensors`` gradients while a snapshot is due; never raises into the step."""
+        if not self._grads_due:
+            return
+        try:
+            params = self._params
+            if not params:
+                model = self._model() if self._model is not None else None
+                if model is None:
+                    return
+                params = self._params = [weakref.ref(p) for p in model.parameters()]
+                del model
+            start = self._grads_cursor
+            end = start + self.max_tensors
+            pending = self._grads_pending
+            for ref in params[start:end]:
+                p = ref()
+                g = p.grad if p is not None else None
+                if g is not None:
+                    key = self._locate(g)
+                    if key is not None:
+                        pending.append(key)
+            if end < len(params):
+                self._grads_cursor = end
+                return
+            self._grads, self._grads_pending, self._grads_cursor = pending, [], 0
+            self._grads_due = False
+        except Exception:  # noqa: BLE001 - a failed snapshot leaves the previous one
+            self._grads_pending, self._grads_cursor = [], 0
 
     # --- on the sampler thread ---
     def poll(self, now: float) -> None:
@@ -128,10 +197,14 @@ class RoleWalker:
             self._params = [weakref.ref(p) for p in model.parameters()]
         del model  # hold nothing across passes
         self._walks += 1
+        self._grads_due = True  # a fresh snapshot for the next walk
         seen: set[tuple[int, int]] = set()
         totals: dict[int, list[int]] = {}
         budget = self.max_tensors
         for role, tensors in enumerate((self._parameters(), self._gradients(), self._optimizer_state())):
+            if role == 2:  # the torch gradients of the newest optimizer-step snapshot, before the state
+                for key in self._grads:
+                    self._add(key, 1, seen, totals)
             for t in tensors:
                 self._count(t, role, seen, totals)
                 budget -= 1
@@ -147,9 +220,13 @@ class RoleWalker:
                 yield p
 
     def _gradients(self) -> Iterator[Any]:
+        """Gradients of tensor-likes that are not torch tensors; torch's come from the step snapshot."""
+        tensor = getattr(sys.modules.get("torch"), "Tensor", None)
         for ref in self._params:
             p = ref()
-            g = getattr(p, "grad", None) if p is not None else None
+            if p is None or (tensor is not None and isinstance(p, tensor)):
+                continue
+            g = getattr(p, "grad", None)
             if g is not None:
                 yield g
 
@@ -166,27 +243,36 @@ class RoleWalker:
                     if hasattr(v, "untyped_storage") or hasattr(v, "_local_tensor"):
                         yield v
 
-    def _count(self, t: Any, role: int, seen: set[tuple[int, int]], totals: dict[int, list[int]]) -> None:
+    def _locate(self, t: Any) -> tuple[int, int, int] | None:
+        """(device index, storage pointer, bytes) of a tensor on a watched device type; None otherwise."""
         local = getattr(t, "_local_tensor", None)  # a DTensor: this rank's shard
         if local is not None:
             t = local
         on = getattr(t, self._flag, None) if self._flag else None
         if on is not None:  # a torch tensor
             if not on:
-                return  # CPU-offloaded state is not device memory
+                return None  # CPU-offloaded state is not device memory
             index = max(t.get_device(), 0)  # -1 for the CPU (tests walk CPU tensors as a device's)
         else:  # another device type, or a tensor-like without the flag
             dev = t.device
             if dev.type not in self.device_types:
-                return  # CPU-offloaded state is not device memory
+                return None  # CPU-offloaded state is not device memory
             index = dev.index or 0
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        key = (index, ptr)
-        if ptr == 0 or key in seen:  # 0: an empty or meta tensor
+        return index, storage.data_ptr(), storage.nbytes()
+
+    def _count(self, t: Any, role: int, seen: set[tuple[int, int]], totals: dict[int, list[int]]) -> None:
+        key = self._locate(t)
+        if key is not None:
+            self._add(key, role, seen, totals)
+
+    @staticmethod
+    def _add(key: tuple[int, int, int], role: int, seen: set[tuple[int, int]], totals: dict[int, list[int]]) -> None:
+        index, ptr, nbytes = key
+        if ptr == 0 or (index, ptr) in seen:  # 0: an empty or meta tensor
             return
-        seen.add(key)
+        seen.add((index, ptr))
         row = totals.get(index)
         if row is None:
             row = totals[index] = [0, 0, 0]
-        row[role] += storage.nbytes()
+        row[role] += nbytes
