@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 def _walk(model, optimizer, max_tensors=4096, types=("cpu",)):
     w = RoleWalker(model, optimizer, 30.0, max_tensors, device_types=types)
     if isinstance(optimizer, torch.optim.Optimizer):
-        for _ in range(1 + sum(1 for _ in model.parameters()) // max_tensors):
+        for _ in range(1 + sum(1 for _ in model.parameters()) // min(max_tensors, 256)):
             optimizer.step()  # the training thread's safe point, where the walker locates the gradients
     for i in range(10_000):
         w.poll(float(i) * 1e-3)  # within the interval: only the walk under way continues

@@ -86,6 +86,21 @@ def test_a_large_model_is_located_over_several_steps_and_a_step_not_due_reads_no
         w.close()
 
 
+def test_one_step_locates_at_most_256_gradients_whatever_max_tensors():
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(2)) for _ in range(300)])
+    for p in model:
+        p.grad = torch.ones(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = RoleWalker(model, opt, 30.0, 4096, device_types=("cpu",))
+    try:
+        opt.step()
+        assert w._grads == [] and w._grads_cursor == 256  # a large model: the rest at the next step
+        opt.step()
+        assert len(w._grads) == 300
+    finally:
+        w.close()
+
+
 def test_close_removes_the_hook_and_watch_replacing_a_walker_closes_it():
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

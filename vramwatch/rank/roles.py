@@ -8,7 +8,7 @@ A torch parameter's ``.grad`` is never read off the training thread: autograd re
 ``backward()`` without the GIL, and a concurrent read of that pointer crashes the process (a thread
 reading ``p.grad`` in a loop beside a training loop segfaulted it within 15 s, 5 runs of 5). The gradients
 are located instead at the training thread's next optimizer step, the point where backward is over: a
-step pre-hook (the watched optimizer's, else torch's global one) reads at most ``max_tensors`` gradients a
+step pre-hook (the watched optimizer's, else torch's global one) reads at most 256 gradients a
 step while a snapshot is due, and does nothing otherwise. A walk counts the newest snapshot, so the
 gradients figure is that of an optimizer step since the walk before; without optimizer steps (no
 training) it stays 0. Tensor-likes that are not torch tensors (the simulator's) are read by the walk.
@@ -38,6 +38,9 @@ from typing import Any
 from vramwatch.spool import CollectorHealth, DeviceSample
 
 _REFRESH_WALKS = 10
+# Gradients located per optimizer step while a snapshot is due (~0.3 us each): a step of a large model
+# pays ~0.1 ms on a few steps every role_interval, never one long pause.
+_STEP_CHUNK = 256
 # The walks' share of one core, at most: a model of many tensors is walked less often than role_interval
 # (a walk of 30 ms waits 300 s for the next), so the in-process cost guarantee holds whatever the model.
 MAX_CORE_SHARE = 1e-4
@@ -124,7 +127,7 @@ class RoleWalker:
                 params = self._params = [weakref.ref(p) for p in model.parameters()]
                 del model
             start = self._grads_cursor
-            end = start + self.max_tensors
+            end = start + min(self.max_tensors, _STEP_CHUNK)
             pending = self._grads_pending
             for ref in params[start:end]:
                 p = ref()
