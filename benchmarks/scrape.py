@@ -10,8 +10,9 @@ card) and calls step() at 20 Hz. For each rank count the script measures the
 server's idle CPU, then ``--scrapes`` scrapes at ``--rate`` per second:
 latency from request to last byte (p50/p99), bytes (plain and gzip), and the
 server's CPU per scrape (utime+stime from /proc over the scrapes, divided by
-their number; ``net`` subtracts the idle rate), then ``--concurrency`` scrapers at once, each scraping
-back to back for ``--concurrent-seconds`` (latency, 503s, CPU per scrape), then overload
+their number; ``net`` subtracts the idle rate), then ``--concurrency`` scrapers at once (each a process
+of its own, as real scrapers are, so no client's GIL is in another's latency), each scraping back to back
+for ``--concurrent-seconds`` (latency, 503s, CPU per scrape), then overload
 (``mixed``): ``--mixed-clients`` (2 x the server's 8 ``max_connections``) at once for ``--mixed-seconds``,
 half with Prometheus' scrape headers and half plain ``GET /metrics``, each half's 200s, 503s and latency
 (the server serves scrapes first), and the server's resident memory (VmRSS, and its peak VmHWM). nvitop-exporter
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import multiprocessing
 import os
 import shutil
 import signal
@@ -30,7 +32,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -325,50 +326,80 @@ def measure_back_to_back(port: int, pid: int, seconds: float, idle_rate: float |
     }
 
 
-def measure_concurrent(port: int, pid: int, clients: int, seconds: float) -> dict[str, Any]:
-    """``clients`` threads scraping back to back (gzip, as Prometheus asks) for ``seconds``."""
+def _client(
+    port: int, request: bytes, index: int, start: Any, seconds: float, results: Any
+) -> None:  # pragma: no cover - runs in a child process
+    """One scraper process: back to back from the barrier for ``seconds``; puts (index, latencies, statuses)."""
     lat: list[float] = []
-    statuses: dict[str, int] = {}
-    lock = threading.Lock()
-    start = threading.Barrier(clients + 1)
-    deadline = [0.0]
-
-    def client() -> None:
-        mine, codes = [], {}
-        start.wait()
-        while time.monotonic() < deadline[0]:
-            status, _, elapsed = raw_get(port)
-            codes[str(status)] = codes.get(str(status), 0) + 1
-            if status == 200:
-                mine.append(elapsed)
-        with lock:
-            lat.extend(mine)
-            for k, v in codes.items():
-                statuses[k] = statuses.get(k, 0) + v
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    c0, t0 = cpu_seconds(pid), time.monotonic()
-    deadline[0] = t0 + seconds
+    codes: dict[str, int] = {}
     start.wait()
-    for t in threads:
-        t.join(timeout=seconds + 30)
-    c1, t1 = cpu_seconds(pid), time.monotonic()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        status, _, elapsed = raw_get(port, request=request)
+        codes[str(status)] = codes.get(str(status), 0) + 1
+        if status == 200:
+            lat.append(elapsed)
+    results.put((index, lat, codes))
+
+
+def run_clients(
+    port: int, pid: int, requests: list[bytes], seconds: float
+) -> tuple[list[tuple[list[float], dict[str, int]]], float, float | None]:
+    """One process per request in ``requests``, each scraping back to back with it for ``seconds``, all
+    started at once: real scrapers are processes of their own, so no client waits on another's GIL and
+    the latency is the server's. Returns each client's (latencies of its 200s, statuses), the window's
+    seconds and the server's CPU over it."""
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    start = ctx.Barrier(len(requests) + 1)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_client, args=(port, req, i, start, seconds, results), daemon=True)
+        for i, req in enumerate(requests)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        start.wait(timeout=60)
+        c0, t0 = cpu_seconds(pid), time.monotonic()
+        got: dict[int, tuple[list[float], dict[str, int]]] = {}
+        for _ in procs:  # read before joining: a child cannot exit while its results fill the pipe
+            i, lat, codes = results.get(timeout=seconds + 60)
+            got[i] = (lat, codes)
+        c1, t1 = cpu_seconds(pid), time.monotonic()
+        for p in procs:
+            p.join(timeout=10)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    cpu = c1 - c0 if c0 is not None and c1 is not None else None
+    return [got[i] for i in range(len(requests))], t1 - t0, cpu
+
+
+def measure_concurrent(port: int, pid: int, clients: int, seconds: float) -> dict[str, Any]:
+    """``clients`` processes scraping back to back (Prometheus' request: gzip) for ``seconds``."""
+    per_client, window, cpu = run_clients(port, pid, [PROMETHEUS_REQUEST] * clients, seconds)
+    lat = [x for mine, _ in per_client for x in mine]
+    statuses: dict[str, int] = {}
+    for _, codes in per_client:
+        for k, v in codes.items():
+            statuses[k] = statuses.get(k, 0) + v
     total = sum(statuses.values())
     return {
         "clients": clients,
-        "seconds": t1 - t0,
+        "client_processes": True,
+        "seconds": window,
         "scrapes": total,
         "ok": statuses.get("200", 0),
         "status_503": statuses.get("503", 0),
         "statuses": statuses,
-        "scrapes_per_s": total / (t1 - t0) if t1 > t0 else None,
+        "scrapes_per_s": total / window if window > 0 else None,
         "p50_ms": _ms(common.percentile(lat, 50)),
         "p99_ms": _ms(common.percentile(lat, 99)),
         "max_ms": _ms(max(lat, default=None)),
-        "cpu_per_scrape_s": (c1 - c0) / total if total and c0 is not None and c1 is not None else None,
-        "server_cpu_share": (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None and t1 > t0 else None,
+        "cpu_per_scrape_s": cpu / total if total and cpu is not None else None,
+        "server_cpu_share": cpu / window if cpu is not None and window > 0 else None,
     }
 
 
@@ -436,45 +467,23 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
 
 
 def measure_mixed(port: int, pid: int, clients: int, seconds: float) -> dict[str, Any]:
-    """Overload: ``clients`` threads back to back for ``seconds``, the even ones sending Prometheus'
+    """Overload: ``clients`` processes back to back for ``seconds``, the even ones sending Prometheus'
     scrape headers (``PROMETHEUS_REQUEST``), the odd ones a plain ``GET /metrics``; per half its
     requests, 200s, 503s and the 200s' latency (p50/p99)."""
     halves = {"prometheus": PROMETHEUS_REQUEST, "plain": PLAIN_REQUEST}
+    kinds = ["prometheus" if i % 2 == 0 else "plain" for i in range(clients)]
+    per_client, window, cpu = run_clients(port, pid, [halves[k] for k in kinds], seconds)
     lat: dict[str, list[float]] = {k: [] for k in halves}
     statuses: dict[str, dict[str, int]] = {k: {} for k in halves}
-    lock = threading.Lock()
-    start = threading.Barrier(clients + 1)
-    deadline = [0.0]
-
-    def client(kind: str) -> None:
-        request = halves[kind]
-        mine: list[float] = []
-        codes: dict[str, int] = {}
-        start.wait()
-        while time.monotonic() < deadline[0]:
-            status, _, elapsed = raw_get(port, request=request)
-            codes[str(status)] = codes.get(str(status), 0) + 1
-            if status == 200:
-                mine.append(elapsed)
-        with lock:
-            lat[kind].extend(mine)
-            for k, v in codes.items():
-                statuses[kind][k] = statuses[kind].get(k, 0) + v
-
-    kinds = ["prometheus" if i % 2 == 0 else "plain" for i in range(clients)]
-    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in kinds]
-    for t in threads:
-        t.start()
-    c0, t0 = cpu_seconds(pid), time.monotonic()
-    deadline[0] = t0 + seconds
-    start.wait()
-    for t in threads:
-        t.join(timeout=seconds + 30)
-    c1, t1 = cpu_seconds(pid), time.monotonic()
+    for kind, (mine, codes) in zip(kinds, per_client, strict=True):
+        lat[kind].extend(mine)
+        for k, v in codes.items():
+            statuses[kind][k] = statuses[kind].get(k, 0) + v
     out: dict[str, Any] = {
         "clients": clients,
-        "seconds": t1 - t0,
-        "server_cpu_share": (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None and t1 > t0 else None,
+        "client_processes": True,
+        "seconds": window,
+        "server_cpu_share": cpu / window if cpu is not None and window > 0 else None,
     }
     for kind in halves:
         st, total = statuses[kind], sum(statuses[kind].values())
@@ -484,7 +493,7 @@ def measure_mixed(port: int, pid: int, clients: int, seconds: float) -> dict[str
             "ok": st.get("200", 0),
             "status_503": st.get("503", 0),
             "statuses": st,
-            "ok_per_s": st.get("200", 0) / (t1 - t0) if t1 > t0 else None,
+            "ok_per_s": st.get("200", 0) / window if window > 0 else None,
             "ok_share": st.get("200", 0) / total if total else None,
             "p50_ms": _ms(common.percentile(lat[kind], 50)),
             "p99_ms": _ms(common.percentile(lat[kind], 99)),
@@ -643,13 +652,13 @@ def main(argv: list[str] | None = None) -> int:
         default=5.0,
         help="one scraper back to back this long, for the CPU per scrape (default 5; 0: skip)",
     )
-    p.add_argument("--concurrency", type=int, default=10, help="scrapers at once, back to back (0: skip)")
+    p.add_argument("--concurrency", type=int, default=10, help="scraper processes at once, back to back (0: skip)")
     p.add_argument("--concurrent-seconds", type=float, default=10.0, help="how long they scrape (default 10)")
     p.add_argument(
         "--mixed-clients",
         type=int,
         default=16,
-        help="overload: clients at once, half with scrape headers (default 16 = 2 x max_connections; 0: skip)",
+        help="overload: client processes at once, half with scrape headers (default 16 = 2 x max_connections; 0: skip)",
     )
     p.add_argument("--mixed-seconds", type=float, default=5.0, help="how long the overload lasts (default 5)")
     p.add_argument("--quick", action="store_true", help="60 scrapes, 2 s idle windows, 5 s concurrent, 3 s mixed")
@@ -675,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
             idle_seconds=args.idle_seconds,
             mixed_clients=args.mixed_clients,
             mixed_seconds=args.mixed_seconds,
+            clients="processes",  # concurrent and mixed: one process per client (threads before 2026-12-04)
         ),
         "vramwatch": {},
         "notes": [
@@ -691,10 +701,12 @@ def main(argv: list[str] | None = None) -> int:
             "back_to_back: one scraper (raw socket, Prometheus 2.42's request) back to back for --busy-seconds; "
             "its CPU per scrape is the one to compare with a budget (thousands of scrapes against 10 ms ticks, "
             "the idle rate a small part of each)",
-            "concurrent: --concurrency threads of this process scraping back to back on raw sockets, "
+            "concurrent: --concurrency client processes (one each, as real scrapers are: no client waits on "
+            "another's GIL; threads of this process until 2026-12-04) scraping back to back on raw sockets, "
             "with Prometheus 2.42's request headers (OpenMetrics, gzip); p50/p99 over the 200s; "
             "status_503 counts the refused",
-            "mixed: --mixed-clients threads (2 x the server's max_connections, 8) back to back on raw sockets, "
+            "mixed: --mixed-clients client processes (2 x the server's max_connections, 8; threads until "
+            "2026-12-04) back to back on raw sockets, "
             "the even ones with Prometheus 2.42's request headers (scrape-timeout 10 s, OpenMetrics, gzip), the "
             "odd ones a plain GET /metrics (gzip, no scrape headers); per half: requests, 200s, 503s, p50/p99 "
             "of the 200s; a 503 is answered at once, so the shed half sends more requests",

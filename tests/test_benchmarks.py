@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,31 @@ def test_paired_stats_ratios_and_null():
     assert (st["min_ratio"], st["max_ratio"]) == pytest.approx((0.75, 1.1))
     assert st["null_median_ratio"] == pytest.approx(2.0) and st["pairs"] == 3
     assert common.paired_stats([], [])["median_ratio"] is None
+
+
+def test_concurrent_and_mixed_clients_are_processes_of_their_own(tmp_path, monkeypatch):
+    import scrape
+
+    # each scrape notes the process that sent it: clients in threads of this process would all note ours
+    def fake_get(port, timeout=10.0, request=scrape.PROMETHEUS_REQUEST):
+        with open(tmp_path / str(os.getpid()), "ab") as fh:
+            fh.write(b"p" if request == scrape.PROMETHEUS_REQUEST else b"x")
+        time.sleep(0.01)
+        return (200 if request == scrape.PROMETHEUS_REQUEST else 503), 10, 0.001
+
+    monkeypatch.setattr(scrape, "raw_get", fake_get)
+    c = scrape.measure_concurrent(0, os.getpid(), 3, 0.3)
+    pids = {p.name for p in tmp_path.iterdir()}
+    assert len(pids) == 3 and str(os.getpid()) not in pids
+    assert c["client_processes"] and c["ok"] == c["scrapes"] == sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert c["status_503"] == 0 and c["p99_ms"] == pytest.approx(1.0) and c["seconds"] > 0.25
+    for p in tmp_path.iterdir():
+        p.unlink()
+    m = scrape.measure_mixed(0, os.getpid(), 4, 0.3)
+    assert len({p.name for p in tmp_path.iterdir()} - {str(os.getpid())}) == 4
+    assert m["prometheus"]["clients"] == m["plain"]["clients"] == 2
+    assert m["prometheus"]["ok"] == m["prometheus"]["requests"] > 0 and m["prometheus"]["status_503"] == 0
+    assert m["plain"]["status_503"] == m["plain"]["requests"] > 0 and m["plain"]["ok"] == 0
 
 
 def test_percentile_interpolates():
