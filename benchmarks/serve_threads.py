@@ -235,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.switch_interval > 0:
                 sys.setswitchinterval(args.switch_interval)
             out["switch_interval"] = sys.getswitchinterval()
+            # a full collection's stall now (what a gen-2 pass costs some scrape), and how much of the
+            # heap serve froze out of the collector's sight (process.freeze)
+            out["gc_frozen"] = gc.get_freeze_count()
+            out["gc_tracked"] = len(gc.get_objects())
+            t0 = time.perf_counter()
+            gc.collect()
+            out["full_gc_ms"] = (time.perf_counter() - t0) * 1e3
             _measure(port, args, out)
         except Exception as e:  # noqa: BLE001 - the report says what failed
             out["error"] = repr(e)

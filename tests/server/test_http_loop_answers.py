@@ -18,10 +18,11 @@ from test_exposition_cache import Clock, Counter, _live_gauges, same_but_spool_t
 
 from vramwatch import spool
 from vramwatch.config import Settings
+from vramwatch.server import http as http_module
 from vramwatch.server import registry as registry_module
 from vramwatch.server.collectors import Runner
 from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition, Reply
-from vramwatch.server.http import ExporterHTTPServer
+from vramwatch.server.http import HEAD_CACHE, HEAD_CACHE_BYTES, ExporterHTTPServer
 
 PROMETHEUS = (
     b"GET /metrics HTTP/1.1\r\nHost: x\r\nUser-Agent: Prometheus/2.42.0\r\n"
@@ -127,6 +128,29 @@ def test_a_rank_that_dies_or_appears_is_shown_by_the_next_scrape(served):
         assert _live_gauges(text, 6), "a new rank at once, not at the next refresh"
     finally:
         late.close()
+
+
+def test_a_head_sent_again_byte_for_byte_reuses_its_parse_and_answers_alike(served, monkeypatch):
+    srv, cached, _, clock, started, pubs, _ = served
+    parsed: list[bytes] = []
+    real = http_module._parse_head
+    monkeypatch.setattr(http_module, "_parse_head", lambda head: parsed.append(head) or real(head))
+    exchange(srv, PROMETHEUS)
+    clock.now += 2.5
+    head, body = exchange(srv, PROMETHEUS)
+    assert parsed == [PROMETHEUS] and started == [1], "parsed once, and the loop answered the second"
+    assert header(head, b"Content-Encoding") == b"gzip"  # its encoder and gzip choice reused too
+    text = gzip.decompress(body)
+    assert re.search(rb'vramwatch_sample_age_seconds\{job_id="",local_rank="1",rank="1"\} 3.0\n', text), "aged now"
+    pubs[1].close()  # the parse is reused, what it is answered with is not: a death shows at once
+    assert not _live_gauges(gzip.decompress(exchange(srv, PROMETHEUS)[1]), 1) and len(parsed) == 1
+    head, body = exchange(srv, PROMETHEUS.replace(b"GET ", b"HEAD ", 1))  # other bytes: parsed, its own answer
+    assert len(parsed) == 2 and body == b"" and head.startswith(b"HTTP/1.0 200 OK\r\n")
+    for i in range(HEAD_CACHE + 8):  # a client sending new heads each time holds a bounded table
+        exchange(srv, PROMETHEUS.replace(b"Host: x", b"Host: x%d" % i))
+    assert len(srv._heads) == HEAD_CACHE and PROMETHEUS not in srv._heads, "the oldest made room"
+    big = PROMETHEUS.replace(b"Host: x", b"Host: " + b"x" * HEAD_CACHE_BYTES)
+    assert exchange(srv, big)[0].startswith(b"HTTP/1.0 200 OK") and big not in srv._heads
 
 
 class _Huge:

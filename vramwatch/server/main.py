@@ -197,5 +197,6 @@ def serve(settings: Settings, exit_when_idle: bool = False, node_daemon: bool = 
         server.mode,
         server.spool_dir,
     )
+    process.freeze()  # what the server holds from here on lives as long as it does
     server.run(exit_when_idle)
     return 0

@@ -7,12 +7,17 @@ it may tune what is process-wide:
   background thread (a render, a collector's read) holds the GIL, the loop waits for it up to
   ``sys.getswitchinterval()`` (5 ms by default), which is the tail of a scrape's latency;
 - glibc's malloc arenas: each thread that mallocs gets an arena of its own (up to 8 per core), and
-  every arena's touched pages stay resident; the server's threads mostly wait, so two arenas are plenty.
+  every arena's touched pages stay resident; the server's threads mostly wait, so two arenas are plenty;
+- the cyclic collector's view: once the server has started, what it holds (modules, settings, collectors,
+  the event loop) lives as long as the process, so ``freeze`` moves it out of every generation; a full
+  collection (the renders allocate, so one comes every few minutes) then scans only what came after,
+  a stall of a few hundred microseconds instead of several milliseconds in some scrape's latency.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import sys
 
@@ -33,6 +38,13 @@ def tune(switch_interval: float = SWITCH_INTERVAL, arena_max: int = ARENA_MAX) -
         pass
     done["arena_max"] = _set_arena_max(arena_max)
     return done
+
+
+def freeze() -> int:
+    """``gc.freeze()`` after a collection (so no garbage is kept for good); returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _set_arena_max(n: int) -> int | None:
