@@ -168,6 +168,7 @@ def test_lean_makes_submodules_importable_and_runs_the_package_init_on_first_use
     from prometheus_client import utils  # a submodule, through the module's __getattr__
 
     assert utils is sys.modules["prometheus_client.utils"] and utils.floatToGoString(1.5) == "1.5"
+    assert pc.samples is sys.modules["prometheus_client.samples"]  # an attribute, before any import of it
     with pytest.raises(AttributeError, match="__wrapped__"):
         pc.__wrapped__  # noqa: B018 - dunder probes (inspect, copy, pickle) never run the package's __init__
     assert "prometheus_client.exposition" not in sys.modules
