@@ -519,3 +519,15 @@ def test_what_loading_the_web_config_logs(tmp_path, pki, caplog):
         caplog.clear()
         load_web_config(write(tmp_path, text))
         assert caplog.messages == logged, text
+
+
+def test_wrapping_as_the_event_loop_does_never_waits_for_the_client(tmp_path, pki):
+    """http.py wraps a non-blocking socket before the client's hello came and handshakes later, on readiness."""
+    tls, _, _ = load_web_config(write(tmp_path, tls_block(pki)))
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        wrapped = tls.wrap_socket(a, server_side=True, do_handshake_on_connect=False)  # no hello yet: no wait
+        with pytest.raises(ssl.SSLWantReadError):
+            wrapped.do_handshake()
+        assert wrapped.server_side
