@@ -70,15 +70,16 @@ class _Libc:
 
 
 @pytest.mark.parametrize(
-    ("platform_name", "libc", "got", "calls"),
+    ("platform_name", "gnu", "answer", "got", "calls"),
     [
-        ("linux", _Libc(gnu=True), 2, [(-8, 2)]),  # M_ARENA_MAX is -8 in glibc's malloc.h
-        ("linux", _Libc(gnu=True, answer=0), None, [(-8, 2)]),  # mallopt refused it
-        ("linux", _Libc(gnu=False), None, []),  # musl: its own allocator, not asked
-        ("darwin", _Libc(gnu=True), None, []),
+        ("linux", True, 1, 2, [(-8, 2)]),  # M_ARENA_MAX is -8 in glibc's malloc.h
+        ("linux", True, 0, None, [(-8, 2)]),  # mallopt refused it
+        ("linux", False, 1, None, []),  # musl: its own allocator, not asked
+        ("darwin", True, 1, None, []),
     ],
 )
-def test_the_arena_cap_is_asked_of_glibc_only(monkeypatch, platform_name, libc, got, calls):
+def test_the_arena_cap_is_asked_of_glibc_only(monkeypatch, platform_name, gnu, answer, got, calls):
+    libc = _Libc(gnu, answer)
     monkeypatch.setattr(sys, "platform", platform_name)
     monkeypatch.setattr(process.ctypes, "CDLL", lambda name: libc)
     assert process._set_arena_max(2) == got
