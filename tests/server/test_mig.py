@@ -317,3 +317,18 @@ def test_nvml_gone_under_an_instance_id_read_reinitialises(tmp_path):
     rig.node.inject_error("nvmlDeviceGetComputeInstanceId", E.NVML_ERROR_UNINITIALIZED)
     rig.poll(0)
     assert rig.nvml.health.up == 0 and not rig.session.ready
+
+
+def test_unsupported_instance_memory_is_logged_once_per_instance_at_info(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="vramwatch")
+    rig = MigRig(tmp_path)
+    rig.poll(0)
+    _mig_memory_fails(rig, E.NVML_ERROR_NOT_SUPPORTED)
+    for _ in range(3):
+        rig.poll(1.0)
+    a, b = rig.node.gpu(0).mig_instances
+    got = sorted((r.levelno, r.getMessage()) for r in caplog.records if " MIG " in r.getMessage())
+    assert got == sorted(
+        (logging.INFO, f"vramwatch: GPU 0 MIG {m.uuid}: memory is NOT_SUPPORTED; not asked again until NVML re-inits")
+        for m in (a, b)
+    )
