@@ -332,3 +332,11 @@ def test_unsupported_instance_memory_is_logged_once_per_instance_at_info(tmp_pat
         (logging.INFO, f"vramwatch: GPU 0 MIG {m.uuid}: memory is NOT_SUPPORTED; not asked again until NVML re-inits")
         for m in (a, b)
     )
+
+
+def test_nvml_gone_under_an_instance_memory_read_reinitialises(tmp_path):
+    rig = MigRig(tmp_path)
+    rig.poll(0)
+    _mig_memory_fails(rig, E.NVML_ERROR_UNINITIALIZED)
+    rig.poll(1.0)
+    assert rig.nvml.health.up == 0 and not rig.session.ready
