@@ -340,3 +340,11 @@ def test_nvml_gone_under_an_instance_memory_read_reinitialises(tmp_path):
     _mig_memory_fails(rig, E.NVML_ERROR_UNINITIALIZED)
     rig.poll(1.0)
     assert rig.nvml.health.up == 0 and not rig.session.ready
+
+
+def test_a_mig_card_after_one_without_mig_is_enumerated(tmp_path):
+    rig = MigRig(tmp_path, mig=False)
+    rig.node.gpu(1).enable_mig(("3g.71gb", "3g.71gb"))
+    rig.poll(0)
+    info = [lab for lab, _ in rig.metrics()["gpu_mig_info"]]
+    assert {lab["gpu"] for lab in info} == {"1"} and len(info) == 2
