@@ -8,6 +8,7 @@ and score) and survivors.txt (each surviving mutant's diff); mutants that timed 
 docs/mutation.md records the results.
 
     python scripts/mutation.py [--mutmut PYTHON] [--jobs N] [SCOPE ...]   # SCOPE may be collectors:xid,gpm
+                                                                          # or server:http,auth
 
 PYTHON is the interpreter that has mutmut (the Makefile's .cache/mutation-venv); the project's own venv
 provides everything else through a .pth file there, so mutmut never goes into the project's venv.
@@ -40,6 +41,30 @@ COLLECTOR_TESTS = [
     "tests/server/test_ranks_collector.py",
 ]
 
+# the server's core (vramwatch/server/*.py, not collectors/): every fast test of tests/server (a mutant runs only
+# those that reach its function). Deselected: tests of a second or more each (floods, overload, slowloris, a
+# hung watch), which `make test` runs; the collectors' runner tests reach no core module. The import probes run
+# a fresh interpreter (mutmut sees no function reached) whose imports in mutmut's copy are its trampolines'.
+SERVER_TESTS = [
+    "tests/server",
+    "tests/spool/test_schema.py",  # ExporterCollector (registry.py) on every schema version
+    *(
+        f"--deselect=tests/server/{t}"
+        for t in (
+            "test_http_admission.py::test_a_password_flood_never_takes_the_slots_an_authenticated_scraper_needs",
+            "test_http_admission.py::test_under_sustained_overload_prometheus_scrapes_are_served",
+            "test_http_robustness.py::test_slowloris_takes_no_slot_and_is_cut_off_at_the_deadline",
+            "test_http_robustness.py::test_connection_flood_keeps_threads_bounded",
+            "test_bad_samples.py::test_any_one_field_mutated_drops_at_most_that_rank",
+            "test_collector_runner.py::test_stop_does_not_close_while_a_read_may_still_run",
+            "test_collector_runner.py::test_stop_waits_for_a_hung_watch_only_a_bounded_time",
+            "test_promtext.py::test_the_package_init_runs_only_when_asked_for",
+            "test_server_imports.py::test_the_server_imports_nothing_heavy",
+        )
+    ),
+]
+SERVER_MODULES = sorted(f"vramwatch/server/{p.name}" for p in (ROOT / "vramwatch" / "server").glob("*.py"))
+
 # scope -> (what to mutate, the tests that mirror it). Slow end-to-end tests stay out (pyproject's
 # pytest_add_cli_args deselects `slow`); each mutant runs only the selected tests that reach its function.
 SCOPES: dict[str, tuple[list[str], list[str]]] = {
@@ -57,6 +82,7 @@ SCOPES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "rank": (["vramwatch/rank/*"], ["tests/rank"]),
     "collectors": (["vramwatch/server/collectors/*"], COLLECTOR_TESTS),
+    "server": (SERVER_MODULES, SERVER_TESTS),
     # the callbacks' hooks driven directly (milliseconds); test_hf.py / test_lightning.py train real models,
     # seconds per mutant on two cores, and run in `make test`
     "integrations": (["vramwatch/integrations/*"], ["tests/integrations/test_callbacks.py"]),
@@ -86,8 +112,11 @@ PARTS = (
     "rank-oom",
     "rank-rest",
 )  # parts of a larger scope: run only when named
-# "collectors:xid,gpm": only those modules of the collectors, with all of the collectors' tests
-PART = "collectors:"
+# "collectors:xid,gpm" / "server:http,auth": only those modules of the scope's directory, with the scope's tests
+PART_OF: dict[str, tuple[str, list[str]]] = {
+    "collectors:": ("vramwatch/server/collectors", COLLECTOR_TESTS),
+    "server:": ("vramwatch/server", SERVER_TESTS),
+}
 
 
 # never copied when the tree is walked without git: caches, virtualenvs, wheels, mutmut's own copies
@@ -191,12 +220,13 @@ def toml_list(items: list[str]) -> str:
 
 
 def scope_of(name: str) -> tuple[list[str], list[str]]:
-    if name.startswith(PART):
-        modules = [m for m in name[len(PART) :].split(",") if m]
-        missing = [m for m in modules if not (ROOT / "vramwatch/server/collectors" / f"{m}.py").is_file()]
-        if not modules or missing:
-            raise SystemExit(f"no collectors module {missing[0] if missing else '(none given)'!r}")
-        return [f"vramwatch/server/collectors/{m}.py" for m in modules], COLLECTOR_TESTS
+    for prefix, (directory, tests) in PART_OF.items():
+        if name.startswith(prefix):
+            modules = [m for m in name[len(prefix) :].split(",") if m]
+            missing = [m for m in modules if not (ROOT / directory / f"{m}.py").is_file()]
+            if not modules or missing:
+                raise SystemExit(f"no {prefix[:-1]} module {missing[0] if missing else '(none given)'!r}")
+            return [f"{directory}/{m}.py" for m in modules], tests
     return SCOPES[name]
 
 
@@ -267,12 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "scopes",
         nargs="*",
-        help=f"one of {', '.join(SCOPES)}, or {PART}MODULE,...; default: all but {', '.join(PARTS)}",
+        help=f"one of {', '.join(SCOPES)}, or {' or '.join(PART_OF)}MODULE,...; default: all but {', '.join(PARTS)}",
     )
     ap.add_argument("--mutmut", default=sys.executable, help="a Python that has mutmut")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = ap.parse_args(argv)
-    unknown = [s for s in args.scopes if s not in SCOPES and not s.startswith(PART)]
+    unknown = [s for s in args.scopes if s not in SCOPES and not s.startswith(tuple(PART_OF))]
     if unknown:
         ap.error(f"unknown scope {unknown[0]!r}; one of {', '.join(SCOPES)}")
     for scope in args.scopes or [s for s in SCOPES if s not in PARTS]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -105,3 +106,61 @@ def test_rank_rest_is_rank_but_its_other_parts() -> None:
     every = {f"vramwatch/rank/{p.name}" for p in (ROOT / "vramwatch" / "rank").glob("*.py")}
     assert set(mutate) == every - parts and "vramwatch/rank/sampler.py" in mutate
     assert "rank-rest" in mutation.PARTS
+
+
+def test_server_is_the_servers_own_modules_without_the_collectors() -> None:
+    mutate, tests = mutation.SCOPES["server"]
+    every = {f"vramwatch/server/{p.name}" for p in (ROOT / "vramwatch" / "server").glob("*.py")}
+    assert set(mutate) == every and "vramwatch/server/http.py" in mutate
+    assert not any("collectors" in m for m in mutate)
+    assert tests is mutation.SERVER_TESTS and tests[0] == "tests/server"
+
+
+def test_each_deselected_server_test_exists() -> None:  # a renamed test would silently run again
+    for arg in mutation.SERVER_TESTS:
+        if arg.startswith("--deselect="):
+            path, _, name = arg.removeprefix("--deselect=").partition("::")
+            assert f"def {name}(" in (ROOT / path).read_text(), arg
+
+
+@pytest.mark.parametrize(
+    ("name", "mutate", "tests"),
+    [
+        ("server:http,auth", ["vramwatch/server/http.py", "vramwatch/server/auth.py"], "SERVER_TESTS"),
+        ("server:nvml_backend", ["vramwatch/server/nvml_backend.py"], "SERVER_TESTS"),
+        (
+            "collectors:xid,gpm",
+            ["vramwatch/server/collectors/xid.py", "vramwatch/server/collectors/gpm.py"],
+            "COLLECTOR_TESTS",
+        ),
+        ("spool", ["vramwatch/spool/*"], None),
+    ],
+)
+def test_a_part_names_modules_of_its_scopes_directory(name: str, mutate: list[str], tests: str | None) -> None:
+    got_mutate, got_tests = mutation.scope_of(name)
+    assert got_mutate == mutate
+    assert got_tests == (getattr(mutation, tests) if tests else ["tests/spool"])
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("server:nope", "no server module 'nope'"),
+        ("server:", "no server module '(none given)'"),
+        ("server:xid", "no server module 'xid'"),  # a collector is not a server module
+        ("collectors:http", "no collectors module 'http'"),
+    ],
+)
+def test_a_part_naming_no_module_of_its_directory_is_refused(name: str, message: str) -> None:
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        mutation.scope_of(name)
+
+
+def test_the_command_line_takes_parts_of_both_scopes_and_refuses_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+    summary = {"score": 100.0, "killed": 1, "survived": 0, "no_tests": 0, "timeout": 0, "total": 1}
+    monkeypatch.setattr(mutation, "run_scope", lambda scope, mutmut, jobs: ran.append(scope) or summary)
+    assert mutation.main(["server:auth", "collectors:xid", "server"]) == 0
+    assert ran == ["server:auth", "collectors:xid", "server"]
+    with pytest.raises(SystemExit):
+        mutation.main(["servers:auth"])

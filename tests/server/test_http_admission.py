@@ -420,11 +420,54 @@ def test_admission_rules():
     assert Admission(1).reserved == 0 and Admission(8).reserved == 2
 
 
+def test_two_slots_keep_one_for_scrapes():
+    a: Admission[str] = Admission(2)
+    assert [a.offer("o1", False, 0), a.offer("o2", False, 0)] == [Decision.START, Decision.REFUSE]
+    assert a.offer("p1", True, 10) is Decision.START
+
+
+def test_slots_come_back_after_any_mix_of_requests():
+    """A long-running server: after others, queued scrapes and expiries have come and gone, the slots are all
+    free again and the others still get no more than total - reserved of them."""
+    a: Admission[str] = Admission(4)
+    for _ in range(3):
+        others = [a.offer(f"o{i}", False, 0) for i in range(3)]
+        assert others == [Decision.START] * 3
+        assert a.offer("p0", True, 10) is Decision.START
+        assert a.offer("p1", True, 10) is Decision.QUEUED
+        assert a.release(False) == ["p1"]  # p1 now holds the other's slot, as a scrape
+        assert a.release(True) == [] and a.release(True) == []  # p0, p1
+        assert [a.release(False), a.release(False)] == [[], []]
+        assert a.in_use == 0 and a.others_in_use == 0
+    assert [a.offer(f"o{i}", False, 0) for i in range(4)] == [Decision.START] * 3 + [Decision.REFUSE]
+
+
+def test_a_scrape_whose_deadline_is_now_expires_and_none_is_lost():
+    a: Admission[str] = Admission(4)
+    assert [a.offer(f"busy{i}", True, 0) for i in range(4)] == [Decision.START] * 4
+    for name, deadline in (("p1", 5.0), ("p2", 10.0), ("p3", 11.0)):
+        assert a.offer(name, True, deadline) is Decision.QUEUED
+    assert a.expire(10.0) == ["p1", "p2"]  # p2's deadline is now: answered, not left waiting
+    assert a.waiting == 1
+    assert a.release(True) == ["p3"]  # the one left still gets the freed slot
+    assert a.expire(20.0) == [] and a.waiting == 0
+
+
+def test_shutdown_hands_back_every_waiting_scrape():
+    a: Admission[str] = Admission(2)
+    assert [a.offer(n, True, 10) for n in ("busy1", "busy2", "p1", "p2")] == [Decision.START] * 2 + [
+        Decision.QUEUED
+    ] * 2
+    assert a.drop_all() == ["p1", "p2"]  # the server closes them
+    assert a.waiting == 0 and a.release(True) == []
+
+
 @pytest.mark.parametrize(
     "method,path,headers,scrape",
     [
         ("GET", "/metrics", {"X-Prometheus-Scrape-Timeout-Seconds": "10"}, True),
         ("GET", "/metrics?x=1", {"Accept": "application/openmetrics-text;version=1.0.0"}, True),
+        ("GET", "/metrics?module=a?b", {"X-Prometheus-Scrape-Timeout-Seconds": "10"}, True),  # a second `?`
         ("GET", "/metrics", {"Accept": "text/plain"}, False),
         ("HEAD", "/metrics", {"X-Prometheus-Scrape-Timeout-Seconds": "10"}, False),
         ("GET", "/", {"X-Prometheus-Scrape-Timeout-Seconds": "10"}, False),
@@ -437,7 +480,8 @@ def test_what_counts_as_a_scrape(method, path, headers, scrape):
 def test_a_scrape_waits_at_most_a_quarter_of_its_timeout():
     assert scrape_wait({"X-Prometheus-Scrape-Timeout-Seconds": "2"}) == 0.5
     assert scrape_wait({"X-Prometheus-Scrape-Timeout-Seconds": "60"}) == 1.0
-    for bad in ("nan", "-1", "x", ""):
+    assert scrape_wait({"X-Prometheus-Scrape-Timeout-Seconds": "0.5"}) == 0.125  # a sub-second timeout too
+    for bad in ("nan", "-1", "x", "", "0"):  # 0: no timeout given, not "no wait"
         assert scrape_wait({"X-Prometheus-Scrape-Timeout-Seconds": bad}) == 1.0
 
 

@@ -258,3 +258,93 @@ def test_the_simulated_nvml_answers_mig_handles_as_the_notes_say():
     del node.gpu(0).mig_instances[1]
     with pytest.raises(E.NVMLError_InvalidArgument):
         nv.nvmlDeviceGetMemoryInfo(h)  # destroyed: the handle is invalid
+
+
+def _mig_memory_fails(rig: MigRig, code: int) -> None:
+    real = rig.nv.nv.nvmlDeviceGetMemoryInfo
+
+    def memory(h: Any, version: Any = None) -> Any:
+        if getattr(h, "mig", -1) >= 0:
+            raise E.NVMLError(code)
+        return real(h, version) if version else real(h)
+
+    rig.nv.nv.nvmlDeviceGetMemoryInfo = memory
+
+
+def test_a_transient_instance_memory_failure_fails_the_read_keeps_the_instances_and_logs_once(tmp_path, caplog):
+    rig = MigRig(tmp_path)
+    rig.poll(0)
+    real = rig.nv.nv.nvmlDeviceGetMemoryInfo
+    _mig_memory_fails(rig, E.NVML_ERROR_UNKNOWN)
+    for _ in range(3):
+        rig.poll(1.0)
+        assert rig.nvml.health.up == 0
+        assert len(rig.metrics()["gpu_mig_info"]) == 2 and not rig.mig("gpu_mig_memory_total_bytes")
+    a, b = rig.node.gpu(0).mig_instances
+    lines = [r.getMessage() for r in caplog.records if "MIG" in r.getMessage()]
+    assert sorted(lines) == sorted(f"vramwatch: GPU 0 MIG {m.uuid}: reading memory failed (UNKNOWN)" for m in (a, b))
+    rig.nv.nv.nvmlDeviceGetMemoryInfo = real
+    rig.poll(1.0)
+    assert rig.nvml.health.up == 1 and len(rig.mig("gpu_mig_memory_total_bytes")) == 2
+
+
+def test_an_instance_gone_under_its_memory_read_is_left_out_and_looked_for_at_once(tmp_path):
+    rig = MigRig(tmp_path)
+    rig.poll(0)
+    real = rig.nv.nv.nvmlDeviceGetMemoryInfo
+    _mig_memory_fails(rig, E.NVML_ERROR_NOT_FOUND)
+    rig.nv.calls.clear()
+    rig.poll(1.0)  # a fast read: memory only
+    assert rig.nvml.health.up == 1 and not rig.metrics().get("gpu_mig_info")
+    assert rig.nv.calls["nvmlDeviceGetMaxMigDeviceCount"] == 0
+    rig.nv.nv.nvmlDeviceGetMemoryInfo = real
+    rig.poll(1.0)  # the next fast read enumerates again, not the next slow one
+    assert rig.nv.calls["nvmlDeviceGetMaxMigDeviceCount"] == 1
+    assert len(rig.mig("gpu_mig_memory_total_bytes")) == 2
+
+
+def test_an_instance_id_nvml_cannot_give_leaves_its_label_empty(tmp_path):
+    rig = MigRig(tmp_path)
+    rig.node.inject_error("nvmlDeviceGetGpuInstanceId", E.NVML_ERROR_NOT_SUPPORTED)
+    rig.poll(0)
+    info = [lab for lab, _ in rig.metrics()["gpu_mig_info"]]
+    assert len(info) == 2 and {lab["gpu_instance_id"] for lab in info} == {""}
+    assert {lab["profile"] for lab in info} == {"3g.71gb"}
+
+
+def test_nvml_gone_under_an_instance_id_read_reinitialises(tmp_path):
+    rig = MigRig(tmp_path)
+    rig.node.inject_error("nvmlDeviceGetComputeInstanceId", E.NVML_ERROR_UNINITIALIZED)
+    rig.poll(0)
+    assert rig.nvml.health.up == 0 and not rig.session.ready
+
+
+def test_unsupported_instance_memory_is_logged_once_per_instance_at_info(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="vramwatch")
+    rig = MigRig(tmp_path)
+    rig.poll(0)
+    _mig_memory_fails(rig, E.NVML_ERROR_NOT_SUPPORTED)
+    for _ in range(3):
+        rig.poll(1.0)
+    a, b = rig.node.gpu(0).mig_instances
+    got = sorted((r.levelno, r.getMessage()) for r in caplog.records if " MIG " in r.getMessage())
+    assert got == sorted(
+        (logging.INFO, f"vramwatch: GPU 0 MIG {m.uuid}: memory is NOT_SUPPORTED; not asked again until NVML re-inits")
+        for m in (a, b)
+    )
+
+
+def test_nvml_gone_under_an_instance_memory_read_reinitialises(tmp_path):
+    rig = MigRig(tmp_path)
+    rig.poll(0)
+    _mig_memory_fails(rig, E.NVML_ERROR_UNINITIALIZED)
+    rig.poll(1.0)
+    assert rig.nvml.health.up == 0 and not rig.session.ready
+
+
+def test_a_mig_card_after_one_without_mig_is_enumerated(tmp_path):
+    rig = MigRig(tmp_path, mig=False)
+    rig.node.gpu(1).enable_mig(("3g.71gb", "3g.71gb"))
+    rig.poll(0)
+    info = [lab for lab, _ in rig.metrics()["gpu_mig_info"]]
+    assert {lab["gpu"] for lab in info} == {"1"} and len(info) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from harness import child_env
+from vramwatch.server import process
 
 PROBE = r"""
 import json, sys
@@ -55,3 +57,71 @@ def test_freeze_takes_what_the_server_holds_out_of_every_collection_but_collects
     assert got["frozen"] >= 1000 and got["still_frozen"] == got["frozen"]
     assert got["held_tracked"] == 0, "a frozen object is in no generation: no collection scans it"
     assert got["later_collected"], "garbage made after the freeze is still collected"
+
+
+glibc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
+)
+
+
+@pytest.fixture
+def switch_interval():
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
+
+
+@glibc
+def test_tune_says_what_it_set(switch_interval):
+    # in this process too (the arena cap only bounds how many malloc arenas pytest's threads get)
+    assert process.tune(0.0007, 2) == {"switch_interval": pytest.approx(0.0007), "arena_max": 2}
+    assert sys.getswitchinterval() == pytest.approx(0.0007)
+
+
+def test_a_bad_switch_interval_is_left_out_and_the_rest_still_set(switch_interval, monkeypatch):
+    monkeypatch.setattr(process, "_set_arena_max", lambda n: n)
+    assert process.tune(-1.0, 3) == {"arena_max": 3}  # ValueError from the interpreter, never raised
+
+
+class _Libc:
+    """A C library as ctypes shows it: glibc has gnu_get_libc_version, musl does not."""
+
+    def __init__(self, gnu: bool, answer: int = 1) -> None:
+        self.calls: list[tuple[int, int]] = []
+        if gnu:
+            self.gnu_get_libc_version = lambda: b"2.36"
+
+        def mallopt(param: int, value: int) -> int:
+            self.calls.append((param, value))
+            return answer
+
+        self.mallopt = mallopt
+
+
+@pytest.mark.parametrize(
+    ("platform_name", "gnu", "answer", "got", "calls"),
+    [
+        ("linux", True, 1, 2, [(-8, 2)]),  # M_ARENA_MAX is -8 in glibc's malloc.h
+        ("linux", True, 0, None, [(-8, 2)]),  # mallopt refused it
+        ("linux", False, 1, None, []),  # musl: its own allocator, not asked
+        ("darwin", True, 1, None, []),
+    ],
+)
+def test_the_arena_cap_is_asked_of_glibc_only(monkeypatch, platform_name, gnu, answer, got, calls):
+    libc = _Libc(gnu, answer)
+    monkeypatch.setattr(sys, "platform", platform_name)
+    monkeypatch.setattr(process.ctypes, "CDLL", lambda name: libc)
+    assert process._set_arena_max(2) == got
+    assert libc.calls == calls
+
+
+def test_no_libc_to_load_is_logged_at_debug_and_answers_none(monkeypatch, caplog):
+    def no_libc(name):
+        raise OSError("no libc")
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(process.ctypes, "CDLL", no_libc)
+    with caplog.at_level(logging.DEBUG, logger="vramwatch"):
+        assert process._set_arena_max(2) is None
+    [record] = caplog.records
+    assert record.getMessage() == "vramwatch: mallopt unavailable" and record.exc_info

@@ -78,3 +78,103 @@ def test_a_removed_node_root_is_made_again_as_the_unit_makes_it(tmp_path):
     assert node.daemon_running(d)
     guard.release()
     assert not node.daemon_running(d)
+
+
+def test_an_intact_spool_is_left_alone_and_a_remade_one_logged_once(tmp_path, caplog):
+    d = str(tmp_path / "spool")
+    guard, health = SpoolGuard(d), Health()
+    assert guard.take()
+    guard.write_info({"port": 9})
+    with open(os.path.join(d, spool.SERVER_INFO)) as fh:
+        assert json.load(fh) == {"port": 9}
+    for _ in range(3):
+        guard.check(health)
+    assert caplog.messages == [] and health.errors == 0
+    shutil.rmtree(d)
+    for _ in range(3):
+        guard.check(health)
+    assert caplog.messages == [
+        f"vramwatch: the spool {d} vanished (removed at logout by RemoveIPC, or by hand); made it again, "
+        "ranks publish there again"
+    ]
+    shutil.rmtree(d)  # a second vanishing is counted again
+    guard.check(health)
+    assert health.errors == 2 and len(caplog.messages) == 2
+    guard.release()
+
+
+def test_a_removed_lock_file_or_a_renamed_spool_is_noticed(tmp_path):
+    """A clean-up of the spool's files, or `mv spool spool.old`: the lock is no longer where ranks look."""
+    d = str(tmp_path / "spool")
+    guard, health = SpoolGuard(d), Health()
+    assert guard.take()
+    os.unlink(os.path.join(d, spool.SERVER_LOCK))  # same directory, the lock file gone
+    assert not guard.intact()
+    guard.check(health)
+    assert guard.intact() and spool.server_running(d)
+    os.rename(d, d + ".old")  # the old lock still has its name, in the old directory
+    os.makedirs(d, mode=0o700)
+    assert not guard.intact()
+    guard.check(health)
+    assert guard.intact() and spool.server_running(d) and health.errors == 2
+    guard.release()
+
+
+def test_remaking_the_spool_leaks_no_descriptor(tmp_path):
+    d = str(tmp_path / "spool")
+    guard, health = SpoolGuard(d), Health()
+    assert guard.take()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        shutil.rmtree(d)
+        guard.check(health)
+    assert guard.intact() and len(os.listdir("/proc/self/fd")) == before
+    guard.release()
+
+
+def test_a_second_server_neither_takes_nor_releases_the_first_ones_spool(tmp_path):
+    for node_daemon in (False, True):
+        d = str(tmp_path / f"spool-{node_daemon}")
+        first, second = SpoolGuard(d, node_daemon), SpoolGuard(d, node_daemon)
+        assert first.take()
+        first.write_info({"port": 9})
+        assert not second.take()
+        assert not second.intact()
+        second.release()  # a server that did not start releases what it holds: nothing
+        assert spool.server_running(d) and os.path.exists(os.path.join(d, spool.SERVER_INFO))
+        first.release()
+        first.release()  # twice is harmless
+        assert not first.intact()
+        assert not spool.server_running(d) and not os.path.exists(os.path.join(d, spool.SERVER_INFO))
+
+
+def test_trouble_says_which_file_failed_and_why(tmp_path, caplog):
+    d = str(tmp_path / "spool")
+    guard, health = SpoolGuard(d), Health()
+    assert guard.take()
+    guard.write_info({"port": 9})
+    shutil.rmtree(d)
+    os.makedirs(os.path.join(d, spool.SERVER_INFO), mode=0o700)  # the new spool, with server.json a directory
+    os.chmod(d, 0o700)
+    guard.check(health)
+    where = os.path.join(d, spool.SERVER_INFO)
+    assert guard.trouble == f"{where}: Is a directory"
+    assert caplog.messages == [
+        f"vramwatch: the spool {d} vanished and cannot be made again ({where}: Is a directory); no rank is seen"
+    ]
+    guard.release()
+
+
+def test_a_new_spool_another_server_locked_first_is_trouble_naming_it(tmp_path):
+    d = str(tmp_path / "spool")
+    guard, health = SpoolGuard(d), Health()
+    assert guard.take()
+    shutil.rmtree(d)
+    other = SpoolGuard(d)  # started by a rank in the gap
+    assert other.take()
+    guard.check(health)
+    assert guard.trouble == f"{d}: the server lock is held by another process"
+    other.release()
+    guard.check(health)
+    assert guard.trouble == "" and guard.intact()
+    guard.release()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import base64
+import logging
 import re
+import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from tlsutil import make_pki
 from harness import ROOT, tool
 from vramwatch import config, webconfig_schema
 from vramwatch.config import ConfigError
+from vramwatch.server import webconfig
 from vramwatch.server.webconfig import BasicAuth, TLSServer, load_web_config
 from vramwatch.webconfig_schema import parse_web_config
 
@@ -392,3 +396,138 @@ def test_changed_certificates_are_reloaded_and_broken_ones_are_not(tmp_path, pki
     second = tls.current()
     assert second is not first
     assert webconfig_schema.build_ssl_context(tls.cfg) is not None
+
+
+def _rotating(tmp_path, pki):
+    cert, key = tmp_path / "s.crt", tmp_path / "s.key"
+    cert.write_bytes(pki.cert.read_bytes())
+    key.write_bytes(pki.key.read_bytes())
+    return cert, key, write(tmp_path, f"tls_server_config: {{cert_file: {cert}, key_file: {key}}}\n")
+
+
+class _Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+RELOADED = "vramwatch: TLS certificate files changed; reloaded them"
+
+
+def test_certificates_are_read_again_at_most_once_a_second(tmp_path, pki, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="vramwatch")
+    clock = _Clock(100.0)
+    monkeypatch.setattr(webconfig, "time", clock)
+    cert, key, path = _rotating(tmp_path, pki)
+    tls, _, _ = load_web_config(path)
+    first = tls.context
+    other = make_pki(tmp_path / "other")
+    cert.write_bytes(other.cert.read_bytes())
+    key.write_bytes(other.key.read_bytes())
+    clock.t = 100.5
+    assert tls.current() is first  # within the first second: not looked at yet
+    clock.t = 101.0
+    second = tls.current()
+    assert second is not first
+    cert.write_bytes(pki.cert.read_bytes())  # rotated back at once
+    key.write_bytes(pki.key.read_bytes())
+    clock.t = 101.5
+    assert tls.current() is second
+    clock.t = 102.0
+    third = tls.current()
+    assert third is not second
+    for clock.t in (103.0, 104.0, 105.0):  # unchanged since: the same context, nothing logged
+        assert tls.current() is third
+    assert caplog.messages == [RELOADED, RELOADED]
+
+
+def test_unchanged_certificates_keep_the_first_context(tmp_path, pki, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="vramwatch")
+    monkeypatch.setattr(TLSServer, "CHECK_EVERY", 0.0)
+    _, _, path = _rotating(tmp_path, pki)
+    tls, _, _ = load_web_config(path)
+    first = tls.context
+    assert tls.current() is first and tls.current() is first
+    assert caplog.messages == []
+
+
+def test_a_broken_pair_is_logged_once_until_the_files_change_again(tmp_path, pki, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="vramwatch")
+    monkeypatch.setattr(TLSServer, "CHECK_EVERY", 0.0)
+    cert, key, path = _rotating(tmp_path, pki)
+    tls, _, _ = load_web_config(path)
+    first = tls.context
+    other = make_pki(tmp_path / "other")
+    cert.write_bytes(other.cert.read_bytes())  # the key not yet: the pair does not match
+    for _ in range(3):
+        assert tls.current() is first
+    [line] = caplog.messages
+    assert line.startswith("vramwatch: keeping the old TLS certificate: invalid web config tls_server_config"), line
+    key.write_bytes(other.key.read_bytes())
+    assert tls.current() is not first and caplog.messages[1:] == [RELOADED]
+
+
+def _handshake(server: TLSServer, ca: Path) -> bytes:
+    """One connection through the server's wrap_socket; the certificate the client was shown (DER)."""
+    a, b = socket.socketpair()
+    client_ctx = ssl.create_default_context(cafile=str(ca))
+    with a, b:
+        done: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                with server.wrap_socket(a, server_side=True, do_handshake_on_connect=True):
+                    pass
+            except (OSError, ssl.SSLError) as e:  # the client hangs up first
+                done.append(e)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        with client_ctx.wrap_socket(b, server_hostname="localhost") as c:
+            der = c.getpeercert(binary_form=True)
+        t.join(10)
+    assert der
+    return der
+
+
+def test_new_connections_get_the_rotated_certificate(tmp_path, pki, monkeypatch):
+    monkeypatch.setattr(TLSServer, "CHECK_EVERY", 0.0)
+    cert, key, path = _rotating(tmp_path, pki)
+    tls, _, _ = load_web_config(path)
+    assert _handshake(tls, pki.ca) == ssl.PEM_cert_to_DER_cert(pki.cert.read_text())
+    other = make_pki(tmp_path / "other")
+    cert.write_bytes(other.cert.read_bytes())
+    key.write_bytes(other.key.read_bytes())
+    assert _handshake(tls, other.ca) == ssl.PEM_cert_to_DER_cert(other.cert.read_text())
+
+
+def test_what_loading_the_web_config_logs(tmp_path, pki, caplog):
+    caplog.set_level(logging.INFO, logger="vramwatch")
+    clear = "vramwatch: basic auth without TLS sends passwords in clear text; add tls_server_config"
+    http2 = "vramwatch: http_server_config.http2 is accepted and ignored: the exporter speaks HTTP/1.x"
+    users = f"basic_auth_users: {{alice: {HASH4}}}\n"
+    cases = [
+        (users, [clear]),
+        (tls_block(pki) + users, []),
+        (tls_block(pki), []),
+        ("http_server_config: {http2: true}\n", [http2]),
+        ("http_server_config: {headers: {X-Frame-Options: deny}}\n", []),
+    ]
+    for text, logged in cases:
+        caplog.clear()
+        load_web_config(write(tmp_path, text))
+        assert caplog.messages == logged, text
+
+
+def test_wrapping_as_the_event_loop_does_never_waits_for_the_client(tmp_path, pki):
+    """http.py wraps a non-blocking socket before the client's hello came and handshakes later, on readiness."""
+    tls, _, _ = load_web_config(write(tmp_path, tls_block(pki)))
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        wrapped = tls.wrap_socket(a, server_side=True, do_handshake_on_connect=False)  # no hello yet: no wait
+        with pytest.raises(ssl.SSLWantReadError):
+            wrapped.do_handshake()
+        assert wrapped.server_side
