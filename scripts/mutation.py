@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,6 +216,20 @@ def child_pythonpath(value: str | None, cwd: Path) -> str | None:
     return os.pathsep.join(kept) or None
 
 
+def child_env(environ: Mapping[str, str], cwd: Path) -> dict[str, str]:
+    """The environment of mutmut and its test children."""
+    env = {k: v for k, v in environ.items() if k != "PYTHONPATH"}  # the copy's code, never the tree's
+    pythonpath = child_pythonpath(environ.get("PYTHONPATH"), cwd)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    env.setdefault("TEST_TOOLS_DIR", str(ROOT / ".cache" / "debian" / "usr" / "bin"))
+    # mutmut forks each mutant's run from a process that has run the tests: torch's OpenMP pool does not
+    # survive a fork, and on 16 cores 102-175 mutants a run ended "segfault" until it had one thread
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(name, "1")
+    return env
+
+
 def toml_list(items: list[str]) -> str:
     return json.dumps(items)  # a JSON array of strings is a TOML array
 
@@ -260,11 +275,7 @@ def _results(mm: list[str], dest: Path, env: dict[str, str]) -> list[tuple[str, 
 
 def run_scope(scope: str, mutmut: str, jobs: int) -> dict[str, object]:
     dest = prepare(scope)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy's code, never the tree's
-    pythonpath = child_pythonpath(os.environ.get("PYTHONPATH"), Path.cwd())
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    env.setdefault("TEST_TOOLS_DIR", str(ROOT / ".cache" / "debian" / "usr" / "bin"))
+    env = child_env(os.environ, Path.cwd())
     mm = [os.path.abspath(mutmut), "-m", "mutmut"]  # absolute: it runs in the copy
     with open(dest / "mutmut.log", "w") as log:
         r = subprocess.run([*mm, "run", "--max-children", str(jobs)], cwd=dest, env=env, stdout=log, stderr=log)

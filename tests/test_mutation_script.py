@@ -164,3 +164,13 @@ def test_the_command_line_takes_parts_of_both_scopes_and_refuses_others(monkeypa
     assert ran == ["server:auth", "collectors:xid", "server"]
     with pytest.raises(SystemExit):
         mutation.main(["servers:auth"])
+
+
+def test_the_childrens_environment_runs_one_thread_and_the_copys_code(tmp_path: Path) -> None:
+    env = mutation.child_env({"PYTHONPATH": str(mutation.ROOT), "HOME": "/h"}, tmp_path)
+    assert "PYTHONPATH" not in env  # the repository root would shadow the mutated copy
+    assert env["HOME"] == "/h"
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"  # torch's pool does not survive a fork
+    assert env["TEST_TOOLS_DIR"] == str(mutation.ROOT / ".cache" / "debian" / "usr" / "bin")
+    kept = mutation.child_env({"OMP_NUM_THREADS": "4", "TEST_TOOLS_DIR": "/t"}, tmp_path)
+    assert (kept["OMP_NUM_THREADS"], kept["TEST_TOOLS_DIR"]) == ("4", "/t")  # a caller's choice stands

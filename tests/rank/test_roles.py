@@ -167,6 +167,17 @@ def test_other_is_allocated_minus_the_roles():
     assert d.roles == {"parameters": 1000.0, "gradients": 1000.0, "optimizer_state": 4000.0, "other": 4000.0}
 
 
+def test_a_device_the_walk_did_not_see_passes_unchanged_and_the_others_still_get_roles():
+    model = SimModel(1000, layers=1)  # its tensors live on device 0 only
+    opt = SimAdam(model)
+    w = RoleWalker(model, opt, 30.0, 4096)
+    w.poll(0.0)
+    alone = DeviceSample(1, "GPU-y", {"torch_cuda_memory_allocated_bytes": 7.0})
+    first, second = w.apply([alone, DeviceSample(0, "GPU-x", {"torch_cuda_memory_allocated_bytes": 10_000.0})])
+    assert first is alone and not first.roles
+    assert second.device == 0 and second.roles["parameters"] == 1000.0
+
+
 def test_watch_publishes_roles_tokens_and_flops(start_rank):
     h = start_rank()
     h.sim.init(0)
