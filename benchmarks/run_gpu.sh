@@ -8,7 +8,7 @@
 #   bash benchmarks/run_gpu.sh --plan --full part1            # print the commands only
 #   OUT=/tmp/x bash benchmarks/run_gpu.sh --smoke all         # no GPU: tiny CPU/simulated runs (CI smoke test)
 #
-# Parts: tests direct launch launch_fresh transformer scrape fragmentation direct_nopin launch_short, or the
+# Parts: tests direct launch launch_fresh transformer scrape fragmentation direct_nopin launch_short rss, or the
 # groups part1 (tests direct launch launch_fresh), part2 (transformer scrape), part3 (fragmentation),
 # part4 (direct_nopin: the direct cost with placement left to the scheduler; launch_short: 100 pairs of
 # 1 s launch-bound segments against one sidecar server), all (parts 1-3). launch_fresh
@@ -42,7 +42,7 @@ for a in "$@"; do
     part3) PARTS+=(fragmentation) ;;
     part4) PARTS+=(direct_nopin launch_short) ;;
     all) PARTS+=(tests direct launch launch_fresh transformer scrape fragmentation) ;;
-    tests|direct|launch|launch_fresh|transformer|scrape|fragmentation|direct_nopin|launch_short) PARTS+=("$a") ;;
+    tests|direct|launch|launch_fresh|transformer|scrape|fragmentation|direct_nopin|launch_short|rss) PARTS+=("$a") ;;
     *) echo "unknown argument: $a" >&2; exit 2 ;;
   esac
 done
@@ -83,6 +83,8 @@ SHORT="--run-seconds 1 --segment-warmup-seconds 0.25 --segment-server external -
 [ "$MODE" = smoke ] && SHORT="--run-seconds 0.2 --segment-warmup-seconds 0 --segment-server external"
 CMD_SCRAPE="$PY benchmarks/scrape.py $SCRAPE_ARGS --out $OUT/scrape.json"
 CMD_FRAG="$PY benchmarks/fragmentation.py $FRAG_ARGS --out $OUT/fragmentation.json"
+RSS_ARGS=""; [ "$MODE" = smoke ] && RSS_ARGS="--simulate --repeats 1 --settle 0.5"
+CMD_RSS="$PY benchmarks/rss_floor.py $RSS_ARGS --out $OUT/rss_floor.json"
 
 if [ "$PLAN" = 1 ]; then
   echo "mode=$MODE parts=${PARTS[*]} out=$OUT budget=$BUDGET"
@@ -94,6 +96,7 @@ if [ "$PLAN" = 1 ]; then
   has launch_short && echo "overhead: $(overhead_cmd launch_bound "$OUT/overhead-short.json" '<left>' "$SHORT")"
   has scrape && echo "scrape: $CMD_SCRAPE"
   has fragmentation && echo "fragmentation: $CMD_FRAG"
+  has rss && echo "rss: $CMD_RSS"
   exit 0
 fi
 
@@ -181,6 +184,7 @@ if has launch_short; then
 fi
 has scrape && phase scrape 200 $CMD_SCRAPE
 has fragmentation && phase fragmentation 240 $CMD_FRAG
+has rss && phase rss 90 $CMD_RSS
 if [ -f "$OUT/overhead-part1.json" ] && [ -f "$OUT/overhead-part2.json" ]; then
   $PY benchmarks/overhead.py --merge "$OUT/overhead-part1.json" "$OUT/overhead-part2.json" --out "$OUT/overhead.json"
 fi
@@ -272,6 +276,12 @@ if f:
         print(f"fragmentation {k}: final alloc {g(v['final_allocated_bytes'])} GiB, reserved "
               f"{g(v['final_reserved_bytes'])} GiB, peak reserved {g(v['peak_reserved_bytes'])} GiB, max frag "
               f"{r4(v['max_fragmentation_ratio'])}, retries {v['retries']}, ooms {v['ooms']}, steps {v['steps']}")
+m = load("rss_floor.json")
+if m:
+    for st in m.get("steps", []):
+        print(f"rss step {st['step']}: " + (f"{st['rss_mb']:.1f} MB, anon {st['anon_mb']:.1f} MB" if "rss_mb" in st else f"ERROR {st.get('error')}"))
+    for v in m.get("serve", []):
+        print(f"rss serve {v['variant']}: " + (f"{v['rss_mb']:.1f} MB, anon {v['anon_mb']:.1f} MB" if "rss_mb" in v else f"ERROR {v.get('error')}"))
 print(open(os.path.join(out, "phases.txt")).read())
 EOF
 rm -rf "$WHL_SITE"

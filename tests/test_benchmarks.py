@@ -163,7 +163,7 @@ def smoke(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     env.update(OUT=str(out), PYTHON=sys.executable, BUDGET="300")
     p = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "all", "part4"],
+        ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "all", "part4", "rss"],
         capture_output=True,
         text=True,
         env=env,
@@ -186,6 +186,7 @@ def test_smoke_every_phase_ran(smoke):
         "fragmentation",
         "overhead-direct-nopin",
         "overhead-short",
+        "rss",
     ):
         assert phases.get(name, "").startswith("rc=0"), (name, phases, stdout[-3000:])
     assert "=== summary ===" in stdout and "in_process_cpu_share" in stdout
@@ -193,6 +194,12 @@ def test_smoke_every_phase_ran(smoke):
     text = (out / "pytest-gpu.txt").read_text()
     assert re.search(r"\d+ skipped", text) and not re.search(r"\d+ (failed|errors?)\b", text), text[-2000:]
     assert (out / "environment.txt").exists()
+    rss = json.loads((out / "rss_floor.json").read_text())
+    steps = {s["step"]: s["rss_mb"] for s in rss["steps"]}
+    assert 0 < steps["bare interpreter"] < steps["+ the server's imports"], rss["steps"]
+    assert [v["variant"] for v in rss["serve"]] == ["defaults", "MALLOC_ARENA_MAX=1"] and all(
+        v["rss_mb"] > steps["bare interpreter"] and v["bytes"] > 0 for v in rss["serve"]
+    ), rss["serve"]
 
 
 @pytest.mark.slow
