@@ -44,9 +44,11 @@ class FakeNv:
         self.fail: dict[tuple[str, int | None], BaseException] = {}
         self.calls: Counter[str] = Counter()
 
-    def _check(self, fn: str, i: int | None = None) -> None:
+    def _check(self, fn: str, h: Any = None) -> None:
         self.calls[fn] += 1
-        for key in ((fn, None), (fn, i)):
+        if h is not None and not isinstance(h, int):
+            h = h[1]  # a handle: ("handle", index)
+        for key in ((fn, None), (fn, h)):
             if key in self.fail:
                 raise self.fail[key]
 
@@ -66,19 +68,19 @@ class FakeNv:
         return ("handle", i)
 
     def nvmlDeviceGetUUID(self, h: Any) -> Any:
-        self._check("nvmlDeviceGetUUID", h[1])
+        self._check("nvmlDeviceGetUUID", h)
         return self.gpus[h[1]]["uuid"]
 
     def nvmlDeviceGetName(self, h: Any) -> Any:
-        self._check("nvmlDeviceGetName", h[1])
+        self._check("nvmlDeviceGetName", h)
         return self.gpus[h[1]]["name"]
 
     def nvmlDeviceGetPciInfo(self, h: Any) -> Any:
-        self._check("nvmlDeviceGetPciInfo", h[1])
+        self._check("nvmlDeviceGetPciInfo", h)
         return SimpleNamespace(busId=self.gpus[h[1]]["pci"], bus=h[1] + 1)
 
     def nvmlDeviceGetMigMode(self, h: Any) -> Any:
-        self._check("nvmlDeviceGetMigMode", h[1])
+        self._check("nvmlDeviceGetMigMode", h)
         return self.gpus[h[1]]["mig"]
 
 
@@ -168,6 +170,27 @@ def test_a_fresh_session_before_init(tmp_path):
     assert (s.ready, s.generation, s.devices, s.incomplete, s.seen_gpus) == (False, 0, (), False, False)
     assert (s.driver_version, s.last_error, s.init_failures, s.lost) == ("", "", 0, frozenset())
     assert s.absent_reason() == "" and s.next_try_in() == 0.0 and s.watch_key() == (0, ())
+    # the first ensure() tries at once, whatever the clock reads (a monotonic clock may start near 0)
+    early = session(tmp_path, FakeNv(1), Clock(0.0))
+    assert early.next_try_in() == 0.0 and early.ensure()
+
+
+def test_a_session_another_thread_initialised_meanwhile_is_not_initialised_again(tmp_path):
+    nv = FakeNv(1)
+    s = session(tmp_path, nv)
+
+    class Contended:
+        """The lock, won only after another thread's ensure() finished."""
+
+        def __enter__(self) -> None:
+            s.ready = True
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
+    s._lock = Contended()  # type: ignore[assignment]
+    assert s.ensure() is True
+    assert nv.calls["nvmlInit"] == 0 and s.generation == 0
 
 
 def test_init_enumerates_every_gpu_with_its_identity(tmp_path, caplog):
@@ -479,7 +502,7 @@ def test_a_gpu_lost_at_init_with_another_card_at_its_index_is_not_named_by_the_o
     ]
 
 
-def test_a_gpu_lost_at_init_whose_bus_id_cannot_be_read_takes_the_remembered_one(tmp_path):
+def test_a_gpu_lost_at_init_whose_bus_id_cannot_be_read_takes_the_remembered_one(tmp_path, caplog):
     _remember(
         tmp_path,
         spool.GpuIdentity(0, "GPU-old-0", "00000000:01:00.0", "NVIDIA H200"),
@@ -497,6 +520,18 @@ def test_a_gpu_lost_at_init_whose_bus_id_cannot_be_read_takes_the_remembered_one
     )
     assert nv.calls["nvmlDeviceGetPciInfo"] == 1  # not asked without a handle
     assert s.lost == frozenset({"GPU-old-0", "GPU-old-1"})
+    assert [line[:40] for _, line in messages(caplog, "already at init")] == [
+        "vramwatch: NVML GPU 0 is lost (GPU_IS_LO",
+        "vramwatch: NVML GPU 1 is lost (GPU_IS_LO",
+    ]  # each GPU's loss logged
+
+
+def test_a_gpu_lost_at_init_has_its_bus_id_capped(tmp_path):
+    nv = FakeNv(1)
+    nv.gpus[0]["pci"] = "P" * 200
+    nv.fail[("nvmlDeviceGetUUID", 0)] = err(E.NVML_ERROR_GPU_IS_LOST)
+    s = session(tmp_path, nv)
+    assert s.ensure() and s.devices[0].pci_bus_id == "P" * 32 and s.devices[0].lost
 
 
 def test_a_gpu_lost_at_init_without_any_reading_has_no_identity(tmp_path):
@@ -576,6 +611,14 @@ def test_mark_down_backs_off_and_reinit_bumps_the_generation(tmp_path, caplog):
     ]
     ((level, _),) = messages(caplog, "NVML unavailable")
     assert level == logging.WARNING
+    # another way of stopping logs once too
+    nv.fail.clear()
+    clock.t += 10.0
+    assert s.ensure()
+    s.mark_down(err(E.NVML_ERROR_DRIVER_NOT_LOADED))
+    assert [line for _, line in messages(caplog, "stopped answering")][1:] == [
+        "vramwatch: NVML stopped answering (DRIVER_NOT_LOADED); re-initialising with back-off"
+    ]
 
 
 def test_mark_down_doubles_the_back_off_up_to_a_minute(tmp_path):
