@@ -336,7 +336,11 @@ def test_a_lost_card_has_no_readings_and_the_next_card_still_has(tmp_path):
     rig.card({0: "2g.35gb"})
     rig.read()
     assert rig.uuids(slow=False, lost={"GPU-0"}) == ["MIG-1-0-2g.35gb"]
-    assert rig.uuids(slow=True, lost={"GPU-0"}) == ["MIG-1-0-2g.35gb"]  # nor enumerated
+    rig.nv.calls.clear()
+    assert rig.uuids(slow=True, lost={"GPU-0"}) == ["MIG-1-0-2g.35gb"]
+    # nor enumerated: a lost card is not asked (its calls fail, slowly), and its instances are dropped
+    assert rig.nv.calls["nvmlDeviceGetMigMode"] == 1 and rig.nv.calls["nvmlDeviceGetMaxMigDeviceCount"] == 1
+    assert [m.parent_uuid for m in rig.table.instances] == ["GPU-1"]
     rig.devices[0] = nb.Device(0, "GPU-0", "", "", "unsupported", ("gpu", 0), lost=True)
     assert rig.uuids(slow=True) == ["MIG-1-0-2g.35gb"]  # lost already at init
 
