@@ -233,9 +233,9 @@ def test_sample_replace_keeps_the_size_used_above():
 class Refresher:
     """The cache's refresher thread, alive but stepped by the test (``refresh()``) rather than by time."""
 
-    def __init__(self, cached: CachedExposition) -> None:
+    def __init__(self, cached: CachedExposition, min_gap: float = 0.0) -> None:
         self.cached = cached
-        cached.start(min_gap=0.0, look=3600.0)  # its own loop never gets to a step
+        cached.start(min_gap=min_gap, look=3600.0)  # its own loop never gets to a step
 
     def step(self) -> bool:
         return self.cached.refresh()
@@ -252,7 +252,8 @@ def test_with_the_refresher_a_scrape_reads_nothing_and_changes_arrive_by_refresh
         monkeypatch.setattr(spool, "spool_state", lambda d, headers=True: looks.append(headers) or real(d, headers))
         for _ in range(5):
             cached.reply("", True)
-        assert looks == [False] * 5 and cached.renders == 1  # a scrape reads no record: which ranks live
+            assert cached.reply_now("", True) is not None
+        assert looks == [] and cached.renders == 1  # a scrape touches no file: the refresher looks
         assert not refresher.step() and cached.renders == 1  # nothing changed
         pubs[0].publish(sample(0, clock.now, steps=4))
         runner.poll_once()
@@ -300,19 +301,43 @@ def test_the_refresher_renders_a_death_and_the_end_of_its_window(node, tmp_path)
         cached.stop()
 
 
-def test_with_the_refresher_a_scrape_still_sees_a_rank_die_or_appear_at_once(node, tmp_path):
+def test_the_refresher_renders_a_rank_that_appeared_or_died_at_its_next_look_within_the_gap(node, tmp_path):
     _, cached, _, pubs, _, clock = node
-    Refresher(cached)
+    refresher = Refresher(cached, min_gap=3600.0)  # a newer sample waits an hour: only births and deaths come
     try:
         cached.reply("", False)
-        _dead(tmp_path, 5, clock.now)  # dead before any look
-        assert b'rank="5"' in cached.reply("", False).body  # its final sample, at once
+        pubs[0].publish(sample(0, clock.now, steps=8))
+        assert not refresher.step()  # a newer sample, within the gap: not yet
+        _dead(tmp_path, 5, clock.now)
+        assert b'rank="5"' not in cached.reply("", False).body  # the scrape itself looks at no file
+        assert refresher.step()  # a death: rendered at this look, the gap notwithstanding
+        body = cached.reply("", False).body
+        assert b'rank="5"' in body and not _live_gauges(body, 5)  # its final sample
+        assert b'steps_total{job_id="",local_rank="0",rank="0"} 8.0' in body  # and what else changed
+        cached.render_cost = 0.0  # (the share of a core its renders may take: the next test's)
+        assert not refresher.step()
         late = spool.RankPublisher(str(tmp_path), 6)
         late.publish(sample(6, clock.now))
-        assert _live_gauges(cached.reply("", False).body, 6)  # a new rank at once, not at the next refresh
+        assert refresher.step() and _live_gauges(cached.reply("", False).body, 6)  # a birth likewise
         late.close()
+        cached.render_cost = 0.0
+        assert refresher.step()  # and its death
         body = cached.reply("", False).body
-        assert b'rank="6"' in body and not _live_gauges(body, 6)  # dead at once: its final sample only
+        assert b'rank="6"' in body and not _live_gauges(body, 6)
+    finally:
+        cached.stop()
+
+
+def test_a_rank_born_while_a_costly_render_is_fresh_waits_for_the_renders_share(node, tmp_path):
+    _, cached, _, _, _, clock = node
+    refresher = Refresher(cached, min_gap=3600.0)
+    try:
+        cached.reply("", False)
+        _dead(tmp_path, 5, clock.now)
+        cached.render_cost = 3600.0 * 0.02  # a render that may come once an hour
+        assert not refresher.step()
+        cached.render_cost = 0.0
+        assert refresher.step()
     finally:
         cached.stop()
 
@@ -329,3 +354,13 @@ def test_a_costly_render_spaces_the_next_one_out(node):
         assert refresher.step() and cached.render_cost > 0  # the refresher times its own renders
     finally:
         cached.stop()
+
+
+@pytest.mark.parametrize(("accept", "tail"), [("", b""), ("application/openmetrics-text; version=1.0.0", b"# EOF\n")])
+def test_the_age_family_comes_last_so_a_gzip_scrape_checksums_only_the_age_lines(node, accept, tail):
+    _, cached, _, _, _, _ = node
+    text = cached.reply(accept, False).body
+    (fmt,) = cached.current().formats.values()
+    assert fmt.tail == tail  # nothing after the age family but the end
+    last = [x for x in text.splitlines() if x and not x.startswith(b"#")][-1]
+    assert last.startswith(b"vramwatch_sample_age_seconds{")

@@ -76,10 +76,17 @@ class ExporterCollector:
         return self.families(self.context())
 
     def families(self, ctx: ScrapeContext) -> Iterable[Metric]:
-        yield from ranks.families(ctx, self._rank_failed)
+        age: list[Metric] = []
+        for f in ranks.families(ctx, self._rank_failed):
+            if f.name == ranks.AGE_FAMILY:
+                age.append(f)
+            else:
+                yield f
         for c in self.collectors:
             yield from c.collect(ctx)  # a bad snapshot drops its families, never the scrape
         yield from self._self_health(ctx)
+        # last: a cached exposition formats it per scrape, after bytes that need no further CRC32
+        yield from age
 
     def _rank_failed(self, s: spool.RankSample, e: Exception) -> None:
         self.spool_health.failed(
