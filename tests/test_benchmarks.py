@@ -267,6 +267,11 @@ def test_smoke_scrape_json(smoke):
         assert r["paced_raw"]["errors"] == 0 and r["paced_raw"]["p50_ms"] <= r["paced_raw"]["p99_ms"]
         b = r["back_to_back"]  # one scraper back to back: the CPU per scrape without the idle share's weight
         assert b["scrapes"] > 0 and b["errors"] == 0 and b["cpu_per_scrape_s"] is not None
+        # the server names its event loop's thread, and the benchmark finds it: its CPU alone
+        assert 0 < b["loop_cpu_per_scrape_s"] <= b["cpu_per_scrape_s"]
+        assert r["paced_raw"]["loop_cpu_per_scrape_s"] > 0
+        k = r["paced_keepalive"]  # one connection for every scrape, as Prometheus keeps it: all answered on it
+        assert k["errors"] == 0 and k["scrapes"] == r["paced_raw"]["scrapes"] and k["loop_cpu_per_scrape_s"] > 0
         assert r["rss_by_mapping_mb"] and all(v > 0 for v in r["rss_by_mapping_mb"].values())
         c = r["concurrent"]
         assert c["clients"] == 4 and c["ok"] > 0 and c["scrapes"] == sum(c["statuses"].values())

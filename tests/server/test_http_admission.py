@@ -15,6 +15,7 @@ import time
 
 import bcrypt
 import pytest
+from httputil import read_answer
 from prometheus_client import CollectorRegistry, Gauge
 from test_http_robustness import _Gate, check_response
 from tlsutil import make_pki
@@ -50,13 +51,7 @@ class Target:
     def exchange(self, data: bytes, timeout: float = 10.0) -> bytes:
         with self.connect(timeout) as s:
             s.sendall(data)
-            out = b""
-            try:
-                while chunk := s.recv(65536):
-                    out += chunk
-            except (ConnectionResetError, TimeoutError, ssl.SSLError):
-                pass
-            return out
+            return read_answer(s, data.startswith(b"HEAD "), (ConnectionResetError, TimeoutError, ssl.SSLError))
 
     def get(self, path: str = "/metrics", extra: bytes = b"", prometheus: bool = False) -> int | None:
         scrape = b"X-Prometheus-Scrape-Timeout-Seconds: 10\r\n" if prometheus else b""

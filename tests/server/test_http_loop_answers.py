@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from httputil import read_answer
 from prometheus_client import CollectorRegistry
 from test_exposition_cache import Clock, Counter, _live_gauges, same_but_spool_time, sample
 
@@ -22,7 +23,7 @@ from vramwatch.server import http as http_module
 from vramwatch.server import registry as registry_module
 from vramwatch.server.collectors import Runner
 from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition, Reply
-from vramwatch.server.http import HEAD_CACHE, HEAD_CACHE_BYTES, ExporterHTTPServer
+from vramwatch.server.http import HEAD_CACHE, HEAD_CACHE_BYTES, KEEPALIVE_IDLE, ExporterHTTPServer
 
 PROMETHEUS = (
     b"GET /metrics HTTP/1.1\r\nHost: x\r\nUser-Agent: Prometheus/2.42.0\r\n"
@@ -66,9 +67,7 @@ def served(tmp_path, monkeypatch):
 def exchange(srv: ExporterHTTPServer, request: bytes) -> tuple[bytes, bytes]:
     with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5) as s:
         s.sendall(request)
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
+        raw = read_answer(s, request.startswith(b"HEAD "))
     head, _, body = raw.partition(b"\r\n\r\n")
     return head, body
 
@@ -81,7 +80,7 @@ def header(head: bytes, name: bytes) -> bytes | None:
 def test_a_current_render_is_served_by_the_loop_with_ages_at_scrape_time(served):
     srv, cached, whole, clock, started, _, _ = served
     head, _ = exchange(srv, PROMETHEUS)  # the first scrape renders: a worker's job
-    assert head.startswith(b"HTTP/1.0 200 OK\r\n") and started == [1] and srv.served_on_loop == 0
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and started == [1] and srv.served_on_loop == 0
     for step in (7.25, 3.0):
         clock.now += step  # the render gets older; only the ages move
         head, body = exchange(srv, PROMETHEUS)
@@ -99,7 +98,7 @@ def test_head_and_other_paths_are_answered_by_the_loop(served):
     srv, _, _, _, started, _, _ = served
     exchange(srv, PROMETHEUS)
     head, body = exchange(srv, PROMETHEUS.replace(b"GET ", b"HEAD ", 1))
-    assert head.startswith(b"HTTP/1.0 200 OK\r\n") and body == b"" and int(header(head, b"Content-Length")) > 0
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b"" and int(header(head, b"Content-Length")) > 0
     assert exchange(srv, b"GET /-/healthy HTTP/1.0\r\n\r\n")[1] == b"OK\n"
     head, _ = exchange(srv, b"GET /nothing HTTP/1.0\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 404 Not Found\r\n")
@@ -152,12 +151,12 @@ def test_a_head_sent_again_byte_for_byte_reuses_its_parse_and_answers_alike(serv
     assert cached.refresh()
     assert not _live_gauges(gzip.decompress(exchange(srv, PROMETHEUS)[1]), 1) and len(parsed) == 1
     head, body = exchange(srv, PROMETHEUS.replace(b"GET ", b"HEAD ", 1))  # other bytes: parsed, its own answer
-    assert len(parsed) == 2 and body == b"" and head.startswith(b"HTTP/1.0 200 OK\r\n")
+    assert len(parsed) == 2 and body == b"" and head.startswith(b"HTTP/1.1 200 OK\r\n")
     for i in range(HEAD_CACHE + 8):  # a client sending new heads each time holds a bounded table
         exchange(srv, PROMETHEUS.replace(b"Host: x", b"Host: x%d" % i))
     assert len(srv._heads) == HEAD_CACHE and PROMETHEUS not in srv._heads, "the oldest made room"
     big = PROMETHEUS.replace(b"Host: x", b"Host: " + b"x" * HEAD_CACHE_BYTES)
-    assert exchange(srv, big)[0].startswith(b"HTTP/1.0 200 OK") and big not in srv._heads
+    assert exchange(srv, big)[0].startswith(b"HTTP/1.1 200 OK") and big not in srv._heads
 
 
 class _Huge:
@@ -197,3 +196,92 @@ def test_clients_that_do_not_read_their_answers_hold_a_bounded_number_of_them():
             s.close()
         srv.shutdown()
         srv.server_close()
+
+
+def _until(cond, what: str, seconds: float = 5.0) -> None:
+    """The loop moves a connection after the client has its answer: wait (bounded) for it to."""
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_prometheus_keeps_its_connection_and_each_scrape_on_it_is_answered_by_the_loop(served):
+    srv, _, _, clock, started, _, _ = served
+    exchange(srv, PROMETHEUS)  # the first render, on a worker
+    with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5) as s:
+        for i in range(3):  # one connection, three scrapes: no new TCP connection per scrape
+            clock.now += 1.0
+            s.sendall(PROMETHEUS)
+            head, _, body = read_answer(s).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n") and header(head, b"Connection") is None
+            assert re.search(rb'rank="1"\} %.1f\n' % (i + 1.5), gzip.decompress(body)), "aged at each scrape"
+        _until(lambda: len(srv._idle) == 1, "kept for the next scrape")
+        assert started == [1]
+    _until(lambda: not srv._idle, "our close: the loop closes its end too")
+
+
+def test_a_pipelined_second_request_is_answered_after_the_first(served):
+    srv, _, _, _, started, _, _ = served
+    exchange(srv, PROMETHEUS)
+    with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5) as s:
+        s.sendall(PROMETHEUS + PROMETHEUS.replace(b"GET /metrics", b"GET /-/healthy", 1))
+        raw = b""
+        while not raw.endswith(b"\r\n\r\nOK\n"):  # both answers, in one read or more
+            chunk = s.recv(65536)
+            assert chunk, f"closed after {raw[:200]!r}"
+            raw += chunk
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and header(head, b"Content-Encoding") == b"gzip"
+        body, second = rest[: int(header(head, b"Content-Length"))], rest[int(header(head, b"Content-Length")) :]
+        assert gzip.decompress(body).endswith(b"# EOF\n"), "the first answer whole"
+        assert second.startswith(b"HTTP/1.1 200 OK\r\n") and second.endswith(b"\r\n\r\nOK\n")
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [b"GET /metrics HTTP/1.0\r\n", b"GET /metrics HTTP/1.1\r\nConnection: keep-alive, Close\r\n"],
+)
+def test_http_1_0_and_connection_close_are_answered_in_http_1_0_and_closed(served, request_line):
+    srv, _, _, _, _, _, _ = served
+    with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5) as s:
+        s.sendall(request_line + b"Host: x\r\n\r\n")
+        raw = read_answer(s)  # up to the server's close: it never waits for a second request
+    assert raw.startswith(b"HTTP/1.0 200 OK\r\n") and not srv._idle
+
+
+def test_an_idle_kept_connection_is_closed_quietly_at_its_deadline_and_the_oldest_makes_room(served, caplog):
+    srv, _, _, _, _, _, _ = served
+    srv.max_pending = 2
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(3):  # one after the other: each answered and kept before the next comes
+            socks.append(s := socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5))
+            s.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_answer(s).endswith(b"OK\n")
+            _until(lambda s=s: any(c.sock.getpeername() == s.getsockname() for c in srv._idle.values()), "kept")
+        assert socks[0].recv(1) == b"", "the oldest was closed for the third"
+        assert len(srv._idle) == 2
+        for c in list(srv._idle.values()):
+            c.deadline = 0.0  # their idle time is over
+        srv._wake()
+        for s in socks[1:]:
+            assert s.recv(1) == b"", "closed by the server"
+        assert not srv._idle and not srv.refused, "no refusal: an unused kept connection is no abuse"
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_kept_connection_gets_a_heads_deadline_once_its_next_request_begins(served):
+    srv, _, _, _, _, _, _ = served
+    with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5) as s:
+        s.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
+        read_answer(s)
+        _until(lambda: len(srv._idle) == 1, "kept")
+        (conn,) = srv._idle.values()
+        assert conn.deadline > time.monotonic() + KEEPALIVE_IDLE - 5
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")  # a slow client's first line, then nothing
+        _until(lambda: not srv._idle, "its first bytes make it a pending head")
+        assert conn.where is srv._pending
+        assert conn.deadline <= time.monotonic() + srv.conn_timeout  # the head's own, not the idle one's

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from httputil import read_answer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge
@@ -72,13 +73,7 @@ def exchange(srv, data: bytes, timeout: float = 5.0, half_close: bool = False) -
                 s.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-        except (ConnectionResetError, TimeoutError):
-            pass
-        return out
+        return read_answer(s, data.startswith(b"HEAD "), (ConnectionResetError, TimeoutError))
 
 
 _STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3}) ")

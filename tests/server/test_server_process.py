@@ -125,3 +125,42 @@ def test_no_libc_to_load_is_logged_at_debug_and_answers_none(monkeypatch, caplog
         assert process._set_arena_max(2) is None
     [record] = caplog.records
     assert record.getMessage() == "vramwatch: mallopt unavailable" and record.exc_info
+
+
+def _thread_name(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().rstrip("\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names through prctl are Linux's")
+def test_a_named_thread_reads_its_name_in_proc_and_only_that_thread():
+    import threading
+
+    got: list[object] = []
+
+    def body() -> None:
+        got.append(process.name_thread("vramwatch-http-and-more"))  # 15 bytes kept: the kernel's limit
+        got.append(_thread_name(threading.get_native_id()))
+
+    before = _thread_name(threading.get_native_id())
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(timeout=10)
+    assert got == [True, "vramwatch-http-"]
+    assert _thread_name(threading.get_native_id()) == before  # the caller's thread alone
+
+
+def test_naming_a_thread_off_linux_or_without_prctl_answers_false(monkeypatch, caplog):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert process.name_thread("x") is False
+    monkeypatch.setattr(sys, "platform", "linux")
+
+    class NoPrctl:
+        def __getattr__(self, name: str) -> object:
+            raise AttributeError(name)
+
+    monkeypatch.setattr(process.ctypes, "CDLL", lambda name: NoPrctl())
+    with caplog.at_level(logging.DEBUG, logger="vramwatch"):
+        assert process.name_thread("x") is False
+    [record] = caplog.records
+    assert record.getMessage() == "vramwatch: prctl unavailable"

@@ -23,8 +23,14 @@ auth is checked every time and a head with credentials is kept only once its pai
 Basic auth (:mod:`.auth`): a pair verified before is recognised on the loop; any other pair
 costs one bcrypt on a worker thread of its own, within a per-source budget (429 beyond it).
 
-Requests are one per connection (HTTP/1.0 semantics), so an idle keep-alive never pins a slot.
-A failing collection answers 500, never a dropped socket. Every refusal is logged (WARNING, the
+Keep-alive: an HTTP/1.1 request without ``Connection: close`` (Prometheus' own) is answered in
+HTTP/1.1 and its connection waits for the next request, so a scraper that comes back every 15 s pays
+no new TCP connection (nor, with TLS, a new handshake) per scrape. An idle connection holds no
+worker and no admission slot: it waits, watched by the loop, up to ``KEEPALIVE_IDLE`` s (at most
+``max_pending`` of them, the oldest closed for a newer one, quietly: that is no abuse), and its next
+request's head must come whole within ``timeout`` of its first byte, as on a new connection. Any
+other request (HTTP/1.0, ``Connection: close``) and every refusal is one per connection, closed after
+the answer. A failing collection answers 500, never a dropped socket. Every refusal is logged (WARNING, the
 first of each kind a minute, then counted) and counted in ``refused``.
 """
 
@@ -67,6 +73,9 @@ MAX_HEADER_LINES = 64  # Prometheus sends about six
 MAX_PENDING = 128  # connections still in their TLS handshake or request head
 HEAD_CACHE = 32  # request heads whose parse is reused: a node's scrapers send the same few, byte for byte
 HEAD_CACHE_BYTES = 2048  # a larger head is parsed each time (a Prometheus scrape is well under 1 KiB)
+# an answered HTTP/1.1 connection waits this long for its next request: longer than Prometheus' default
+# scrape interval (1 m), shorter than its client's own idle timeout (5 m), so the client closes first
+KEEPALIVE_IDLE = 90.0
 AUTH_QUEUE = 8  # bcrypt checks waiting at once
 LINGER = 1.0  # after our FIN, how long the client's remaining bytes are read (so it gets no RST)
 _DRAIN_BYTES = 64 * 1024
@@ -159,6 +168,7 @@ class _Request:
     method: str
     path: str
     headers: _Headers
+    keep_alive: bool = False  # HTTP/1.1 without "Connection: close": the connection serves the next one too
     gzip: bool | None = None  # accepts_gzip of its Accept-Encoding, once asked (a cached head asks once)
 
 
@@ -176,7 +186,14 @@ def _parse_head(head: bytes) -> _Request:
     if rest.count(b"\n") > MAX_HEADER_LINES + 1:
         raise _Refusal(431, "too-many-headers", f"more than {MAX_HEADER_LINES} header lines")
     method, target = words[0].decode("latin-1"), words[1].decode("latin-1")
-    return _Request(method, target, _parse_fields(rest))
+    headers = _parse_fields(rest)
+    keep = words[2] == b"HTTP/1.1" and "close" not in _tokens(headers.get("Connection", ""))
+    return _Request(method, target, headers, keep)
+
+
+def _tokens(value: str) -> list[str]:
+    """A comma-separated header's tokens, lower case (``Connection: Keep-Alive, Close``)."""
+    return [t.strip().lower() for t in value.split(",")]
 
 
 _REASONS = {400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 429: "Too Many Requests"}
@@ -236,7 +253,7 @@ class _AbuseLog:
 class _Conn:
     """One client connection as the event loop tracks it."""
 
-    __slots__ = ("addr", "buf", "deadline", "events", "head", "out", "raw", "req", "sock", "state", "where")
+    __slots__ = ("addr", "buf", "deadline", "events", "head", "keep", "out", "raw", "req", "sock", "state", "where")
 
     def __init__(self, sock: socket.socket, addr: Any, deadline: float, state: str) -> None:
         self.sock, self.addr, self.deadline, self.state = sock, addr, deadline, state
@@ -245,6 +262,7 @@ class _Conn:
         self.out: bytes | memoryview = b""
         self.req: _Request | None = None  # parsed, for the worker that answers it
         self.raw = False  # write past the TLS layer (to a client that never did TLS)
+        self.keep = False  # once answered, wait for the next request (keep-alive) rather than close
         self.events = 0
         self.where: dict[int, _Conn] | None = None
 
@@ -304,6 +322,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self._pending: dict[int, _Conn] = {}  # handshake or head; insertion order is age
         self._writing: dict[int, _Conn] = {}  # an answer or refusal not all sent yet; insertion order is age
         self._closing: dict[int, _Conn] = {}  # lingering after our FIN
+        self._idle: dict[int, _Conn] = {}  # answered, kept alive for the next request; insertion order is age
         self._calls: deque[Callable[[], None]] = deque()  # from other threads, run on the loop
         self._auth_queue: queue.Queue[tuple[_Conn, _Request, Credentials] | None] = queue.Queue(AUTH_QUEUE)
         self._sel: selectors.BaseSelector | None = None
@@ -374,8 +393,9 @@ class ExporterHTTPServer(socketserver.TCPServer):
 
     def _next_timeout(self, poll_interval: float) -> float:
         deadlines = [c.deadline for c in (*self._writing.values(), *self._closing.values())]
-        if self._pending:
-            deadlines.append(next(iter(self._pending.values())).deadline)  # the oldest expires first
+        for waiting in (self._pending, self._idle):
+            if waiting:
+                deadlines.append(next(iter(waiting.values())).deadline)  # the oldest expires first
         if self.admission.waiting:
             deadlines.append(time.monotonic() + 0.05)
         if not deadlines:
@@ -431,7 +451,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
             pass
 
     def _close_all(self) -> None:
-        conns = [*self._pending.values(), *self._writing.values(), *self._closing.values()]
+        conns = [*self._pending.values(), *self._writing.values(), *self._closing.values(), *self._idle.values()]
         for conn in [*conns, *self.admission.drop_all()]:
             try:
                 self._close(conn)
@@ -520,19 +540,31 @@ class ExporterHTTPServer(socketserver.TCPServer):
             chunk = conn.sock.recv(16384)
             if not chunk:  # the client is done sending: answer what came
                 if conn.buf:
-                    self._head_complete(conn, conn.buf)
+                    head, conn.buf = conn.buf, b""
+                    self._head_complete(conn, head)
                 else:
                     self._close(conn)
                 return
+            if conn.where is self._idle:  # its next request begins: a head's deadline from now, as when new
+                conn.deadline = time.monotonic() + self.conn_timeout
+                self._move(conn, self._pending)
             start = len(conn.buf)
             conn.buf += chunk
-            end = _head_end(conn.buf, start)
-            if 0 <= end <= MAX_REQUEST_HEAD:
-                self._head_complete(conn, conn.buf[:end])
+            if self._take_head(conn, start):
                 return
-            if len(conn.buf) > MAX_REQUEST_HEAD:
-                self._refuse(conn, _Refusal(431, "too-large", f"request head over {MAX_REQUEST_HEAD} bytes"))
-                return
+
+    def _take_head(self, conn: _Conn, start: int) -> bool:
+        """Answer the head in ``conn.buf`` if it is complete (what follows it stays there: a pipelined
+        next request), or refuse one grown too large; whether the head was dealt with."""
+        end = _head_end(conn.buf, start)
+        if 0 <= end <= MAX_REQUEST_HEAD:
+            head, conn.buf = conn.buf[:end], conn.buf[end:]
+            self._head_complete(conn, head)
+            return True
+        if len(conn.buf) > MAX_REQUEST_HEAD:
+            self._refuse(conn, _Refusal(431, "too-large", f"request head over {MAX_REQUEST_HEAD} bytes"))
+            return True
+        return False
 
     def _expire(self, now: float) -> None:
         while self._pending:
@@ -550,6 +582,11 @@ class ExporterHTTPServer(socketserver.TCPServer):
             self._close(conn)
         for conn in [c for c in (*self._writing.values(), *self._closing.values()) if c.deadline <= now]:
             self._close(conn)
+        while self._idle:  # a kept-alive connection nobody used again: closed, quietly
+            conn = next(iter(self._idle.values()))
+            if conn.deadline > now:
+                break
+            self._close(conn)
         for conn in self.admission.expire(now):
             self._busy(conn, "a scrape that waited its turn")
 
@@ -558,7 +595,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
         # still watched for reading: an answer the loop writes now keeps it so (no system call); only a
         # request handed on (to the bcrypt thread, a worker, the admission queue) is unwatched first
         self._move(conn, None)
-        conn.head, conn.buf, conn.state = head, b"", "busy"
+        conn.head, conn.state = head, "busy"
         req = self._heads.get(head)
         if req is None:
             try:
@@ -621,6 +658,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
             self._refuse(conn, _Refusal(401, "auth-failed", "unauthorized"), conn.head)
 
     def _admit(self, conn: _Conn, req: _Request) -> None:
+        conn.keep = req.keep_alive
         data = self._answer_now(req)
         if data is not None:  # nothing to render: answered here, no worker, no slot
             self.served_on_loop += 1
@@ -651,19 +689,20 @@ class ExporterHTTPServer(socketserver.TCPServer):
         try:
             t.start()
         except RuntimeError:  # no thread to be had: as if every worker were busy
-            self._finished(conn, scrape, answered=False)
+            self._finished(conn, scrape, None, started=False)
 
     def _work(self, conn: _Conn, scrape: bool) -> None:
+        """A worker renders the answer; the loop writes it, once its slot is free again: a client
+        that has its answer (and, kept alive, sends the next request) finds the slot released."""
+        data = None
         try:
             assert conn.req is not None
             data = self._answer(conn.req)
-            conn.sock.settimeout(self.conn_timeout)
-            conn.sock.sendall(data)
-        except Exception:  # timeouts, resets: the client's problem (logged at debug)
-            log.debug("vramwatch: request from %s failed", conn.peer, exc_info=True)
+        except Exception:  # _answer says 500 for a failed render: this is a bug, and costs the connection
+            log.warning("vramwatch: answering %s failed", conn.peer, exc_info=True)
         finally:
             conn.req = None
-            self._call_soon(partial(self._finished, conn, scrape))
+            self._call_soon(partial(self._finished, conn, scrape, data))
 
     # --- the answers to admitted requests (GET or HEAD, authorised) ---
     def _answer_now(self, req: _Request) -> bytes | None:
@@ -682,20 +721,21 @@ class ExporterHTTPServer(socketserver.TCPServer):
         return None if reply is None else self._metrics(req, reply)
 
     def _answer(self, req: _Request) -> bytes:
-        head = req.method == "HEAD"
+        head, keep = req.method == "HEAD", req.keep_alive
         path = req.path.split("?", 1)[0]
         if path == "/metrics":
             try:
                 reply = self.exposition.reply(req.headers.get("Accept", ""), self._gzip_ok(req))
             except Exception:
                 log.warning("vramwatch: rendering /metrics failed", exc_info=True)
-                return self._response(500, b"collection failed; see the server log\n", "text/plain", head=head)
+                failed = b"collection failed; see the server log\n"
+                return self._response(500, failed, "text/plain", head=head, keep=keep)
             return self._metrics(req, reply)
         if path == "/":
-            return self._response(200, LANDING, "text/html; charset=utf-8", head=head)
+            return self._response(200, LANDING, "text/html; charset=utf-8", head=head, keep=keep)
         if path in ("/-/healthy", "/-/ready"):
-            return self._response(200, b"OK\n", "text/plain", head=head)
-        return self._response(404, b"not found; see /metrics\n", "text/plain", head=head)
+            return self._response(200, b"OK\n", "text/plain", head=head, keep=keep)
+        return self._response(404, b"not found; see /metrics\n", "text/plain", head=head, keep=keep)
 
     @staticmethod
     def _gzip_ok(req: _Request) -> bool:
@@ -705,28 +745,36 @@ class ExporterHTTPServer(socketserver.TCPServer):
 
     def _metrics(self, req: _Request, reply: Reply) -> bytes:
         extra = (("Content-Encoding", reply.encoding),) if reply.encoding else ()
-        return self._response(200, reply.body, reply.content_type, extra, req.method == "HEAD")
+        return self._response(200, reply.body, reply.content_type, extra, req.method == "HEAD", req.keep_alive)
 
     def _response(
-        self, code: int, body: bytes, ctype: str, extra: tuple[tuple[str, str], ...] = (), head: bool = False
+        self,
+        code: int,
+        body: bytes,
+        ctype: str,
+        extra: tuple[tuple[str, str], ...] = (),
+        head: bool = False,
+        keep: bool = False,
     ) -> bytes:
         """A whole answer, status line to body, in one buffer: one write, one system call when it fits."""
         lines = [
-            f"HTTP/1.0 {code} {_REASONS[code]}\r\nServer: vramwatch\r\nDate: {self._date()}\r\n"
-            f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            f"{'HTTP/1.1' if keep else 'HTTP/1.0'} {code} {_REASONS[code]}\r\nServer: vramwatch\r\n"
+            f"Date: {self._date()}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
         ]
         lines += [f"{k}: {v}\r\n" for k, v in extra]
         lines += [f"{k}: {v}\r\n" for k, v in self.extra_headers.items()]
         lines.append("\r\n")
         return "".join(lines).encode("latin-1") + (b"" if head else body)
 
-    def _finished(self, conn: _Conn, scrape: bool, answered: bool = True) -> None:
+    def _finished(self, conn: _Conn, scrape: bool, data: bytes | None, started: bool = True) -> None:
         for waiting in self.admission.release(scrape):
             self._start(waiting, True)
-        if answered:
-            self._linger(conn)
-        else:
+        if not started:
             self._busy(conn, "no thread could be started")
+        elif data is None or conn.state == "closed":
+            self._close(conn)
+        else:
+            self._write(conn, data, self.conn_timeout)
 
     def _refuse(
         self,
@@ -736,6 +784,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
         extra: dict[str, str] | None = None,
         detail: str = "",
     ) -> None:
+        conn.keep = False  # a refusal ends the connection
         first = head.split(b"\n", 1)[0].rstrip(b"\r")[:80]
         why = detail or (f"{r.body}: {first!r}" if first else r.body)
         self._note(r.kind, "%s: answered %d (%s)", conn.peer, r.code, why)
@@ -782,7 +831,36 @@ class ExporterHTTPServer(socketserver.TCPServer):
         while conn.out:
             n = socket.socket.send(conn.sock, conn.out) if conn.raw else conn.sock.send(conn.out)
             conn.out = conn.out[n:]  # a memoryview: no copy of what is left
-        self._linger(conn)
+        self._done(conn)
+
+    def _done(self, conn: _Conn) -> None:
+        """The answer is sent: wait for the connection's next request (keep-alive), or close it."""
+        if not conn.keep:
+            self._linger(conn)
+            return
+        conn.state, conn.head, conn.out, conn.req = "head", b"", b"", None
+        conn.deadline = time.monotonic() + KEEPALIVE_IDLE
+        if len(self._idle) >= self.max_pending:
+            self._close(next(iter(self._idle.values())))  # the longest unused: it reconnects if it comes back
+        self._move(conn, self._idle)
+        pending = getattr(conn.sock, "pending", None)  # TLS: bytes the TLS layer read that epoll cannot see
+        if conn.buf or (pending is not None and pending()):
+            # the next request came with this one (pipelined): answered from the loop's next turn, so
+            # that a client sending many at once never deepens this call chain
+            self._call_soon(partial(self._resume, conn))
+        else:
+            self._watch(conn, selectors.EVENT_READ)
+
+    def _resume(self, conn: _Conn) -> None:
+        if conn.state != "head" or conn.where is not self._idle:
+            return  # closed (or evicted) meanwhile
+        conn.deadline = time.monotonic() + self.conn_timeout  # a head's deadline: its bytes have come
+        self._move(conn, self._pending)
+        try:
+            if not self._take_head(conn, 0):
+                self._step(conn)  # the rest of that head
+        except OSError:
+            self._close(conn)
 
     def _linger(self, conn: _Conn) -> None:
         """Send FIN, then read what the client still sends (briefly), so that it gets no RST."""

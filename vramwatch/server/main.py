@@ -26,6 +26,7 @@ from vramwatch.server.spool_guard import SpoolGuard
 
 log = logging.getLogger("vramwatch")
 
+HTTP_THREAD = "vramwatch-http"  # the event loop's thread (its kernel name too)
 # A rank-started server gives up if no rank shows up this long after it started.
 _FIRST_RANK_GRACE = 60.0
 
@@ -112,13 +113,16 @@ class Server:
         assert self.http is not None
         return self.http.server_address[1]
 
+    def _serve_forever(self) -> None:
+        assert self.http is not None
+        process.name_thread(HTTP_THREAD)  # what `top -H` shows, and how a benchmark finds the loop's CPU
+        self.http.serve_forever(poll_interval=1.0)
+
     def run(self, exit_when_idle: bool = False) -> None:
         assert self.http is not None and self.exporter is not None
         # the loop wakes for its sockets, its deadlines and shutdown()'s wake-up on their own: the poll
         # is only a backstop, and each idle wake-up costs CPU (5 a second at 0.2 s: 0.5-0.9 ms/s measured)
-        self._serving = threading.Thread(
-            target=self.http.serve_forever, kwargs={"poll_interval": 1.0}, name="vramwatch-http", daemon=True
-        )
+        self._serving = threading.Thread(target=self._serve_forever, name=HTTP_THREAD, daemon=True)
         self._serving.start()
         started = time.monotonic()
         last_seen: float | None = None
