@@ -14,6 +14,7 @@ bounded; a loop that should have ended and did not is stopped by hand and the te
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import gc
@@ -181,17 +182,31 @@ def _assert_left_at_first_read_past(reads: list[_Read], since: float, linger: fl
     assert all(a <= linger for a in after[:-1]), f"it stayed past the linger: reads at {after}"
 
 
-class _Run:
-    """Server.run in a thread; the server stopped and the thread joined on exit, however the test ends."""
+class _Stuck(Exception):
+    """Raised into a thread whose server loop did not end when stopped."""
 
-    def __init__(self, server: Server, exit_when_idle: bool = False) -> None:
+
+def _interrupt(thread: threading.Thread) -> None:
+    # the last resort against a loop that ignores stop(): an exception at its next bytecode, so the test
+    # fails instead of spinning (serve()'s handlers also hold SIGTERM and SIGINT, so nothing else would end it)
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(_Stuck))
+
+
+class _Run:
+    """Server.run in a thread (``exit_when_idle`` None: run()'s own default); the server stopped and the
+    thread joined on exit, however the test ends."""
+
+    def __init__(self, server: Server, exit_when_idle: bool | None = None) -> None:
         self.server = server
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(exit_when_idle,), name="test-run", daemon=True)
 
-    def _run(self, exit_when_idle: bool) -> None:
+    def _run(self, exit_when_idle: bool | None) -> None:
         try:
-            self.server.run(exit_when_idle)
+            if exit_when_idle is None:
+                self.server.run()
+            else:
+                self.server.run(exit_when_idle)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test by ended()
             self.error = e
 
@@ -200,9 +215,13 @@ class _Run:
         wait_until(lambda: self.server._serving is not None, 5, "run() to start serving", interval=0.01)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.server.stop()
         self.thread.join(10)
+        if self.thread.is_alive():
+            _interrupt(self.thread)
+            if exc_type is None:
+                raise AssertionError("run() did not end after stop()")
 
     def ended(self, timeout: float) -> bool:
         """Whether run() returned within ``timeout`` s (re-raising what it raised)."""
@@ -275,12 +294,16 @@ def _serve_here(
             out["stuck"] = True
             for s in servers:
                 s.stop()
+            if not done.wait(10):
+                _interrupt(threading.main_thread())
 
     t = threading.Thread(target=helper, name="test-helper", daemon=True)
     t0 = time.monotonic()
     t.start()
     try:
-        rc = serve(settings, exit_when_idle, node_daemon)
+        # serve()'s own defaults unless told otherwise: a job server, not rank-started
+        kw = {k: True for k, v in (("exit_when_idle", exit_when_idle), ("node_daemon", node_daemon)) if v}
+        rc = serve(settings, **kw)
     finally:
         done.set()
         t.join(limit + 5)
