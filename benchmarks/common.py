@@ -48,6 +48,17 @@ _T0 = time.monotonic()
 
 
 # --- progress ---
+
+
+def server_pid_in(spool_dir: str) -> int | None:
+    """The pid in a spool's ``server.json`` (the server its ranks started), or None."""
+    try:
+        with open(os.path.join(spool_dir, "server.json"), encoding="utf-8") as fh:
+            return int(json.load(fh)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def progress(msg: str) -> None:
     """One progress line on stderr, with seconds since the script started."""
     sys.stderr.write(f"[{time.monotonic() - _T0:7.1f}s] {msg}\n")

@@ -336,6 +336,9 @@ def run_variant(name: str, conf: str, args: argparse.Namespace, workdir: str) ->
         proc.wait(timeout=30)
     finally:
         log.close()
+        server = common.server_pid_in(spool)
+        if server:  # the server the rank started lingers; removed under it, its spool would be made again
+            common.stop_pid(server)
         shutil.rmtree(spool, ignore_errors=True)
     try:
         own = common.read_json(result)

@@ -544,7 +544,7 @@ def _b_segment(
         vramwatch.stop()
         if not external:
             common.write_url_file(spec["scrape_url_file"], "")
-            server_pid = _server_pid_in(spool)
+            server_pid = common.server_pid_in(spool)
             if server_pid:  # its server would otherwise linger into the next A segment
                 common.stop_pid(server_pid)
             shutil.rmtree(spool, ignore_errors=True)
@@ -552,15 +552,7 @@ def _b_segment(
 
 
 def _server_pid(handle: Any) -> int | None:
-    return None if handle is None else _server_pid_in(handle.spool_dir)
-
-
-def _server_pid_in(spool_dir: str) -> int | None:
-    try:
-        with open(os.path.join(spool_dir, "server.json"), encoding="utf-8") as fh:
-            return int(json.load(fh)["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return None if handle is None else common.server_pid_in(handle.spool_dir)
 
 
 def _time_step_calls(vw: Any, step_fn: Any, number: int, repeats: int) -> dict[str, Any]:

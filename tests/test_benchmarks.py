@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -162,6 +163,7 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("run_gpu")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")}
     env.update(OUT=str(out), PYTHON=sys.executable, BUDGET="300")
+    before = _frag_spools()
     p = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--smoke", "all", "part4", "rss"],
         capture_output=True,
@@ -171,7 +173,13 @@ def smoke(tmp_path_factory):
         stdin=subprocess.DEVNULL,
     )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    # each variant's spool goes with it: its rank-started server is stopped first (it would make it again)
+    assert _frag_spools() <= before, f"left behind: {sorted(_frag_spools() - before)}"
     return out, p.stdout
+
+
+def _frag_spools() -> set[str]:
+    return {str(p) for d in ("/dev/shm", tempfile.gettempdir()) for p in Path(d).glob("vwbench-frag-*")}
 
 
 @pytest.mark.slow
