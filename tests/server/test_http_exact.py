@@ -6,13 +6,18 @@ slip (an off-by-one, a swapped partition, a wrong status line or header) would c
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 
 import pytest
+from httputil import read_answer
 
 from vramwatch.server import http as http_module
+from vramwatch.server.exposition_cache import Reply
 from vramwatch.server.http import (
     MAX_HEADER_LINES,
+    ExporterHTTPServer,
     _head_end,
     _nonblocking,
     _parse_fields,
@@ -223,3 +228,259 @@ def test_date_is_formatted_once_a_second(monkeypatch):
     assert date() == "Sun, 06 Nov 1994 08:49:37 GMT" and date._last == (784111777, date())
     now[0] = 784111778.0
     assert date() == "Sun, 06 Nov 1994 08:49:38 GMT"
+
+
+# --- the server's exact answers --------------------------------------------------------------------
+
+DATE = "Sun, 06 Nov 1994 08:49:37 GMT"
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class FakeExposition:
+    """What answers /metrics: records each call; ``fail`` makes a render raise."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, bool]] = []
+        self.fail = False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def reply(self, accept: str, gzip_ok: bool) -> Reply:
+        self.calls.append(("reply", accept, gzip_ok))
+        self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("collector exploded")
+        return Reply(b"m 1\n", METRICS_TYPE, "gzip" if gzip_ok else None)
+
+
+def _run(srv: ExporterHTTPServer) -> threading.Thread:
+    srv._date = lambda: DATE  # a fixed Date header: answers compare byte for byte
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    return t
+
+
+def _stop(srv: ExporterHTTPServer, t: threading.Thread) -> None:
+    srv.shutdown()
+    srv.server_close()
+    t.join(5)
+
+
+@pytest.fixture
+def make_server():
+    running: list[tuple[ExporterHTTPServer, threading.Thread]] = []
+
+    def make(exposition=None, **kw) -> ExporterHTTPServer:
+        kw.setdefault("timeout", 5.0)
+        srv = ExporterHTTPServer(("127.0.0.1", 0), exposition or FakeExposition(), **kw)
+        running.append((srv, _run(srv)))
+        return srv
+
+    yield make
+    for srv, t in running:
+        if hasattr(srv.exposition, "gate"):
+            srv.exposition.gate.set()
+        _stop(srv, t)
+
+
+def connect(srv: ExporterHTTPServer, timeout: float = 5.0) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=timeout)
+
+
+def ask(srv: ExporterHTTPServer, request: bytes) -> tuple[bytes, str]:
+    """The whole answer (up to the server's close, or one keep-alive answer) and the client's peer name."""
+    with connect(srv) as s:
+        host, port = s.getsockname()[:2]
+        peer = f"{host}:{port}"
+        s.sendall(request)
+        return read_answer(s, request.startswith(b"HEAD ")), peer
+
+
+def answer(status: str, ctype: str, body: bytes, *extra: str, head: bool = False, length: int | None = None) -> bytes:
+    lines = [status, "Server: vramwatch", f"Date: {DATE}", f"Content-Type: {ctype}"]
+    lines += [f"Content-Length: {len(body) if length is None else length}", *extra]
+    return "\r\n".join(lines).encode() + b"\r\n\r\n" + (b"" if head else body)
+
+
+NOT_FOUND = b"not found; see /metrics\n"
+LANDING_TYPE = "text/html; charset=utf-8"
+
+ANSWERS = [
+    (b"GET /metrics HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n"), ("", False)),
+    (
+        b"GET /metrics?x=1 HTTP/1.0\r\nAccept: a/b\r\n\r\n",
+        answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n"),
+        ("a/b", False),
+    ),
+    (
+        b"GET /metrics HTTP/1.1\r\nAccept-Encoding: gzip\r\nConnection: close\r\n\r\n",
+        answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n", "Content-Encoding: gzip"),
+        ("", True),
+    ),
+    (
+        b"GET /metrics HTTP/1.1\r\nAccept: x/y\r\nAccept-Encoding: gzip;q=0\r\n\r\n",
+        answer("HTTP/1.1 200 OK", METRICS_TYPE, b"m 1\n"),
+        ("x/y", False),
+    ),
+    (b"HEAD /metrics HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n", head=True), ("", False)),
+    (b"GET / HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", LANDING_TYPE, http_module.LANDING), None),
+    (b"GET /?q HTTP/1.1\r\n\r\n", answer("HTTP/1.1 200 OK", LANDING_TYPE, http_module.LANDING), None),
+    (b"HEAD / HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", LANDING_TYPE, http_module.LANDING, head=True), None),
+    (b"GET /-/healthy HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", "text/plain", b"OK\n"), None),
+    (b"GET /-/ready?x HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", "text/plain", b"OK\n"), None),
+    (b"HEAD /-/ready HTTP/1.1\r\n\r\n", answer("HTTP/1.1 200 OK", "text/plain", b"OK\n", head=True), None),
+    (b"GET /nothing HTTP/1.0\r\n\r\n", answer("HTTP/1.0 404 Not Found", "text/plain", NOT_FOUND), None),
+    (b"GET /metricsx HTTP/1.0\r\n\r\n", answer("HTTP/1.0 404 Not Found", "text/plain", NOT_FOUND), None),
+    (b"HEAD /x HTTP/1.1\r\n\r\n", answer("HTTP/1.1 404 Not Found", "text/plain", NOT_FOUND, head=True), None),
+]
+
+
+@pytest.mark.parametrize(("request_", "expected", "call"), ANSWERS)
+def test_answers_byte_for_byte(make_server, request_, expected, call):
+    srv = make_server()
+    got, _ = ask(srv, request_)
+    assert got == expected
+    assert srv.exposition.calls == ([] if call is None else [("reply", *call)])
+
+
+def test_extra_headers_follow_every_answer_and_refusal(make_server):
+    srv = make_server(headers={"X-Frame-Options": "deny", "X-A": "b"})
+    got, _ = ask(srv, b"GET /-/healthy HTTP/1.0\r\n\r\n")
+    assert got == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n", "X-Frame-Options: deny", "X-A: b")
+    got, _ = ask(srv, b"GET /metrics HTTP/1.0\r\nAccept-Encoding: gzip\r\n\r\n")
+    assert got == answer(
+        "HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n", "Content-Encoding: gzip", "X-Frame-Options: deny", "X-A: b"
+    )
+    got, _ = ask(srv, b"TRACE / HTTP/1.0\r\n\r\n")
+    assert got.endswith(b"Allow: GET, HEAD\r\nX-Frame-Options: deny\r\nX-A: b\r\n\r\nmethod not allowed\n")
+
+
+def test_a_failing_render_answers_500_and_logs_why(make_server, caplog):
+    srv = make_server()
+    srv.exposition.fail = True
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        got, _ = ask(srv, b"GET /metrics HTTP/1.1\r\n\r\n")
+        head, _ = ask(srv, b"HEAD /metrics HTTP/1.0\r\n\r\n")
+    body = b"collection failed; see the server log\n"
+    assert got == answer("HTTP/1.1 500 Internal Server Error", "text/plain", body)
+    assert head == answer("HTTP/1.0 500 Internal Server Error", "text/plain", body, head=True)
+    failed = [r for r in caplog.records if r.getMessage() == "vramwatch: rendering /metrics failed"]
+    assert len(failed) == 2 and failed[0].exc_info[0] is RuntimeError
+
+
+def test_a_kept_alive_connection_answers_again_and_closes_on_request(make_server):
+    srv = make_server()
+    with connect(srv) as s:
+        for _ in range(2):
+            s.sendall(b"GET /-/healthy HTTP/1.1\r\n\r\n")
+            assert read_answer(s) == answer("HTTP/1.1 200 OK", "text/plain", b"OK\n")
+        s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")  # a worker's answer keeps it too
+        assert read_answer(s) == answer("HTTP/1.1 200 OK", METRICS_TYPE, b"m 1\n")
+        s.sendall(b"GET /-/healthy HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert read_answer(s) == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
+        assert s.recv(10) == b""  # and the server closed it
+
+
+class NowExposition(FakeExposition):
+    """An exposition with the cache's fast path: ``now`` is what reply_now answers (or raises)."""
+
+    def __init__(self, now) -> None:
+        super().__init__()
+        self.now = now
+
+    def reply_now(self, accept: str, gzip_ok: bool) -> Reply | None:
+        self.calls.append(("reply_now", accept, gzip_ok))
+        if isinstance(self.now, Exception):
+            raise self.now
+        return self.now
+
+
+def test_the_loop_answers_from_reply_now_without_a_worker(make_server):
+    srv = make_server(NowExposition(Reply(b"fast\n", "text/x", "gzip")))
+    started: list[bool] = []
+    real = srv._start
+    srv._start = lambda conn, scrape: started.append(scrape) or real(conn, scrape)
+    got, _ = ask(srv, b"HEAD /metrics?a HTTP/1.1\r\nAccept: q/r\r\nAccept-Encoding: x-gzip\r\n\r\n")
+    assert got == answer("HTTP/1.1 200 OK", "text/x", b"fast\n", "Content-Encoding: gzip", head=True)
+    got, _ = ask(srv, b"GET /metrics HTTP/1.0\r\n\r\n")
+    assert got == answer("HTTP/1.0 200 OK", "text/x", b"fast\n", "Content-Encoding: gzip")
+    assert srv.exposition.calls == [("reply_now", "q/r", True), ("reply_now", "", False)]
+    assert srv.served_on_loop == 2 and started == []
+    ask(srv, b"GET / HTTP/1.0\r\n\r\n")  # no render needed: the loop's too, without asking reply_now
+    assert srv.served_on_loop == 3 and len(srv.exposition.calls) == 2
+
+
+@pytest.mark.parametrize("now", [None, RuntimeError("cache broke")])
+def test_no_fast_answer_goes_to_a_worker(make_server, now, caplog):
+    srv = make_server(NowExposition(now))
+    started: list[bool] = []
+    real = srv._start
+    srv._start = lambda conn, scrape: started.append(scrape) or real(conn, scrape)
+    req = b"GET /metrics HTTP/1.0\r\nAccept: q/r\r\nX-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n"
+    with caplog.at_level(logging.DEBUG, logger="vramwatch"):
+        got, _ = ask(srv, req)
+    assert got == answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n")
+    assert srv.exposition.calls == [("reply_now", "q/r", False), ("reply", "q/r", False)]
+    assert srv.served_on_loop == 0 and started == [True]
+    if now is not None:
+        assert "vramwatch: serving /metrics from the cache failed" in caplog.messages
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# --- refusals: status line, headers, body, log line -------------------------------------------------
+
+
+def refusal(code: int, reason: str, body: str, *extra: str, head: bool = False) -> bytes:
+    lines = [f"HTTP/1.0 {code} {reason}", "Server: vramwatch", "Content-Type: text/plain; charset=utf-8"]
+    lines += [f"Content-Length: {len(body) + 1}", "Connection: close", *extra]
+    return "\r\n".join(lines).encode() + b"\r\n\r\n" + (b"" if head else body.encode() + b"\n")
+
+
+REFUSALS = [
+    (
+        b"GET /metrics\r\n\r\n",
+        refusal(400, "Bad Request", "bad request line"),
+        "bad-request",
+        "answered 400 (bad request line: b'GET /metrics')",
+    ),
+    (
+        b"TRACE /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+        refusal(405, "Method Not Allowed", "method not allowed", "Allow: GET, HEAD"),
+        "method",
+        "answered 405 (method not allowed: b'TRACE /metrics HTTP/1.1')",
+    ),
+    (
+        b"POST / HTTP/1.0\r\n\r\n",
+        refusal(405, "Method Not Allowed", "method not allowed", "Allow: GET, HEAD"),
+        "method",
+        "answered 405 (method not allowed: b'POST / HTTP/1.0')",
+    ),
+    (
+        b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(MAX_HEADER_LINES + 1)) + b"\r\n",
+        refusal(431, "Request Header Fields Too Large", "more than 64 header lines"),
+        "too-many-headers",
+        "answered 431 (more than 64 header lines: b'GET / HTTP/1.1')",
+    ),
+    (
+        b"GET / HTTP/1.1\r\nX-Big: " + b"a" * http_module.MAX_REQUEST_HEAD,
+        refusal(431, "Request Header Fields Too Large", "request head over 16384 bytes"),
+        "too-large",
+        "answered 431 (request head over 16384 bytes)",
+    ),
+    (
+        b"GET /" + b"a" * 100 + b" HTTP/1.1 x\r\n\r\n",
+        refusal(400, "Bad Request", "bad request line"),
+        "bad-request",
+        "answered 400 (bad request line: b'GET /" + "a" * 75 + "')",  # the line's first 80 bytes
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_", "expected", "kind", "logged"), REFUSALS)
+def test_refusals_byte_for_byte_and_their_log_line(make_server, caplog, request_, expected, kind, logged):
+    srv = make_server()
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        got, peer = ask(srv, request_)
+    assert got == expected
+    assert caplog.messages == [f"vramwatch http: {peer}: {logged}"]
+    assert srv.refused == {kind: 1} and srv.rejected == 0 and srv.exposition.calls == []
