@@ -6,14 +6,18 @@ slip (an off-by-one, a swapped partition, a wrong status line or header) would c
 
 from __future__ import annotations
 
+import base64
 import logging
 import socket
 import threading
+import time
+import types
 
 import pytest
 from httputil import read_answer
 
 from vramwatch.server import http as http_module
+from vramwatch.server.auth import BasicAuth
 from vramwatch.server.exposition_cache import Reply
 from vramwatch.server.http import (
     MAX_HEADER_LINES,
@@ -484,3 +488,151 @@ def test_refusals_byte_for_byte_and_their_log_line(make_server, caplog, request_
     assert got == expected
     assert caplog.messages == [f"vramwatch http: {peer}: {logged}"]
     assert srv.refused == {kind: 1} and srv.rejected == 0 and srv.exposition.calls == []
+
+
+def _until(cond, limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+PASSWORD = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def password_hash() -> str:
+    bcrypt = pytest.importorskip("bcrypt")
+    return bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
+
+
+def _basic(password: str) -> bytes:
+    return b"Authorization: Basic " + base64.b64encode(f"prometheus:{password}".encode()) + b"\r\n"
+
+
+UNAUTHORIZED = 'WWW-Authenticate: Basic realm="vramwatch"'
+
+
+@pytest.mark.parametrize(
+    ("request_", "expected", "kind", "logged"),
+    [
+        (
+            b"GET /metrics HTTP/1.1\r\n\r\n",
+            refusal(401, "Unauthorized", "unauthorized", UNAUTHORIZED),
+            "no-credentials",
+            "answered 401 (unauthorized: b'GET /metrics HTTP/1.1')",
+        ),
+        (
+            b"HEAD / HTTP/1.0\r\n\r\n",
+            refusal(401, "Unauthorized", "unauthorized", UNAUTHORIZED, head=True),
+            "no-credentials",
+            "answered 401 (unauthorized: b'HEAD / HTTP/1.0')",
+        ),
+        (
+            b"GET / HTTP/1.1\r\n" + _basic("wrong") + b"\r\n",
+            refusal(401, "Unauthorized", "unauthorized", UNAUTHORIZED),
+            "auth-failed",
+            "answered 401 (unauthorized: b'GET / HTTP/1.1')",
+        ),
+        (
+            b"HEAD /metrics HTTP/1.1\r\n" + _basic("wrong") + b"\r\n",
+            refusal(401, "Unauthorized", "unauthorized", UNAUTHORIZED, head=True),
+            "auth-failed",
+            "answered 401 (unauthorized: b'HEAD /metrics HTTP/1.1')",
+        ),
+    ],
+)
+def test_auth_refusals_byte_for_byte(make_server, password_hash, caplog, request_, expected, kind, logged):
+    srv = make_server(authorize=BasicAuth((("prometheus", password_hash),)))
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        got, peer = ask(srv, request_)
+    assert got == expected
+    assert caplog.messages == [f"vramwatch http: {peer}: {logged}"]
+    assert srv.refused == {kind: 1}
+    got, _ = ask(srv, b"GET /-/healthy HTTP/1.0\r\n" + _basic(PASSWORD) + b"\r\n")  # the right pair, on a worker
+    assert got == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
+
+
+def test_an_exhausted_failure_budget_answers_429(make_server, password_hash, caplog):
+    srv = make_server(authorize=BasicAuth((("prometheus", password_hash),)))
+    sources: list[str] = []
+    srv.failure_budget = types.SimpleNamespace(take=lambda source: sources.append(source) or False)
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        got, peer = ask(srv, b"GET /metrics HTTP/1.0\r\n" + _basic("guess") + b"\r\n")
+    body = "too many failed authentications; retry later"
+    assert got == refusal(429, "Too Many Requests", body)
+    assert caplog.messages == [f"vramwatch http: {peer}: answered 429 ({body})"]
+    assert srv.refused == {"auth-throttled": 1} and sources == ["127.0.0.1"]
+
+
+def test_the_auth_thread_runs_while_serving_and_ends_with_it(make_server, password_hash):
+    srv = make_server(authorize=BasicAuth((("prometheus", password_hash),)))
+    _until(lambda: any(t.name == "vramwatch-http-auth" for t in threading.enumerate()))
+    (auth,) = [t for t in threading.enumerate() if t.name == "vramwatch-http-auth"]
+    assert auth.daemon
+    srv.shutdown()
+    auth.join(5)
+    assert not auth.is_alive() and srv._sel is None
+
+
+# --- overload: 503 ---------------------------------------------------------------------------------
+
+
+def test_busy_workers_answer_503_byte_for_byte(make_server, caplog):
+    srv = make_server(max_connections=2)  # one slot for others, one kept for Prometheus' scrapes
+    srv.exposition.gate.clear()
+    with connect(srv) as blocker:
+        blocker.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")  # not a scrape: takes the others' slot
+        _until(lambda: srv.exposition.calls)
+        with caplog.at_level(logging.WARNING, logger="vramwatch"):
+            got, peer = ask(srv, b"GET /metrics HTTP/1.1\r\n\r\n")
+            head, peer2 = ask(srv, b"HEAD /metrics HTTP/1.1\r\n\r\n")
+        srv.exposition.gate.set()
+        assert read_answer(blocker) == answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n")
+    assert got == refusal(503, "Service Unavailable", "too many requests", "Retry-After: 1")
+    assert head == refusal(503, "Service Unavailable", "too many requests", "Retry-After: 1", head=True)
+    detail = "answered 503 (all 2 workers busy; not a Prometheus scrape)"
+    assert caplog.messages == [f"vramwatch http: {peer}: {detail}"]  # the second one a minute: counted
+    assert srv.refused == {"busy": 2} and srv.rejected == 2
+    got, _ = ask(srv, b"GET /metrics HTTP/1.0\r\n\r\n")  # its slot is free again
+    assert got == answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n")
+
+
+class _NoThread(threading.Thread):
+    def start(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+@pytest.mark.parametrize("scrape", [False, True])
+def test_a_worker_that_cannot_start_answers_503_and_frees_its_slot(make_server, monkeypatch, caplog, scrape):
+    srv = make_server(max_connections=1)
+    monkeypatch.setattr(http_module, "threading", types.SimpleNamespace(Thread=_NoThread))
+    req = b"GET /metrics HTTP/1.1\r\n" + (b"X-Prometheus-Scrape-Timeout-Seconds: 10\r\n" if scrape else b"") + b"\r\n"
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        got, peer = ask(srv, req)
+    assert got == refusal(503, "Service Unavailable", "too many requests", "Retry-After: 1")
+    assert caplog.messages == [f"vramwatch http: {peer}: answered 503 (all 1 workers busy; no thread could be started)"]
+    assert srv.refused == {"busy": 1} and srv.rejected == 1
+    assert (srv.admission.in_use, srv.admission.others_in_use) == (0, 0)
+    monkeypatch.undo()
+    got, _ = ask(srv, req)
+    assert got == answer("HTTP/1.1 200 OK", METRICS_TYPE, b"m 1\n")
+
+
+def test_a_bug_in_answering_costs_the_connection_not_the_slot(make_server, caplog):
+    srv = make_server(max_connections=1)
+    real = srv._answer
+
+    def broken(req):
+        raise KeyError("bug")
+
+    srv._answer = broken
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        got, peer = ask(srv, b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert got == b""  # closed with no answer
+    (rec,) = caplog.records
+    assert rec.getMessage() == f"vramwatch: answering {peer} failed" and rec.exc_info[0] is KeyError
+    assert srv.admission.in_use == 0
+    srv._answer = real
+    got, _ = ask(srv, b"GET /metrics HTTP/1.0\r\n\r\n")
+    assert got == answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n")
