@@ -20,6 +20,7 @@ import pytest
 from httputil import read_answer
 
 from vramwatch.server import http as http_module
+from vramwatch.server.admission import Admission, Decision
 from vramwatch.server.auth import BasicAuth
 from vramwatch.server.exposition_cache import Reply
 from vramwatch.server.http import (
@@ -883,6 +884,13 @@ def test_next_timeout_is_the_nearest_deadline_within_the_poll_interval():
         srv._writing.clear()
         srv._closing[1] = types.SimpleNamespace(deadline=now + 0.05)
         assert 0.0 < srv._next_timeout(0.5) <= 0.05
+        srv._closing.clear()
+        srv._pending.clear()
+        srv._idle.clear()
+        srv.admission = Admission(1)
+        assert srv.admission.offer("a", True, now + 100) is Decision.START
+        assert srv.admission.offer("b", True, now + 100) is Decision.QUEUED
+        assert 0.04 < srv._next_timeout(0.5) <= 0.05  # a waiting scrape: its deadline is looked at soon
     finally:
         srv.server_close()
 
