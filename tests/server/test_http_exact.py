@@ -336,6 +336,7 @@ ANSWERS = [
     (b"HEAD / HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", LANDING_TYPE, http_module.LANDING, head=True), None),
     (b"GET /-/healthy HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", "text/plain", b"OK\n"), None),
     (b"GET /-/ready?x HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", "text/plain", b"OK\n"), None),
+    (b"GET /-/healthy?a?b HTTP/1.0\r\n\r\n", answer("HTTP/1.0 200 OK", "text/plain", b"OK\n"), None),
     (b"HEAD /-/ready HTTP/1.1\r\n\r\n", answer("HTTP/1.1 200 OK", "text/plain", b"OK\n", head=True), None),
     (b"GET /nothing HTTP/1.0\r\n\r\n", answer("HTTP/1.0 404 Not Found", "text/plain", NOT_FOUND), None),
     (b"GET /metricsx HTTP/1.0\r\n\r\n", answer("HTTP/1.0 404 Not Found", "text/plain", NOT_FOUND), None),
@@ -431,7 +432,8 @@ def test_no_fast_answer_goes_to_a_worker(make_server, now, caplog):
     assert srv.exposition.calls == [("reply_now", "q/r", False), ("reply", "q/r", False)]
     assert srv.served_on_loop == 0 and started == [True]
     if now is not None:
-        assert "vramwatch: serving /metrics from the cache failed" in caplog.messages
+        (rec,) = [r for r in caplog.records if r.getMessage() == "vramwatch: serving /metrics from the cache failed"]
+        assert rec.exc_info[0] is RuntimeError  # why, for whoever turns debug on
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -915,3 +917,28 @@ def test_abuse_log_says_once_a_minute_and_counts_the_rest(monkeypatch, caplog):
         "vramwatch http: again y (2 more like it in the last 60 s)",
         "vramwatch http: later",
     ]
+
+
+def test_scrapes_wait_for_a_slot_in_turn_then_get_503(make_server, caplog):
+    srv = make_server(max_connections=1)  # one slot, one scrape may wait for it
+    srv.exposition.gate.clear()
+    scrape = b"GET /metrics HTTP/1.1\r\nX-Prometheus-Scrape-Timeout-Seconds: %s\r\n\r\n"
+    busy = refusal(503, "Service Unavailable", "too many requests", "Retry-After: 1")
+    with connect(srv) as blocker, connect(srv) as waiting:
+        blocker.sendall(scrape % b"10")
+        _until(lambda: srv.exposition.calls)
+        with caplog.at_level(logging.WARNING, logger="vramwatch"):
+            waiting.sendall(scrape % b"2")  # waits a quarter of its timeout: 0.5 s
+            _until(lambda: srv.admission.waiting == 1)
+            got, peer = ask(srv, scrape % b"10")  # nobody else may wait: refused at once
+            assert got == busy
+            srv._abuse = http_module._AbuseLog()  # the next 503 is logged too
+            host, port = waiting.getsockname()[:2]
+            assert read_answer(waiting) == busy  # its wait ran out
+        srv.exposition.gate.set()
+        assert read_answer(blocker) == answer("HTTP/1.1 200 OK", METRICS_TYPE, b"m 1\n")
+    assert caplog.messages == [
+        f"vramwatch http: {peer}: answered 503 (all 1 workers busy; a scrape)",
+        f"vramwatch http: {host}:{port}: answered 503 (all 1 workers busy; a scrape that waited its turn)",
+    ]
+    assert srv.refused == {"busy": 2} and srv.rejected == 2 and len(srv.exposition.calls) == 1
