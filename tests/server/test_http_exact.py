@@ -942,3 +942,40 @@ def test_scrapes_wait_for_a_slot_in_turn_then_get_503(make_server, caplog):
         f"vramwatch http: {host}:{port}: answered 503 (all 1 workers busy; a scrape that waited its turn)",
     ]
     assert srv.refused == {"busy": 2} and srv.rejected == 2 and len(srv.exposition.calls) == 1
+
+
+def test_a_hash_bcrypt_rejects_is_a_401_never_a_pass(make_server, caplog):
+    srv = make_server(authorize=BasicAuth((("prometheus", "$2b$04$not-a-hash"),)))
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        got, peer = ask(srv, b"GET /metrics HTTP/1.0\r\n" + _basic("anything") + b"\r\n")
+    assert got == refusal(401, "Unauthorized", "unauthorized", UNAUTHORIZED)
+    assert caplog.messages == [f"vramwatch http: {peer}: answered 401 (unauthorized: b'GET /metrics HTTP/1.0')"]
+    assert srv.exposition.calls == []
+
+
+def test_a_query_with_two_question_marks_still_takes_the_fast_path(make_server):
+    srv = make_server(NowExposition(Reply(b"fast\n", "text/x")))
+    got, _ = ask(srv, b"GET /metrics?a?b HTTP/1.0\r\n\r\n")
+    assert got == answer("HTTP/1.0 200 OK", "text/x", b"fast\n")
+    assert srv.exposition.calls == [("reply_now", "", False)] and srv.served_on_loop == 1
+
+
+def test_lingering_ends_at_the_clients_close_and_after_a_bounded_drain(make_server, monkeypatch):
+    monkeypatch.setattr(http_module, "LINGER", 30.0)  # only the client's close or the drain bound ends it
+    srv = make_server()
+    with connect(srv) as s:
+        s.sendall(b"GET /-/healthy HTTP/1.0\r\n\r\n")
+        assert _read_to_close(s) == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
+        assert len(srv._closing) == 1  # the server still reads what the client might send
+        s.sendall(b"z" * 1000)
+        time.sleep(0.05)
+        assert len(srv._closing) == 1
+    _until(lambda: not srv._closing, 5.0)  # the client's close: gone at once, not at the deadline
+    with connect(srv) as s:
+        s.sendall(b"GET /-/healthy HTTP/1.0\r\n\r\n")
+        assert _read_to_close(s) == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
+        try:
+            s.sendall(b"z" * (1 << 20))  # more than it drains at once: it stops reading and closes
+        except OSError:
+            pass  # reset: the server closed with bytes unread, as it should after its drain
+        _until(lambda: not srv._closing, 5.0)  # while this client is still connected
