@@ -979,3 +979,20 @@ def test_lingering_ends_at_the_clients_close_and_after_a_bounded_drain(make_serv
         except OSError:
             pass  # reset: the server closed with bytes unread, as it should after its drain
         _until(lambda: not srv._closing, 5.0)  # while this client is still connected
+
+
+def test_a_queued_scrape_is_served_when_the_slot_frees_and_counted_as_a_scrape(make_server):
+    srv = make_server(max_connections=1)
+    srv.exposition.gate.clear()
+    scrape = b"GET /metrics HTTP/1.1\r\nX-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n"
+    with connect(srv) as blocker, connect(srv) as waiting:
+        blocker.sendall(scrape)
+        _until(lambda: srv.exposition.calls)
+        waiting.sendall(scrape)
+        _until(lambda: srv.admission.waiting == 1)
+        srv.exposition.gate.set()
+        for s in (blocker, waiting):
+            assert read_answer(s) == answer("HTTP/1.1 200 OK", METRICS_TYPE, b"m 1\n")
+    _until(lambda: srv.admission.in_use == 0)
+    assert (srv.admission.in_use, srv.admission.others_in_use, srv.admission.waiting) == (0, 0, 0)
+    assert srv.rejected == 0 and len(srv.exposition.calls) == 2
