@@ -996,3 +996,15 @@ def test_a_queued_scrape_is_served_when_the_slot_frees_and_counted_as_a_scrape(m
     _until(lambda: srv.admission.in_use == 0)
     assert (srv.admission.in_use, srv.admission.others_in_use, srv.admission.waiting) == (0, 0, 0)
     assert srv.rejected == 0 and len(srv.exposition.calls) == 2
+
+
+def test_a_worker_is_a_daemon_thread_named_for_the_server(make_server):
+    srv = make_server()
+    srv.exposition.gate.clear()
+    with connect(srv) as s:
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        _until(lambda: srv.exposition.calls)
+        workers = [t for t in threading.enumerate() if t.name == "vramwatch-http"]
+        srv.exposition.gate.set()
+        assert read_answer(s) == answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n")
+    assert len(workers) == 1 and workers[0].daemon
