@@ -1008,3 +1008,14 @@ def test_a_worker_is_a_daemon_thread_named_for_the_server(make_server):
         srv.exposition.gate.set()
         assert read_answer(s) == answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n")
     assert len(workers) == 1 and workers[0].daemon
+
+
+@pytest.mark.parametrize(("extra", "kept"), [(0, True), (1, False)])
+def test_a_head_up_to_head_cache_bytes_is_remembered(make_server, extra, kept):
+    srv = make_server()
+    start = b"GET /-/healthy HTTP/1.0\r\nX-Pad: "
+    head = start + b"p" * (http_module.HEAD_CACHE_BYTES + extra - len(start) - 4) + b"\r\n\r\n"
+    assert len(head) == http_module.HEAD_CACHE_BYTES + extra
+    got, _ = ask(srv, head)
+    assert got == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
+    assert (head in srv._heads) is kept
