@@ -1019,3 +1019,18 @@ def test_a_head_up_to_head_cache_bytes_is_remembered(make_server, extra, kept):
     got, _ = ask(srv, head)
     assert got == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
     assert (head in srv._heads) is kept
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(make_server):
+    srv = make_server()
+    ok = answer("HTTP/1.1 200 OK", "text/plain", b"OK\n")
+    with connect(srv) as s:
+        s.sendall(b"GET /-/healthy HTTP/1.1\r\n\r\nGET /nothing HTTP/1.1\r\n\r\nGET /-/ready HTTP/1.1\r\n\r\n")
+        want = ok + answer("HTTP/1.1 404 Not Found", "text/plain", NOT_FOUND) + ok
+        got = b""
+        while len(got) < len(want) and (chunk := s.recv(65536)):
+            got += chunk
+        assert got == want
+        s.sendall(b"GET /-/healthy HTTP/1.1\r\nConnection: close\r\n\r\nGET /-/ready HTTP/1.1\r\n\r\n")
+        assert _read_to_close(s) == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")  # and nothing after close
+    _until(lambda: not srv._idle and not srv._pending and not srv._closing)
