@@ -507,7 +507,10 @@ class ExporterHTTPServer(socketserver.TCPServer):
             elif conn.state == "head":
                 self._read_head(conn)
             elif conn.state == "write":
-                self._flush(conn)
+                try:
+                    self._flush(conn)
+                except BlockingIOError:  # a plain socket's full send buffer: wait for room, not for bytes
+                    self._watch(conn, selectors.EVENT_WRITE)
             elif conn.state == "linger":
                 self._drain(conn)
         except self._want_read:
