@@ -73,10 +73,11 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def node(tmp_path, monkeypatch):
-    """A spool with two live ranks, the server's collector over it (one server-side collector), a clock."""
-    d = str(tmp_path)
+def two_ranks(
+    d: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[ExporterCollector, RegistryExposition, list[spool.RankPublisher], Runner[int], Clock]:
+    """A spool with two live ranks, the server's collector over it (one server-side collector, read once),
+    a whole render of it for comparison, and one clock for all: the fixtures of the cache's tests."""
     clock = Clock()
     monkeypatch.setattr(registry_module.time, "time", clock)  # the whole render's clock is the same one
     pubs = [spool.RankPublisher(d, r) for r in range(2)]
@@ -88,7 +89,14 @@ def node(tmp_path, monkeypatch):
     exp = ExporterCollector(settings, d, [runner])
     reg = CollectorRegistry(auto_describe=False)
     reg.register(exp)
-    yield exp, CachedExposition(exp, clock=clock), RegistryExposition(reg), pubs, runner, clock
+    return exp, RegistryExposition(reg), pubs, runner, clock
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    """Two live ranks, the cache over them (no refresher), a whole render, a clock."""
+    exp, whole, pubs, runner, clock = two_ranks(str(tmp_path), monkeypatch)
+    yield exp, CachedExposition(exp, clock=clock), whole, pubs, runner, clock
     for p in pubs:
         p.close()
 

@@ -17,12 +17,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
-from test_exposition_cache import GRACE, Clock, Counter, Refresher, _dead, same_but_spool_time, sample
+from test_exposition_cache import GRACE, Clock, Refresher, _dead, same_but_spool_time, sample, two_ranks
 
 from vramwatch import spool
-from vramwatch.config import Settings
 from vramwatch.server import exposition_cache
-from vramwatch.server import registry as registry_module
 from vramwatch.server.collectors import Runner, ScrapeContext
 from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition, Reply, _stored_blocks, zlib_gzip
 from vramwatch.server.promtext import choose_encoder
@@ -52,19 +50,8 @@ class Node:
 @pytest.fixture
 def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
     """test_exposition_cache's node: two live ranks, one server-side collector, one clock for all."""
-    d = str(tmp_path)
-    clock = Clock()
-    monkeypatch.setattr(registry_module.time, "time", clock)
-    pubs = [spool.RankPublisher(d, r) for r in range(2)]
-    for r, p in enumerate(pubs):
-        p.publish(sample(r, clock.now - 0.5))
-    settings = Settings(spool_dir=d)
-    runner = Runner(Counter(), settings)
-    runner.poll_once()
-    exp = ExporterCollector(settings, d, [runner])
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(exp)
-    n = Node(exp, CachedExposition(exp, clock=clock), RegistryExposition(reg), pubs, runner, clock, tmp_path)
+    exp, whole, pubs, runner, clock = two_ranks(str(tmp_path), monkeypatch)
+    n = Node(exp, CachedExposition(exp, clock=clock), whole, pubs, runner, clock, tmp_path)
     yield n
     n.cached.stop()
     for p in pubs:

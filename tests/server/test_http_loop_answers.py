@@ -14,15 +14,11 @@ import time
 
 import pytest
 from httputil import read_answer
-from prometheus_client import CollectorRegistry
-from test_exposition_cache import Clock, Counter, _live_gauges, same_but_spool_time, sample
+from test_exposition_cache import _live_gauges, same_but_spool_time, sample, two_ranks
 
 from vramwatch import spool
-from vramwatch.config import Settings
 from vramwatch.server import http as http_module
-from vramwatch.server import registry as registry_module
-from vramwatch.server.collectors import Runner
-from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition, Reply
+from vramwatch.server.exposition_cache import CachedExposition, Reply
 from vramwatch.server.http import HEAD_CACHE, HEAD_CACHE_BYTES, KEEPALIVE_IDLE, ExporterHTTPServer
 
 PROMETHEUS = (
@@ -36,16 +32,7 @@ OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0
 @pytest.fixture
 def served(tmp_path, monkeypatch):
     """Two live ranks, the cache with its refresher (stepped by hand), and the server over it."""
-    d = str(tmp_path)
-    clock = Clock()
-    monkeypatch.setattr(registry_module.time, "time", clock)
-    pubs = [spool.RankPublisher(d, r) for r in range(2)]
-    for r, p in enumerate(pubs):
-        p.publish(sample(r, clock.now - 0.5))
-    settings = Settings(spool_dir=d)
-    runner = Runner(Counter(), settings)
-    runner.poll_once()
-    exp = registry_module.ExporterCollector(settings, d, [runner])
+    exp, whole, pubs, _, clock = two_ranks(str(tmp_path), monkeypatch)
     cached = CachedExposition(exp, clock=clock)
     cached.start(min_gap=0.0, look=3600.0)  # alive, but renders only when a test calls refresh()
     srv = ExporterHTTPServer(("127.0.0.1", 0), cached, max_connections=2, timeout=5.0)
@@ -54,9 +41,7 @@ def served(tmp_path, monkeypatch):
     monkeypatch.setattr(srv, "_start", lambda conn, scrape: started.append(1) or real_start(conn, scrape))
     t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(exp)
-    yield srv, cached, RegistryExposition(reg), clock, started, pubs, tmp_path
+    yield srv, cached, whole, clock, started, pubs, tmp_path
     srv.shutdown()
     srv.server_close()
     cached.stop()
