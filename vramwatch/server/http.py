@@ -8,7 +8,7 @@ closed for a newer one), each within one deadline (``timeout``) and 16 KiB / 64 
 loop itself when nothing has to be rendered for it: ``/metrics`` from the exposition's current
 render (its ``reply_now``: the age family formatted at that moment, so as fresh as a worker's
 answer), the landing page, health and 404. Only a request that needs a render (no render yet, a
-rank appeared or died, a format never asked for) reaches one of the ``max_connections`` workers;
+read that failed, a format never asked for) reaches one of the ``max_connections`` workers;
 :mod:`.admission` decides which when there are more of them than workers (Prometheus' scrapes
 first), and the rest get a clean 503 at once. Every answer is written without blocking the loop,
 within ``timeout``; at most ``max_pending`` connections may hold an answer they are not reading (the
