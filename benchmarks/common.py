@@ -40,6 +40,7 @@ import harness  # noqa: E402 - after the path
 from harness import free_port as free_port  # noqa: E402 - after the path
 from harness import parse_metrics as parse_metrics  # noqa: E402 - after the path
 from harness import pid_alive as pid_alive  # noqa: E402 - after the path
+from harness import read_answer as read_answer  # noqa: E402 - after the path
 from harness import stop_pid as stop_pid  # noqa: E402 - after the path
 from harness import wait_http as wait_http  # noqa: E402 - after the path
 

@@ -145,7 +145,10 @@ def cpu_seconds(pid: int) -> float | None:
         return common.proc_cpu_seconds(pid)
 
 
-LOOP_THREAD = "vramwatch-http"  # the server's event loop names its thread so (vramwatch.server.main)
+def _loop_thread() -> str:
+    from vramwatch.server.main import HTTP_THREAD  # the name the server's event loop gives its thread
+
+    return HTTP_THREAD
 
 
 def loop_cpu_seconds(pid: int | None) -> float | None:
@@ -155,10 +158,11 @@ def loop_cpu_seconds(pid: int | None) -> float | None:
     figure. None without such a thread (another exporter) or without /proc."""
     if pid is None:
         return None
+    name = _loop_thread()
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                if f.read().rstrip("\n") != LOOP_THREAD:
+                if f.read().rstrip("\n") != name:
                     continue
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 return int(f.read().split()[0]) / 1e9
@@ -263,27 +267,6 @@ PLAIN_REQUEST = (
 KEEPALIVE_REQUEST = PROMETHEUS_REQUEST.replace(b"Connection: close\r\n", b"")
 
 
-def read_one_answer(s: socket.socket) -> bytes:
-    """One answer off a kept-alive connection: its head, then Content-Length bytes."""
-    buf = b""
-    while (end := buf.find(b"\r\n\r\n")) < 0:
-        chunk = s.recv(65536)
-        if not chunk:
-            return buf
-        buf += chunk
-    length = 0
-    for line in buf[:end].split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    while len(buf) < end + 4 + length:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        buf += chunk
-    return buf
-
-
 def measure_paced_keepalive(port: int, scrapes: int, rate: float, pid: int | None = None) -> dict[str, Any]:
     """``scrapes`` scrapes at ``rate`` a second on one kept-alive connection, as Prometheus scrapes an IP
     target: the latency and the event loop's CPU per scrape with no connection set up or torn down."""
@@ -296,7 +279,7 @@ def measure_paced_keepalive(port: int, scrapes: int, rate: float, pid: int | Non
             for _ in range(scrapes):
                 t0 = time.perf_counter()
                 s.sendall(KEEPALIVE_REQUEST)
-                raw = read_one_answer(s)
+                raw = common.read_answer(s)
                 if raw.startswith(b"HTTP/1.1 200 "):
                     lat.append(time.perf_counter() - t0)
                 else:

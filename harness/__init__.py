@@ -15,7 +15,16 @@ tests); a binary it cannot find raises ToolMissing, which the tests turn into a 
 from __future__ import annotations
 
 from harness.exporter import Exporter, parse_metrics, start_sim_job, start_sim_rank
-from harness.net import WaitTimeout, free_port, http_get, port_open, wait_http, wait_port_closed, wait_until
+from harness.net import (
+    WaitTimeout,
+    free_port,
+    http_get,
+    port_open,
+    read_answer,
+    wait_http,
+    wait_port_closed,
+    wait_until,
+)
 from harness.procs import ROOT, child_env, die_with, pid_alive, stop_group, stop_pid, stop_proc, vramwatch_env
 from harness.servers import Alertmanager, Prometheus, Server, loopback_prometheus_config
 from harness.tools import ToolMissing, find_tool, tool, tool_dirs
@@ -36,6 +45,7 @@ __all__ = [
     "loopback_prometheus_config",
     "parse_metrics",
     "pid_alive",
+    "read_answer",
     "port_open",
     "start_sim_job",
     "start_sim_rank",

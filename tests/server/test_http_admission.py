@@ -15,11 +15,11 @@ import time
 
 import bcrypt
 import pytest
-from httputil import read_answer
 from prometheus_client import CollectorRegistry, Gauge
 from test_http_robustness import _Gate, check_response
 from tlsutil import make_pki
 
+from harness import read_answer
 from vramwatch.server.admission import Admission, Decision, is_scrape, scrape_wait
 from vramwatch.server.auth import BasicAuth, FailureBudget
 from vramwatch.server.http import MAX_HEADER_LINES, ExporterHTTPServer

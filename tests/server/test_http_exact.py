@@ -17,8 +17,8 @@ import time
 import types
 
 import pytest
-from httputil import read_answer
 
+from harness import read_answer
 from vramwatch.server import http as http_module
 from vramwatch.server.admission import Admission, Decision
 from vramwatch.server.auth import BasicAuth

@@ -13,9 +13,9 @@ import threading
 import time
 
 import pytest
-from httputil import read_answer
 from test_exposition_cache import _live_gauges, same_but_spool_time, sample, two_ranks
 
+from harness import read_answer
 from vramwatch import spool
 from vramwatch.server import http as http_module
 from vramwatch.server.exposition_cache import CachedExposition, Reply

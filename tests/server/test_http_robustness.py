@@ -11,12 +11,12 @@ import threading
 import time
 
 import pytest
-from httputil import read_answer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily
 
+from harness import read_answer
 from vramwatch.server.http import MAX_REQUEST_HEAD, ExporterHTTPServer, accepts_gzip
 
 MAX_CONN = 4
