@@ -472,7 +472,10 @@ def _job(exp, tmp: Path, rank: int, mode: str) -> tuple[subprocess.Popen, Path]:
     from harness.procs import vramwatch_env
 
     script = tmp / "death_job.py"
-    script.write_text(DEATH_JOB)
+    if not script.exists():  # once: rewriting it would truncate it under a job still starting (it ran empty)
+        part = tmp / "death_job.py.part"
+        part.write_text(DEATH_JOB)
+        part.replace(script)
     go = tmp / f"go-{rank}-{mode}-{time.monotonic_ns()}"
     # no OOM log line: its write would hand the GIL to the sampler thread, a help a job cannot count on
     env = vramwatch_env(exp.spool, exp.port, simulate=True, log_level="ERROR")
@@ -538,7 +541,8 @@ def test_a_job_that_ooms_and_restarts_within_one_interval_alerts_on_every_promet
             for p in proms:
                 p.wait_for(f'ALERTS{{alertname="TorchOutOfMemory",rank="{r}"}}', timeout=30)
         time.sleep(GRACE + 1)  # past the dead one's window: its count stays carried in the live series
-        for r in ranks:
+        for p, r in zip(restarted, ranks, strict=True):
+            assert p.poll() is None, f"rank {r}'s successor exited {p.returncode}: {p.stderr.read().decode()}"
             ((labels, v),) = [(lab, v) for lab, v in exp.metrics()[OOMS] if lab["rank"] == str(r)]
             assert v == 1.0
         # a crash loop: the restarted process OOMs and dies too, a third takes over; one label set, the sum
