@@ -6,7 +6,10 @@
   ``sendall`` of the body, ``shutdown``, ``close``; no parsing, no event loop;
 - ``http``: vramwatch's ``ExporterHTTPServer`` (its event loop, head parse, admission, linger) over a
   static exposition, so the loop answers every scrape from ``reply_now`` and no cache is involved
-  (``scrape.py`` measures the whole server, cache and all).
+  (``scrape.py`` measures the whole server, cache and all);
+- ``floor_kept`` and ``http_kept``: the same two over one kept-alive connection (an HTTP/1.1 request
+  without ``Connection: close``, as Prometheus sends to an IP target): ``floor_kept`` is one ``recv``
+  and one ``sendall`` a scrape, no ``accept``, no close.
 
 Each is scraped ``--scrapes`` times at ``--rate`` a second (a thread that sleeps between scrapes: the
 cold path, the way Prometheus scrapes) and ``--busy`` times back to back (the warm path), and the
@@ -29,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # puts the repository root on sys.path too
 
 from vramwatch.server.exposition_cache import Reply
 from vramwatch.server.http import ExporterHTTPServer
@@ -39,6 +43,7 @@ REQUEST = (
     b"Accept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n"
     b"X-Prometheus-Scrape-Timeout-Seconds: 10\r\nConnection: close\r\n\r\n"
 )
+KEPT_REQUEST = REQUEST.replace(b"Connection: close\r\n", b"")
 
 
 class _Static:
@@ -85,6 +90,30 @@ def floor_server(body: bytes) -> tuple[int, int, Callable[[], None]]:
     return srv.getsockname()[1], tid[0], srv.close
 
 
+def floor_kept_server(body: bytes) -> tuple[int, int, Callable[[], None]]:
+    """(port, serving thread's id, stop) of the least server that keeps its connections (one at a time)."""
+    srv = socket.create_server(("127.0.0.1", 0), backlog=64)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    tid: list[int] = []
+    ready = threading.Event()
+
+    def loop() -> None:
+        tid.append(threading.get_native_id())
+        ready.set()
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return  # closed: stop
+            with c:
+                while c.recv(16384):
+                    c.sendall(answer)
+
+    threading.Thread(target=loop, daemon=True).start()
+    ready.wait(10)
+    return srv.getsockname()[1], tid[0], srv.close
+
+
 def http_server(body: bytes) -> tuple[int, int, Callable[[], None]]:
     srv = ExporterHTTPServer(("127.0.0.1", 0), _Static(body), max_connections=8, timeout=5.0)
     tid: list[int] = []
@@ -114,12 +143,26 @@ def _get(port: int) -> int:
     return n
 
 
-def per_scrape(port: int, tid: int, n: int, rate: float | None) -> float:
+class _Kept:
+    """One kept-alive connection: each call sends a request and reads its answer by Content-Length."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+
+    def __call__(self, port: int) -> int:
+        self.sock.sendall(KEPT_REQUEST)
+        return len(common.read_answer(self.sock))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def per_scrape(port: int, tid: int, n: int, rate: float | None, get: Callable[[int], int] = _get) -> float:
     """The serving thread's CPU seconds per scrape over ``n`` scrapes (at ``rate``/s; None: back to back)."""
     c0 = _thread_cpu(tid)
     nxt = time.monotonic()
     for _ in range(n):
-        if _get(port) <= 0:
+        if get(port) <= 0:
             raise SystemExit("a scrape got nothing back")
         if rate:
             nxt += 1.0 / rate
@@ -143,13 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.rate <= 0 or args.scrapes < 1 or args.busy < 1 or args.repeats < 1 or args.bytes < 1:
         ap.error("--rate, --scrapes, --busy, --bytes and --repeats must be positive")
     body = b"x" * args.bytes
-    servers = {"floor": floor_server(body), "http": http_server(body)}
+    http = http_server(body)
+    servers = {"floor": floor_server(body), "http": http, "floor_kept": floor_kept_server(body), "http_kept": http}
     got: dict[str, dict[str, list[float]]] = {k: {"cold": [], "warm": []} for k in servers}
     try:
         for i in range(args.repeats):
-            for name, (port, tid, _) in servers.items():  # floor, http, floor, http: paired rounds
-                got[name]["cold"].append(per_scrape(port, tid, args.scrapes, args.rate))
-                got[name]["warm"].append(per_scrape(port, tid, args.busy, None))
+            for name, (port, tid, _) in servers.items():  # floor, http, ... in turn: paired rounds
+                get: Callable[[int], int] = _Kept(port) if name.endswith("_kept") else _get
+                got[name]["cold"].append(per_scrape(port, tid, args.scrapes, args.rate, get))
+                got[name]["warm"].append(per_scrape(port, tid, args.busy, None, get))
+                if isinstance(get, _Kept):
+                    get.close()
                 print(
                     f"[scrape_floor] round {i + 1}/{args.repeats} {name}: "
                     f"{got[name]['cold'][-1] * 1e3:.3f} ms at {args.rate:g}/s, "
@@ -158,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     finally:
-        for _, _, stop in servers.values():
-            stop()
+        for name, (_, _, stop) in servers.items():
+            if name != "http_kept":  # the same server as http's
+                stop()
     result: dict[str, Any] = {
         "rate_per_s": args.rate,
         "bytes": args.bytes,
@@ -171,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in servers:
         c, w = result[name]["cold"]["median_ms"], result[name]["warm"]["median_ms"]
         print(f"{name}: {c:.3f} ms a scrape at {args.rate:g}/s, {w:.3f} ms back to back ({c / w:.1f}x)")
-    added = result["http"]["cold"]["median_ms"] - result["floor"]["cold"]["median_ms"]
-    print(f"vramwatch's loop adds {added:.3f} ms a cold scrape to the least Python server")
+    for ours, least in (("http", "floor"), ("http_kept", "floor_kept")):
+        added = result[ours]["cold"]["median_ms"] - result[least]["cold"]["median_ms"]
+        print(f"vramwatch's loop adds {added:.3f} ms a cold scrape to {least}'s")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
