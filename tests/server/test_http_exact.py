@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import errno
 import logging
+import queue
 import re
 import socket
 import struct
@@ -559,16 +560,39 @@ def test_auth_refusals_byte_for_byte(make_server, password_hash, caplog, request
     assert got == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
 
 
-def test_an_exhausted_failure_budget_answers_429(make_server, password_hash, caplog):
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_an_exhausted_failure_budget_answers_429(make_server, password_hash, caplog, method):
     srv = make_server(authorize=BasicAuth((("prometheus", password_hash),)))
     sources: list[str] = []
     srv.failure_budget = types.SimpleNamespace(take=lambda source: sources.append(source) or False)
     with caplog.at_level(logging.WARNING, logger="vramwatch"):
-        got, peer = ask(srv, b"GET /metrics HTTP/1.0\r\n" + _basic("guess") + b"\r\n")
+        got, peer = ask(srv, f"{method} /metrics HTTP/1.0\r\n".encode() + _basic("guess") + b"\r\n")
     body = "too many failed authentications; retry later"
-    assert got == refusal(429, "Too Many Requests", body)
-    assert caplog.messages == [f"vramwatch http: {peer}: answered 429 ({body})"]
+    assert got == refusal(429, "Too Many Requests", body, head=method == "HEAD")  # a HEAD's answer has no body
+    assert caplog.messages == [f"vramwatch http: {peer}: answered 429 ({body}: b'{method} /metrics HTTP/1.0')"]
     assert srv.refused == {"auth-throttled": 1} and sources == ["127.0.0.1"]
+
+
+class _FullQueue(queue.Queue):
+    """An auth queue with no room for a check: every bcrypt check is refused; shutdown's sentinel still goes in."""
+
+    def put_nowait(self, item: object) -> None:
+        if item is not None:
+            raise queue.Full
+        super().put_nowait(item)
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_a_full_auth_queue_answers_503(make_server, password_hash, caplog, method):
+    srv = make_server(authorize=BasicAuth((("prometheus", password_hash),)))
+    waiting_on, srv._auth_queue = srv._auth_queue, _FullQueue()
+    waiting_on.put_nowait(None)  # the auth thread waits on the old queue: end it now, not one poll after the test
+    with caplog.at_level(logging.WARNING, logger="vramwatch"):
+        got, peer = ask(srv, f"{method} /metrics HTTP/1.1\r\n".encode() + _basic("guess") + b"\r\n")
+    body = "too many authentications in progress"
+    assert got == refusal(503, "Service Unavailable", body, head=method == "HEAD")
+    assert caplog.messages == [f"vramwatch http: {peer}: answered 503 ({body}: b'{method} /metrics HTTP/1.1')"]
+    assert srv.refused == {"auth-busy": 1}
 
 
 def test_the_auth_thread_runs_while_serving_and_ends_with_it(make_server, password_hash):

@@ -620,13 +620,13 @@ class ExporterHTTPServer(socketserver.TCPServer):
         elif creds is None:
             self._refuse(conn, _Refusal(401, "no-credentials", "unauthorized"), head)
         elif not self.failure_budget.take(conn.source):
-            self._refuse(conn, _Refusal(429, "auth-throttled", "too many failed authentications; retry later"))
+            self._refuse(conn, _Refusal(429, "auth-throttled", "too many failed authentications; retry later"), head)
         else:
             self._watch(conn, 0)  # the bcrypt thread's until it answers
             try:
                 self._auth_queue.put_nowait((conn, req, creds))
             except queue.Full:
-                self._refuse(conn, _Refusal(503, "auth-busy", "too many authentications in progress"))
+                self._refuse(conn, _Refusal(503, "auth-busy", "too many authentications in progress"), head)
 
     def _remember(self, head: bytes, req: _Request) -> None:
         """Keep a well-formed head's parse for its next byte-identical arrival (bounded: the oldest goes)."""
