@@ -391,6 +391,18 @@ def test_a_kept_alive_connection_answers_again_and_closes_on_request(make_server
         assert s.recv(10) == b""  # and the server closed it
 
 
+def test_kept_alive_scrapes_skip_the_expiry_sweep_until_a_deadline_is_due(make_server):
+    srv = make_server()
+    sweeps: list[float] = []
+    expire = srv._expire
+    srv._expire = lambda now: (sweeps.append(now), expire(now))[1]  # type: ignore[method-assign]
+    with connect(srv) as s:
+        for _ in range(20):  # the kept connection's idle deadline is KEEPALIVE_IDLE away: nothing is due
+            s.sendall(b"GET /-/healthy HTTP/1.1\r\n\r\n")
+            assert read_answer(s) == answer("HTTP/1.1 200 OK", "text/plain", b"OK\n")
+    assert len(sweeps) <= 2  # the first turn's (nothing known yet) and at most one the client's close caused
+
+
 class NowExposition(FakeExposition):
     """An exposition with the cache's fast path: ``now`` is what reply_now answers (or raises)."""
 
@@ -894,16 +906,17 @@ def test_shutdown_closes_every_connection_and_the_auth_queue(caplog):
 
 
 def test_next_timeout_is_the_nearest_deadline_within_the_poll_interval():
+    """The select's timeout, and the nearest deadline itself: the loop sweeps for expiries only once it is due."""
     srv = ExporterHTTPServer(("127.0.0.1", 0), FakeExposition())
     try:
-        assert srv._next_timeout(0.5) == 0.5
+        assert srv._next_timeout(0.5) == 0.5 and srv._due == float("inf")  # nothing to sweep, ever
         now = time.monotonic()
         srv._idle[1] = types.SimpleNamespace(deadline=now + 100)
-        assert srv._next_timeout(0.5) == 0.5
+        assert srv._next_timeout(0.5) == 0.5 and srv._due == now + 100  # the sweep waits for the deadline
         srv._pending[1] = types.SimpleNamespace(deadline=now + 0.2)
-        assert 0.1 < srv._next_timeout(0.5) <= 0.2
+        assert 0.1 < srv._next_timeout(0.5) <= 0.2 and srv._due == now + 0.2
         srv._writing[1] = types.SimpleNamespace(deadline=now - 1)
-        assert srv._next_timeout(0.5) == 0.0
+        assert srv._next_timeout(0.5) == 0.0 and srv._due == now - 1
         srv._writing.clear()
         srv._closing[1] = types.SimpleNamespace(deadline=now + 0.05)
         assert 0.0 < srv._next_timeout(0.5) <= 0.05

@@ -319,6 +319,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self._date = _Date()
         self.served_on_loop = 0  # answers the loop wrote itself, with no worker (tests and benchmarks read it)
         self._heads: dict[bytes, _Request] = {}  # recent heads' parses (HEAD_CACHE); insertion order is age
+        self._due = 0.0  # the nearest deadline (monotonic) as of the last select: the sweep waits for it
         self._pending: dict[int, _Conn] = {}  # handshake or head; insertion order is age
         self._writing: dict[int, _Conn] = {}  # an answer or refusal not all sent yet; insertion order is age
         self._closing: dict[int, _Conn] = {}  # lingering after our FIN
@@ -352,7 +353,8 @@ class ExporterHTTPServer(socketserver.TCPServer):
                     while not self._stop.is_set():
                         for key, _ in sel.select(self._next_timeout(poll_interval)):
                             self._guarded(key.data)
-                        self._guarded("expire")
+                        if time.monotonic() >= self._due:  # nothing expires sooner: a scrape skips the sweep
+                            self._guarded("expire")
                 finally:
                     self._close_all()
         finally:
@@ -399,8 +401,10 @@ class ExporterHTTPServer(socketserver.TCPServer):
         if self.admission.waiting:
             deadlines.append(time.monotonic() + 0.05)
         if not deadlines:
+            self._due = float("inf")
             return poll_interval
-        return max(0.0, min(poll_interval, min(deadlines) - time.monotonic()))
+        self._due = min(deadlines)
+        return max(0.0, min(poll_interval, self._due - time.monotonic()))
 
     def _wake(self) -> None:
         try:
