@@ -585,6 +585,26 @@ def test_an_exhausted_failure_budget_answers_429(make_server, password_hash, cap
     assert srv.refused == {"auth-throttled": 1} and sources == ["127.0.0.1"]
 
 
+def test_a_client_sending_during_its_bcrypt_check_is_not_polled(make_server, password_hash):
+    """The connection is unwatched while its password is checked: bytes it sends meanwhile (level-triggered
+    epoll) must not wake the loop over and over until the check ends."""
+    auth = BasicAuth((("prometheus", password_hash),))
+    checking = threading.Event()
+    verify = auth.verify
+    auth.verify = lambda creds: (checking.set(), time.sleep(0.3), verify(creds))[2]  # type: ignore[method-assign]
+    srv = make_server(authorize=auth)
+    steps: list[object] = []
+    step = srv._step
+    srv._step = lambda conn: (steps.append(conn), step(conn))[1]  # type: ignore[method-assign]
+    with connect(srv) as s:
+        s.sendall(b"GET /-/healthy HTTP/1.0\r\n" + _basic(PASSWORD) + b"\r\n")
+        assert checking.wait(5)
+        s.sendall(b"more bytes while the password is checked")
+        got = read_answer(s)
+    assert got == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
+    assert len(steps) <= 4  # the head's read and the answer's write, not one wake per poll of the 0.3 s
+
+
 class _FullQueue(queue.Queue):
     """An auth queue with no room for a check: every bcrypt check is refused; shutdown's sentinel still goes in."""
 
