@@ -602,7 +602,7 @@ def test_a_client_sending_during_its_bcrypt_check_is_not_polled(make_server, pas
         s.sendall(b"more bytes while the password is checked")
         got = read_answer(s)
     assert got == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
-    assert len(steps) <= 4  # the head's read and the answer's write, not one wake per poll of the 0.3 s
+    assert len(steps) <= 20  # a handful (reads, the write, the linger), not a wake per poll of the 0.3 s (160,000)
 
 
 class _FullQueue(queue.Queue):
