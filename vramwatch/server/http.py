@@ -610,7 +610,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
                 if req.method not in ("GET", "HEAD"):
                     raise _Refusal(405, "method", "method not allowed")
             except _Refusal as r:
-                self._refuse(conn, r, head)
+                self._refuse(conn, r)
                 return
             if "authorization" not in req.headers:  # credentials only once verified (below)
                 self._remember(head, req)
@@ -622,15 +622,15 @@ class ExporterHTTPServer(socketserver.TCPServer):
             self._remember(head, req)
             self._admit(conn, req)
         elif creds is None:
-            self._refuse(conn, _Refusal(401, "no-credentials", "unauthorized"), head)
+            self._refuse(conn, _Refusal(401, "no-credentials", "unauthorized"))
         elif not self.failure_budget.take(conn.source):
-            self._refuse(conn, _Refusal(429, "auth-throttled", "too many failed authentications; retry later"), head)
+            self._refuse(conn, _Refusal(429, "auth-throttled", "too many failed authentications; retry later"))
         else:
             self._watch(conn, 0)  # the bcrypt thread's until it answers
             try:
                 self._auth_queue.put_nowait((conn, req, creds))
             except queue.Full:
-                self._refuse(conn, _Refusal(503, "auth-busy", "too many authentications in progress"), head)
+                self._refuse(conn, _Refusal(503, "auth-busy", "too many authentications in progress"))
 
     def _remember(self, head: bytes, req: _Request) -> None:
         """Keep a well-formed head's parse for its next byte-identical arrival (bounded: the oldest goes)."""
@@ -662,7 +662,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
         if ok:
             self._admit(conn, req)
         else:
-            self._refuse(conn, _Refusal(401, "auth-failed", "unauthorized"), conn.head)
+            self._refuse(conn, _Refusal(401, "auth-failed", "unauthorized"))
 
     def _admit(self, conn: _Conn, req: _Request) -> None:
         conn.keep = req.keep_alive
@@ -685,7 +685,6 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self._refuse(
             conn,
             _Refusal(503, "busy", "too many requests"),
-            conn.head,
             extra={"Retry-After": "1"},
             detail=f"all {self.admission.total} workers busy; {what}",
         )
@@ -787,11 +786,13 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self,
         conn: _Conn,
         r: _Refusal,
-        head: bytes = b"",
         extra: dict[str, str] | None = None,
         detail: str = "",
     ) -> None:
+        """Answer ``r`` and close. The request line it logs, and whether it is a HEAD (no body), come from
+        ``conn.head``: set for every head that was taken, empty before one is (a head too large)."""
         conn.keep = False  # a refusal ends the connection
+        head = conn.head
         first = head.split(b"\n", 1)[0].rstrip(b"\r")[:80]
         why = detail or (f"{r.body}: {first!r}" if first else r.body)
         self._note(r.kind, "%s: answered %d (%s)", conn.peer, r.code, why)
