@@ -9,7 +9,10 @@
   (``scrape.py`` measures the whole server, cache and all);
 - ``floor_kept`` and ``http_kept``: the same two over one kept-alive connection (an HTTP/1.1 request
   without ``Connection: close``, as Prometheus sends to an IP target): ``floor_kept`` is one ``recv``
-  and one ``sendall`` a scrape, no ``accept``, no close.
+  and one ``sendall`` a scrape, no ``accept``, no close;
+- ``epoll_kept``: the least event-loop server over that connection (``select.epoll``, ``recv``,
+  ``send``): what waiting in epoll, as any server of many clients on one thread does, adds to
+  ``floor_kept``; ``http_kept`` less this is what vramwatch's own Python costs.
 
 Each is scraped ``--scrapes`` times at ``--rate`` a second (a thread that sleeps between scrapes: the
 cold path, the way Prometheus scrapes) and ``--busy`` times back to back (the warm path), and the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import select
 import socket
 import statistics
 import sys
@@ -114,6 +118,45 @@ def floor_kept_server(body: bytes) -> tuple[int, int, Callable[[], None]]:
     return srv.getsockname()[1], tid[0], srv.close
 
 
+def epoll_kept_server(body: bytes) -> tuple[int, int, Callable[[], None]]:
+    """(port, serving thread's id, stop) of the least event-loop server: ``select.epoll`` over the
+    listening socket and its kept-alive connections, one ``recv`` and one ``send`` a scrape, no parsing.
+    What any server that waits in epoll (as vramwatch's loop does, to serve many clients from one
+    thread) pays on top of ``floor_kept``'s blocking ``recv``."""
+    srv = socket.create_server(("127.0.0.1", 0), backlog=64)
+    srv.setblocking(False)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    tid: list[int] = []
+    ready = threading.Event()
+    stopping = threading.Event()
+    conns: dict[int, socket.socket] = {}
+
+    def loop() -> None:
+        tid.append(threading.get_native_id())
+        ready.set()
+        with select.epoll() as ep:
+            ep.register(srv.fileno(), select.EPOLLIN)
+            while not stopping.is_set():
+                for fd, _ in ep.poll(0.2):
+                    if fd == srv.fileno():
+                        c, _ = srv.accept()
+                        c.setblocking(False)
+                        conns[c.fileno()] = c
+                        ep.register(c.fileno(), select.EPOLLIN)
+                    elif (c := conns[fd]).recv(16384):
+                        c.send(answer)  # fits the loopback send buffer
+                    else:
+                        ep.unregister(fd)
+                        conns.pop(fd).close()
+        for c in conns.values():
+            c.close()
+        srv.close()
+
+    threading.Thread(target=loop, daemon=True).start()
+    ready.wait(10)
+    return srv.getsockname()[1], tid[0], stopping.set
+
+
 def http_server(body: bytes) -> tuple[int, int, Callable[[], None]]:
     srv = ExporterHTTPServer(("127.0.0.1", 0), _Static(body), max_connections=8, timeout=5.0)
     tid: list[int] = []
@@ -187,7 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rate, --scrapes, --busy, --bytes and --repeats must be positive")
     body = b"x" * args.bytes
     http = http_server(body)
-    servers = {"floor": floor_server(body), "http": http, "floor_kept": floor_kept_server(body), "http_kept": http}
+    servers = {
+        "floor": floor_server(body),
+        "http": http,
+        "floor_kept": floor_kept_server(body),
+        "epoll_kept": epoll_kept_server(body),
+        "http_kept": http,
+    }
     got: dict[str, dict[str, list[float]]] = {k: {"cold": [], "warm": []} for k in servers}
     try:
         for i in range(args.repeats):
@@ -219,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in servers:
         c, w = result[name]["cold"]["median_ms"], result[name]["warm"]["median_ms"]
         print(f"{name}: {c:.3f} ms a scrape at {args.rate:g}/s, {w:.3f} ms back to back ({c / w:.1f}x)")
-    for ours, least in (("http", "floor"), ("http_kept", "floor_kept")):
+    for ours, least in (("http", "floor"), ("http_kept", "floor_kept"), ("http_kept", "epoll_kept")):
         added = result[ours]["cold"]["median_ms"] - result[least]["cold"]["median_ms"]
         print(f"vramwatch's loop adds {added:.3f} ms a cold scrape to {least}'s")
     if args.out:

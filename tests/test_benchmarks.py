@@ -498,10 +498,10 @@ def test_scrape_floor_measures_both_servers_cold_and_warm_new_and_kept_alive(tmp
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())
-    for name in ("floor", "http", "floor_kept", "http_kept"):  # the kept ones over one connection each
+    for name in ("floor", "http", "floor_kept", "epoll_kept", "http_kept"):  # the kept ones over one connection each
         for path in ("cold", "warm"):
             v = data[name][path]
             assert 0 < v["min_ms"] <= v["median_ms"] <= v["max_ms"], (name, path, v)
-    assert "to floor's" in r.stdout and "to floor_kept's" in r.stdout
+    assert "to floor's" in r.stdout and "to floor_kept's" in r.stdout and "to epoll_kept's" in r.stdout
     bad = subprocess.run(cmd[:2] + ["--rate", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--rate" in bad.stderr
