@@ -505,3 +505,30 @@ def test_scrape_floor_measures_both_servers_cold_and_warm_new_and_kept_alive(tmp
     assert "to floor's" in r.stdout and "to floor_kept's" in r.stdout and "to epoll_kept's" in r.stdout
     bad = subprocess.run(cmd[:2] + ["--rate", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--rate" in bad.stderr
+
+
+def test_cpu_windows_subtracts_each_threads_own_idle_rate_and_says_how_far_the_windows_disagree():
+    import scrape
+
+    def reading(at: float, process: float, **threads: float) -> scrape.Reading:
+        r = object.__new__(scrape.Reading)
+        r.at, r.process, r.threads = at, process, threads
+        return r
+
+    # idle 0-2 s, 10 scrapes 2-4 s, idle 4-6 s: the loop thread works only while scraped (1 ms a scrape);
+    # the background thread burns 10 ms/s before and 30 ms/s after (a render burst), 20 ms/s meanwhile;
+    # a worker that ended during the scrapes spent 2 ms
+    w = scrape.cpu_windows(
+        reading(0.0, 0.0, loop=0.0, bg=0.0),
+        reading(2.0, 0.020, loop=0.0, bg=0.020),
+        reading(4.0, 0.072, loop=0.010, bg=0.060),
+        reading(6.0, 0.132, loop=0.010, bg=0.120),
+        10,
+    )
+    assert w["threads_marginal"]["loop"] == {"marginal_s": pytest.approx(1e-3), "noise_s": pytest.approx(0.0)}
+    assert w["threads_marginal"]["bg"]["marginal_s"] == pytest.approx(0.0, abs=1e-12)
+    assert w["threads_marginal"]["bg"]["noise_s"] == pytest.approx(2e-3)  # (30 - 10) / 2 ms/s x 2 s / 10
+    assert w["ended_threads_cpu_per_scrape_s"] == pytest.approx(0.2e-3)
+    assert w["cpu_per_scrape_marginal_s"] == pytest.approx(1.2e-3)  # 52 ms - 20 ms/s x 2 s, over 10
+    assert w["cpu_per_scrape_marginal_noise_s"] == pytest.approx(2e-3)
+    assert (w["idle_cpu_share_before"], w["idle_cpu_share_after"]) == (pytest.approx(0.010), pytest.approx(0.030))
