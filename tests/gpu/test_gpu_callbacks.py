@@ -110,13 +110,24 @@ class TokenLM(L.LightningModule):
         ids = torch.randint(0, 512, (BATCH * ACCUM * STEPS, SEQ), generator=torch.Generator().manual_seed(0))
         return torch.utils.data.DataLoader([{"input_ids": x} for x in ids], batch_size=BATCH)
 
+class Figures(L.Callback):
+    # at the end of training, before the strategy's teardown moves the module and the optimizer's state to
+    # the CPU (Lightning's Strategy.teardown): what a scrape shows then is what the GPU held
+    def on_train_end(self, trainer, pl_module):
+        self.res = figures(port, pl_module, trainer.optimizers[0], STEPS * ACCUM * BATCH * SEQ)
+
 torch.manual_seed(0)
 module = TokenLM()
 cb = VramwatchCallback(stop_on_end=False, port=port, spool_dir=spool, interval=0.2, role_interval=0.5, linger=0)
-t = L.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, accelerator="gpu", devices=1, callbacks=[cb],
+check = Figures()
+t = L.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, accelerator="gpu", devices=1, callbacks=[cb, check],
               logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 t.fit(module)
-res = figures(port, module, t.optimizers[0], STEPS * ACCUM * BATCH * SEQ)
+res = check.res
+res["after_teardown"] = {
+    "module_on": str(next(module.parameters()).device),
+    "state_on": sorted({str(v.device) for st in t.optimizers[0].state.values() for v in st.values() if torch.is_tensor(v)}),
+}
 res["samples_expected"] = STEPS * ACCUM * BATCH
 vramwatch.stop()
 done(res)
@@ -155,4 +166,5 @@ def test_lightning_callback_watches_the_module_and_counts_the_batches(tmp_path):
     print(json.dumps(r, indent=1))
     _save("lightning", r)
     _check(r)
+    assert r["expected"]["optimizer_state"] > 0  # AdamW's moments, on the GPU when the figures were taken
     assert r["samples_scraped"] == [float(r["samples_expected"])]
