@@ -232,11 +232,11 @@ def test_date_is_formatted_once_a_second(monkeypatch):
     now = [784111777.25]
     monkeypatch.setattr(http_module.time, "time", lambda: now[0])
     date = http_module._Date()
-    assert date() == "Sun, 06 Nov 1994 08:49:37 GMT"
+    assert date() == b"Sun, 06 Nov 1994 08:49:37 GMT"
     now[0] = 784111777.75
-    assert date() == "Sun, 06 Nov 1994 08:49:37 GMT" and date._last == (784111777, date())
+    assert date() == b"Sun, 06 Nov 1994 08:49:37 GMT" and date._last == (784111777, date())
     now[0] = 784111778.0
-    assert date() == "Sun, 06 Nov 1994 08:49:38 GMT"
+    assert date() == b"Sun, 06 Nov 1994 08:49:38 GMT"
 
 
 # --- the server's exact answers --------------------------------------------------------------------
@@ -263,7 +263,7 @@ class FakeExposition:
 
 
 def _run(srv: ExporterHTTPServer) -> threading.Thread:
-    srv._date = lambda: DATE  # a fixed Date header: answers compare byte for byte
+    srv._date = lambda: DATE.encode()  # a fixed Date header: answers compare byte for byte
     t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     return t

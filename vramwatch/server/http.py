@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import re
-import selectors
+import select
 import socket
 import socketserver
 import threading
@@ -79,6 +79,29 @@ KEEPALIVE_IDLE = 90.0
 AUTH_QUEUE = 8  # bcrypt checks waiting at once
 LINGER = 1.0  # after our FIN, how long the client's remaining bytes are read (so it gets no RST)
 _DRAIN_BYTES = 64 * 1024
+# readiness as the loop's poller takes it (epoll's bits are poll's)
+_READ, _WRITE = select.POLLIN, select.POLLOUT
+_MAX_EVENTS = 64  # a poll's events at most; the rest stay ready for the next (level-triggered)
+
+
+class _Poll:
+    """``select.poll`` behind epoll's ``poll(seconds, maxevents)``, where the system has no epoll."""
+
+    def __init__(self) -> None:
+        self._p = select.poll()
+        self.register, self.modify, self.unregister = self._p.register, self._p.modify, self._p.unregister
+
+    def poll(self, timeout: float, maxevents: int = -1) -> list[tuple[int, int]]:
+        return self._p.poll(timeout * 1000.0)
+
+    def close(self) -> None:
+        pass
+
+
+def _poller() -> Any:
+    # epoll itself, not selectors' wrapper of it: the wrapper's Python per wake-up was 0.03 ms of a cold
+    # kept-alive scrape's ~0.2 on the CPU machine
+    return select.epoll() if hasattr(select, "epoll") else _Poll()
 
 
 def accepts_gzip(accept_encoding: str) -> bool:
@@ -215,16 +238,16 @@ def imf_fixdate(now: float) -> str:
 
 
 class _Date:
-    """The ``Date`` header's value (RFC 9110, 6.6.1: IMF-fixdate), formatted once a second."""
+    """The ``Date`` header's value (RFC 9110, 6.6.1: IMF-fixdate) as bytes, formatted once a second."""
 
     def __init__(self) -> None:
-        self._last = (-1, "")  # (second, its value): one tuple, as the loop and workers both read it
+        self._last = (-1, b"")  # (second, its value): one tuple, as the loop and workers both read it
 
-    def __call__(self) -> str:
+    def __call__(self) -> bytes:
         now = time.time()
         second, value = self._last
         if int(now) != second:
-            value = imf_fixdate(now)
+            value = imf_fixdate(now).encode("ascii")
             self._last = (int(now), value)
         return value
 
@@ -253,10 +276,25 @@ class _AbuseLog:
 class _Conn:
     """One client connection as the event loop tracks it."""
 
-    __slots__ = ("addr", "buf", "deadline", "events", "head", "keep", "out", "raw", "req", "sock", "state", "where")
+    __slots__ = (
+        "addr",
+        "buf",
+        "deadline",
+        "events",
+        "fd",
+        "head",
+        "keep",
+        "out",
+        "raw",
+        "req",
+        "sock",
+        "state",
+        "where",
+    )
 
     def __init__(self, sock: socket.socket, addr: Any, deadline: float, state: str) -> None:
         self.sock, self.addr, self.deadline, self.state = sock, addr, deadline, state
+        self.fd = sock.fileno()  # what the poller knows it by (a closed socket's fileno() is -1)
         self.buf = b""
         self.head = b""
         self.out: bytes | memoryview = b""
@@ -318,6 +356,8 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self.refused: Counter[str] = Counter()  # every refusal, by kind
         self._abuse = _AbuseLog()
         self._date = _Date()
+        # an answer's head but its Date and Content-Length values, by (code, type, extra fields, keep-alive)
+        self._answer_heads: dict[tuple[int, str, tuple[tuple[str, str], ...], bool], tuple[bytes, bytes, bytes]] = {}
         self.served_on_loop = 0  # answers the loop wrote itself, with no worker (tests and benchmarks read it)
         self._heads: dict[bytes, _Request] = {}  # recent heads' parses (HEAD_CACHE); insertion order is age
         self._due = 0.0  # the nearest deadline (monotonic) as of the last select: the sweep waits for it
@@ -327,7 +367,8 @@ class ExporterHTTPServer(socketserver.TCPServer):
         self._idle: dict[int, _Conn] = {}  # answered, kept alive for the next request; insertion order is age
         self._calls: deque[Callable[[], None]] = deque()  # from other threads, run on the loop
         self._auth_queue: queue.Queue[tuple[_Conn, _Request, Credentials] | None] = queue.Queue(AUTH_QUEUE)
-        self._sel: selectors.BaseSelector | None = None
+        self._sel: Any = None  # the poller while serve_forever runs
+        self._by_fd: dict[int, Any] = {}  # what each watched descriptor is: "accept", "wake" or a _Conn
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._stopped.set()
@@ -346,20 +387,26 @@ class ExporterHTTPServer(socketserver.TCPServer):
             auth_thread = threading.Thread(target=self._auth_worker, name="vramwatch-http-auth", daemon=True)
             auth_thread.start()
         try:
-            with selectors.DefaultSelector() as sel:
-                self._sel = sel
-                sel.register(self.socket, selectors.EVENT_READ, "accept")
-                sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+            self._sel = sel = _poller()
+            by_fd = self._by_fd = {self.socket.fileno(): "accept", self._wake_r.fileno(): "wake"}
+            try:
+                sel.register(self.socket, _READ)
+                sel.register(self._wake_r, _READ)
+                while not self._stop.is_set():
+                    for fd, _ in sel.poll(self._next_timeout(poll_interval), _MAX_EVENTS):
+                        what = by_fd.get(fd)
+                        if what is not None:  # None: closed by an event before it in this batch
+                            self._guarded(what)
+                    if time.monotonic() >= self._due:  # nothing expires sooner: a scrape skips the sweep
+                        self._guarded("expire")
+            finally:
                 try:
-                    while not self._stop.is_set():
-                        for key, _ in sel.select(self._next_timeout(poll_interval)):
-                            self._guarded(key.data)
-                        if time.monotonic() >= self._due:  # nothing expires sooner: a scrape skips the sweep
-                            self._guarded("expire")
-                finally:
                     self._close_all()
+                finally:
+                    sel.close()
         finally:
             self._sel = None
+            self._by_fd = {}
             if auth_thread is not None:
                 try:
                     self._auth_queue.put_nowait(None)
@@ -431,11 +478,13 @@ class ExporterHTTPServer(socketserver.TCPServer):
         if conn.events == events or conn.state == "closed":
             return
         if not conn.events:
-            self._sel.register(conn.sock, events, conn)
+            self._sel.register(conn.fd, events)
+            self._by_fd[conn.fd] = conn
         elif not events:
-            self._sel.unregister(conn.sock)
+            self._sel.unregister(conn.fd)
+            del self._by_fd[conn.fd]
         else:
-            self._sel.modify(conn.sock, events, conn)
+            self._sel.modify(conn.fd, events)
         conn.events = events
 
     def _move(self, conn: _Conn, where: dict[int, _Conn] | None) -> None:
@@ -515,13 +564,13 @@ class ExporterHTTPServer(socketserver.TCPServer):
                 try:
                     self._flush(conn)
                 except BlockingIOError:  # a plain socket's full send buffer: wait for room, not for bytes
-                    self._watch(conn, selectors.EVENT_WRITE)
+                    self._watch(conn, _WRITE)
             elif conn.state == "linger":
                 self._drain(conn)
         except self._want_read:
-            self._watch(conn, selectors.EVENT_READ)
+            self._watch(conn, _READ)
         except self._want_write:
-            self._watch(conn, selectors.EVENT_WRITE)
+            self._watch(conn, _WRITE)
         except OSError:  # resets, TLS alerts mid-stream: the client's problem
             self._close(conn)
 
@@ -798,15 +847,29 @@ class ExporterHTTPServer(socketserver.TCPServer):
         head: bool = False,
         keep: bool = False,
     ) -> bytes:
-        """A whole answer, status line to body, in one buffer: one write, one system call when it fits."""
-        lines = [
-            f"{'HTTP/1.1' if keep else 'HTTP/1.0'} {code} {_REASONS[code]}\r\nServer: vramwatch\r\n"
-            f"Date: {self._date()}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-        ]
-        lines += [f"{k}: {v}\r\n" for k, v in extra]
-        lines += [f"{k}: {v}\r\n" for k, v in self.extra_headers.items()]
-        lines.append("\r\n")
-        return "".join(lines).encode("latin-1") + (b"" if head else body)
+        """A whole answer, status line to body, in one buffer: one write, one system call when it fits.
+
+        The head's fixed parts are joined once per kind of answer (a handful: our codes and types): a
+        cold scrape's head took 0.035 ms of f-strings and joins on the CPU machine, ~0.2 ms in all."""
+        key = (code, ctype, extra, keep)
+        parts = self._answer_heads.get(key)
+        if parts is None:
+            parts = self._answer_heads[key] = self._head_parts(*key)
+        to_date, to_length, rest = parts
+        return b"%b%b%b%d%b%b" % (to_date, self._date(), to_length, len(body), rest, b"" if head else body)
+
+    def _head_parts(
+        self, code: int, ctype: str, extra: tuple[tuple[str, str], ...], keep: bool
+    ) -> tuple[bytes, bytes, bytes]:
+        """An answer's head up to the Date value, up to the Content-Length value, and after it."""
+        fields = "".join(f"{k}: {v}\r\n" for k, v in (*extra, *self.extra_headers.items()))
+        return (
+            f"{'HTTP/1.1' if keep else 'HTTP/1.0'} {code} {_REASONS[code]}\r\nServer: vramwatch\r\nDate: ".encode(
+                "latin-1"
+            ),
+            f"\r\nContent-Type: {ctype}\r\nContent-Length: ".encode("latin-1"),
+            f"\r\n{fields}\r\n".encode("latin-1"),
+        )
 
     def _finished(self, conn: _Conn, scrape: bool, data: bytes | None, started: bool = True) -> None:
         for waiting in self.admission.release(scrape):
@@ -893,7 +956,7 @@ class ExporterHTTPServer(socketserver.TCPServer):
             # that a client sending many at once never deepens this call chain
             self._call_soon(partial(self._resume, conn))
         else:
-            self._watch(conn, selectors.EVENT_READ)
+            self._watch(conn, _READ)
 
     def _resume(self, conn: _Conn) -> None:
         if conn.state != "head" or conn.where is not self._idle:
