@@ -193,6 +193,12 @@ class _Request:
     headers: _Headers
     keep_alive: bool = False  # HTTP/1.1 without "Connection: close": the connection serves the next one too
     gzip: bool | None = None  # accepts_gzip of its Accept-Encoding, once asked (a cached head asks once)
+    route: str = ""  # the path without its query
+    accept: str = ""  # its Accept header ("" without one)
+
+    def __post_init__(self) -> None:  # once per parse: a cached head's answers read them as they are
+        self.route = self.path.split("?", 1)[0]
+        self.accept = self.headers.get("Accept", "")
 
 
 class _Refusal(Exception):
@@ -417,14 +423,14 @@ class ExporterHTTPServer(socketserver.TCPServer):
     def _guarded(self, what: Any) -> None:
         """One event; a bug in handling it costs that connection, never the loop (which is the server)."""
         try:
-            if what == "accept":
+            if what.__class__ is _Conn:  # the common case first: a comparison of a _Conn with a str is slow
+                self._step(what)
+            elif what == "accept":
                 self._accept()
             elif what == "wake":
                 self._run_calls()
             elif what == "expire":
                 self._expire(time.monotonic())
-            else:
-                self._step(what)
         except Exception:
             log.warning("vramwatch http: handling %r failed", what, exc_info=True)
             if isinstance(what, _Conn):
@@ -442,7 +448,9 @@ class ExporterHTTPServer(socketserver.TCPServer):
             s.close()
 
     def _next_timeout(self, poll_interval: float) -> float:
-        deadlines = [c.deadline for c in (*self._writing.values(), *self._closing.values())]
+        deadlines = [c.deadline for c in self._writing.values()] if self._writing else []
+        if self._closing:
+            deadlines += [c.deadline for c in self._closing.values()]
         for waiting in (self._pending, self._idle):
             if waiting:
                 deadlines.append(next(iter(waiting.values())).deadline)  # the oldest expires first
@@ -798,14 +806,13 @@ class ExporterHTTPServer(socketserver.TCPServer):
     # --- the answers to admitted requests (GET or HEAD, authorised) ---
     def _answer_now(self, req: _Request) -> bytes | None:
         """The answer, if the loop can give it without rendering (else None: a worker renders)."""
-        path = req.path.split("?", 1)[0]
-        if path != "/metrics":
+        if req.route != "/metrics":
             return self._answer(req)
         reply_now = getattr(self.exposition, "reply_now", None)
         if reply_now is None:
             return None
         try:
-            reply: Reply | None = reply_now(req.headers.get("Accept", ""), self._gzip_ok(req))
+            reply: Reply | None = reply_now(req.accept, self._gzip_ok(req))
         except Exception:  # a worker's reply() answers (or says 500, and logs why)
             log.debug("vramwatch: serving /metrics from the cache failed", exc_info=True)
             return None
@@ -813,10 +820,10 @@ class ExporterHTTPServer(socketserver.TCPServer):
 
     def _answer(self, req: _Request) -> bytes:
         head, keep = req.method == "HEAD", req.keep_alive
-        path = req.path.split("?", 1)[0]
+        path = req.route
         if path == "/metrics":
             try:
-                reply = self.exposition.reply(req.headers.get("Accept", ""), self._gzip_ok(req))
+                reply = self.exposition.reply(req.accept, self._gzip_ok(req))
             except Exception:
                 log.warning("vramwatch: rendering /metrics failed", exc_info=True)
                 failed = b"collection failed; see the server log\n"
