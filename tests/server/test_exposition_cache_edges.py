@@ -639,3 +639,22 @@ def test_a_failing_background_render_is_logged_dropped_and_the_loop_goes_on(node
         assert rec.levelno == logging.DEBUG and rec.getMessage() == "vramwatch: background render failed"
         assert rec.exc_info is not None and rec.exc_info[0] is RuntimeError
     assert b"counter_reads 1.0" in cached.reply("", False).body and cached.renders == 2  # the scrape renders
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the test
+def test_a_refresher_that_dies_stops_the_loop_serving_without_a_render(node, monkeypatch):
+    # the scrape reads a flag, not Thread.is_alive(): the dying thread must clear it, or the loop would
+    # serve the last render for ever with nothing keeping it current
+    cached = node.cached
+    cached.reply("", False)
+    assert cached.reply_now("", False) is None  # no refresher yet: a worker answers
+
+    def refresh() -> bool:
+        raise SystemExit  # what no `except Exception` catches: the thread ends
+
+    monkeypatch.setattr(cached, "refresh", refresh)
+    cached.start(min_gap=0.0, look=0.01)
+    assert cached._thread is not None
+    cached._thread.join(timeout=10.0)
+    assert not cached._thread.is_alive() and not cached.refreshing
+    assert cached.reply_now("", False) is None

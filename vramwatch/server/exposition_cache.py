@@ -221,6 +221,9 @@ class CachedExposition:
         self._scraped_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # the refresher runs: a flag its thread clears on the way out, so that a scrape asks no lock
+        # (Thread.is_alive() takes one: a cold scrape's microseconds on the loop)
+        self._refreshing = False
         self.min_gap = 0.0
         self.render_cost = 0.0  # CPU seconds of the refresher's last render (its thread's clock)
         self.renders = 0  # how many times the families were rendered (tests and benchmarks read it)
@@ -233,7 +236,12 @@ class CachedExposition:
         self.min_gap = min_gap
         look = min(0.25, max(0.02, min_gap / 4)) if look is None else look
         self._thread = threading.Thread(target=self._loop, args=(look,), name="vramwatch-render", daemon=True)
-        self._thread.start()
+        self._refreshing = True
+        try:
+            self._thread.start()
+        except BaseException:
+            self._refreshing = False
+            raise
 
     def stop(self) -> None:
         self._stop.set()
@@ -241,13 +249,16 @@ class CachedExposition:
             self._thread.join(timeout=5.0)
 
     def _loop(self, look: float) -> None:
-        while not self._stop.wait(look):
-            try:
-                self.refresh()
-            except Exception:
-                # the next scrape renders for itself, and answers 500 if that fails too
-                log.debug("vramwatch: background render failed", exc_info=True)
-                self._render = None
+        try:
+            while not self._stop.wait(look):
+                try:
+                    self.refresh()
+                except Exception:
+                    # the next scrape renders for itself, and answers 500 if that fails too
+                    log.debug("vramwatch: background render failed", exc_info=True)
+                    self._render = None
+        finally:
+            self._refreshing = False
 
     def refresh(self) -> bool:
         """Render again if the sources changed since the last render; whether it did.
@@ -282,7 +293,7 @@ class CachedExposition:
 
     @property
     def refreshing(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._refreshing
 
     # --- renders ---
     def _snapshots(self) -> list[object]:
@@ -367,7 +378,7 @@ class CachedExposition:
         read, a format never asked for, no refresher) is left to :meth:`reply` on a worker.
         """
         r = self._render
-        if r is None or not self.refreshing or r.expired(self._clock()):
+        if r is None or not self._refreshing or r.expired(self._clock()):
             return None
         _, ctype = self._encoder(accept)
         f = r.formats.get(ctype)
