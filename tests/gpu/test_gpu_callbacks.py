@@ -126,7 +126,8 @@ t.fit(module)
 res = check.res
 res["after_teardown"] = {
     "module_on": str(next(module.parameters()).device),
-    "state_on": sorted({str(v.device) for st in t.optimizers[0].state.values() for v in st.values() if torch.is_tensor(v)}),
+    "state_on": sorted({str(v.device) for st in t.optimizers[0].state.values() for v in st.values()
+                        if torch.is_tensor(v)}),
 }
 res["samples_expected"] = STEPS * ACCUM * BATCH
 vramwatch.stop()
