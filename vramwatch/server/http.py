@@ -46,7 +46,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -193,8 +193,8 @@ class _Request:
     headers: _Headers
     keep_alive: bool = False  # HTTP/1.1 without "Connection: close": the connection serves the next one too
     gzip: bool | None = None  # accepts_gzip of its Accept-Encoding, once asked (a cached head asks once)
-    route: str = ""  # the path without its query
-    accept: str = ""  # its Accept header ("" without one)
+    route: str = field(init=False)  # the path without its query
+    accept: str = field(init=False)  # its Accept header ("" without one)
 
     def __post_init__(self) -> None:  # once per parse: a cached head's answers read them as they are
         self.route = self.path.split("?", 1)[0]
