@@ -1017,8 +1017,9 @@ def test_a_query_with_two_question_marks_still_takes_the_fast_path(make_server):
 def test_lingering_ends_at_the_clients_close_and_after_a_bounded_drain(make_server, monkeypatch):
     monkeypatch.setattr(http_module, "LINGER", 30.0)  # only the client's close or the drain bound ends it
     srv = make_server()
+    with_body = b"GET /-/healthy HTTP/1.0\r\nContent-Length: 1000\r\n\r\n"  # a body the server never reads
     with connect(srv) as s:
-        s.sendall(b"GET /-/healthy HTTP/1.0\r\n\r\n")
+        s.sendall(with_body)
         assert _read_to_close(s) == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
         assert len(srv._closing) == 1  # the server still reads what the client might send
         s.sendall(b"z" * 1000)
@@ -1026,13 +1027,92 @@ def test_lingering_ends_at_the_clients_close_and_after_a_bounded_drain(make_serv
         assert len(srv._closing) == 1
     _until(lambda: not srv._closing, 5.0)  # the client's close: gone at once, not at the deadline
     with connect(srv) as s:
-        s.sendall(b"GET /-/healthy HTTP/1.0\r\n\r\n")
+        s.sendall(with_body)
         assert _read_to_close(s) == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
         try:
             s.sendall(b"z" * (1 << 20))  # more than it drains at once: it stops reading and closes
         except OSError:
             pass  # reset: the server closed with bytes unread, as it should after its drain
         _until(lambda: not srv._closing, 5.0)  # while this client is still connected
+
+
+def test_a_request_read_whole_is_closed_at_once_with_a_fin(make_server, monkeypatch):
+    """A GET that said no body and left nothing unread: closed with the answer (no linger, no poll
+    round), and the client reads the whole answer and then an orderly end, not a reset."""
+    monkeypatch.setattr(http_module, "LINGER", 30.0)
+    srv = make_server()
+    for request in (b"GET /-/healthy HTTP/1.0\r\n\r\n", b"GET /-/healthy HTTP/1.1\r\nConnection: close\r\n\r\n"):
+        with connect(srv) as s:
+            s.sendall(request)
+            got = _read_to_close(s)
+            assert not srv._closing and not srv._pending and not srv._writing
+        assert got == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")  # a closing answer says HTTP/1.0
+    assert not any(srv.refused.values())
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        pytest.param(b"GET /-/healthy HTTP/1.0\r\n\r\n", id="a-pipelined-request"),
+        pytest.param(b"z" * 100, id="stray-bytes"),
+    ],
+)
+def test_bytes_past_a_closing_request_make_the_server_linger_so_the_answer_is_not_reset(
+    make_server, monkeypatch, after
+):
+    monkeypatch.setattr(http_module, "LINGER", 30.0)
+    srv = make_server()
+    with connect(srv) as s:
+        s.sendall(b"GET /-/healthy HTTP/1.0\r\n\r\n" + after)  # one segment: both are read together
+        assert _read_to_close(s) == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")  # no <RST>
+        assert len(srv._closing) == 1
+    _until(lambda: not srv._closing, 5.0)
+
+
+@pytest.mark.parametrize(
+    "request_", [b"POST /metrics HTTP/1.0\r\n\r\n", b"GET /metrics HTTP/1.1\r\n\r\n"], ids=["405", "503"]
+)
+def test_a_refusal_lingers_even_when_its_request_was_read_whole(make_server, monkeypatch, request_):
+    """A refused client may well send more (a body, its next request): refusals always linger. The 503
+    comes after the request was admitted as read whole, so the refusal itself must undo that."""
+    monkeypatch.setattr(http_module, "LINGER", 30.0)
+    srv = make_server(max_connections=2)
+    srv.exposition.gate.clear()
+    with connect(srv) as blocker:
+        blocker.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")  # not a scrape: the others' one slot
+        _until(lambda: srv.exposition.calls)
+        with connect(srv) as s:
+            s.sendall(request_)
+            assert _read_to_close(s)[:13] in (b"HTTP/1.0 405 ", b"HTTP/1.0 503 ")
+            assert len(srv._closing) == 1
+        srv.exposition.gate.set()
+        assert read_answer(blocker) == answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n")
+
+
+def test_bytes_that_come_while_a_worker_renders_make_the_server_linger(make_server, monkeypatch):
+    """Bytes the loop never read (it does not watch a connection a worker has) are still seen at the
+    close: the server lingers rather than reset the answer away."""
+    monkeypatch.setattr(http_module, "LINGER", 30.0)
+    srv = make_server()
+    srv.exposition.gate.clear()
+    with connect(srv) as s:
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        _until(lambda: srv.exposition.calls)
+        s.sendall(b"z" * 100)
+        time.sleep(0.05)
+        srv.exposition.gate.set()
+        assert _read_to_close(s) == answer("HTTP/1.0 200 OK", METRICS_TYPE, b"m 1\n")
+        assert len(srv._closing) == 1
+
+
+def test_tls_connections_always_linger(make_server, tls_contexts, monkeypatch):
+    monkeypatch.setattr(http_module, "LINGER", 30.0)
+    srv = make_server(ssl_context=tls_contexts[0])
+    with connect(srv) as raw:
+        s = tls_contexts[1].wrap_socket(raw, server_hostname="localhost")
+        s.sendall(b"GET /-/healthy HTTP/1.0\r\n\r\n")
+        assert read_answer(s) == answer("HTTP/1.0 200 OK", "text/plain", b"OK\n")
+        _until(lambda: len(srv._closing) == 1, 5.0)
 
 
 def test_a_queued_scrape_is_served_when_the_slot_frees_and_counted_as_a_scrape(make_server):
