@@ -628,12 +628,20 @@ def test_a_full_auth_queue_answers_503(make_server, password_hash, caplog, metho
 
 
 def test_the_auth_thread_runs_while_serving_and_ends_with_it(make_server, password_hash):
-    srv = make_server(authorize=BasicAuth((("prometheus", password_hash),)))
+    """shutdown() returns with the auth thread gone, even with a check under way: the next server (a test's,
+    or a restarted one) starts with none of the old one's threads."""
+    basic = BasicAuth((("prometheus", password_hash),))
+    checking = threading.Event()
+    verify = basic.verify
+    basic.verify = lambda creds: (checking.set(), time.sleep(0.3), verify(creds))[2]  # type: ignore[method-assign]
+    srv = make_server(authorize=basic)
     _until(lambda: any(t.name == "vramwatch-http-auth" for t in threading.enumerate()))
     (auth,) = [t for t in threading.enumerate() if t.name == "vramwatch-http-auth"]
     assert auth.daemon
-    srv.shutdown()
-    auth.join(5)
+    with connect(srv) as s:
+        s.sendall(b"GET /-/healthy HTTP/1.0\r\n" + _basic(PASSWORD) + b"\r\n")
+        assert checking.wait(5)
+        srv.shutdown()
     assert not auth.is_alive() and srv._sel is None
 
 
