@@ -393,6 +393,25 @@ def test_cli_errors(fake_prom, tmp_path):
     assert "GPU answering: 0 series (no data)" in r.stderr and "(no data)" in out.read_text()
 
 
+def test_without_matplotlib_it_names_the_extra_before_asking_prometheus(fake_prom, tmp_path):
+    """matplotlib is imported only once Prometheus has answered (errors come fast); its absence is still
+    told first, with the extra to install, and no query is sent."""
+    seen = len(FakeProm.seen)
+    hide = "import sys; sys.modules['matplotlib'] = None; from vramwatch.cli import main; sys.exit(main())"
+    args = ["report", "--prometheus", fake_prom, "--out", str(tmp_path / "x.html")]
+    r = subprocess.run([sys.executable, "-c", hide, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "needs grafana-foundation-sdk" in r.stderr, r.stderr
+    assert "vramwatch[dashboards,report]" in r.stderr
+    assert "matplotlib" in r.stderr and len(FakeProm.seen) == seen and not (tmp_path / "x.html").exists()
+    # an error found before any chart is drawn does not pay for matplotlib's import
+    probe = "import sys; from vramwatch.cli import main; rc = main(); "
+    probe += "print('matplotlib' in sys.modules); sys.exit(rc)"
+    r = subprocess.run(
+        [sys.executable, "-c", probe, *args, "--var", "nope=1"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "unknown variable" in r.stderr and r.stdout.strip() == "False", (r.stdout, r.stderr)
+
+
 def test_basic_auth_from_the_url(fake_prom):
     import base64
 

@@ -13,6 +13,7 @@ page. Needs the ``dashboards`` and ``report`` extras; imports them only when it 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 import time
@@ -128,10 +129,12 @@ def run(args: argparse.Namespace) -> int:
         from vramwatch.errors import ConfigError
         from vramwatch.monitoring.dashboards import build_all
         from vramwatch.monitoring.dashboards.walk import TimeContext, spec
-        from vramwatch.report import charts, html
         from vramwatch.report.data import run_annotation, run_panel, variable_values
         from vramwatch.report.httpconfig import http_config, redact_url
         from vramwatch.report.prom import PromClient, PromError
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ImportError("No module named 'matplotlib'")
     except ImportError as e:
         print(f"vramwatch report: needs {NEEDS}: {e}", file=sys.stderr)
         return 2
@@ -198,6 +201,11 @@ def run(args: argparse.Namespace) -> int:
         f"{datetime.fromtimestamp(end, tz=UTC):%Y-%m-%d %H:%M:%S} UTC"
     )
     _say(args, f"vramwatch report: {shown_url}, {when}, step {step:g}s")
+    try:  # matplotlib's import is most of a second: only once Prometheus has answered
+        from vramwatch.report import charts, html
+    except ImportError as e:
+        print(f"vramwatch report: needs {NEEDS}: {e}", file=sys.stderr)
+        return 2
 
     rendered, charts_n, empty, failed = [], 0, 0, 0
     for i, d in enumerate(specs, start=1):
