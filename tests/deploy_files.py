@@ -26,7 +26,9 @@ def yaml_docs(source: Path | str) -> list[dict]:
     import yaml
 
     text = source.read_text() if isinstance(source, Path) else source
-    return [d for d in yaml.safe_load_all(text) if d]
+    # libyaml's safe loader: the same documents as the pure-Python one, which takes 0.13-0.17 s of CPU for the
+    # chart's 200 KB of output (its dashboards' JSON in block scalars) to libyaml's 0.005; test_helm parses it 140 times
+    return [d for d in yaml.load_all(text, Loader=yaml.CSafeLoader) if d]
 
 
 # --- schema validation of Kubernetes objects (tests/deploy/test_kubernetes.py, test_helm.py) ---
