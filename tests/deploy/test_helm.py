@@ -5,11 +5,14 @@ generated parts are covered by `vramwatch alerts --check`. helm comes from `make
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -139,9 +142,24 @@ def helm_values(changes: dict[str, Any]) -> dict[str, Any]:
     return {"monitoring": {helm.value_key(k): helm._plain(k, v) for k, v in changes.items()}}
 
 
-def rules_through_helm(tmp_path: Path, changes: dict[str, Any], crd_validators=None) -> dict:
-    (tmp_path / "values.yaml").write_text(yaml.safe_dump(helm_values(changes)))
-    (rule,) = kinds(objects("-f", str(tmp_path / "values.yaml")))["PrometheusRule"]
+@functools.cache
+def _rendered(values_yaml: str) -> tuple[dict, ...]:
+    """`helm template -f` of these values, once per distinct values: the rules and the dashboards tests of a
+    key ask for the same rendering (helm's output depends only on the chart and the values), and a helm run
+    is ~0.2 s of CPU."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "values.yaml"
+        path.write_text(values_yaml)
+        return tuple(objects("-f", str(path)))
+
+
+def through_helm(changes: dict[str, Any]) -> dict[str, list[dict]]:
+    """The chart's objects, by kind, with these monitoring keys changed (a copy: tests may change it)."""
+    return kinds(copy.deepcopy(list(_rendered(yaml.safe_dump(helm_values(changes))))))
+
+
+def rules_through_helm(changes: dict[str, Any], crd_validators=None) -> dict:
+    (rule,) = through_helm(changes)["PrometheusRule"]
     if crd_validators is not None:
         validate_object(rule, crd_validators)
     return rule["spec"]
@@ -161,10 +179,10 @@ def test_every_monitoring_config_key_is_a_chart_value():
 
 
 @pytest.mark.parametrize("key", sorted(set(other_config()) | set(SHAPES)))
-def test_each_key_set_through_helm_reaches_the_rules(key, tmp_path, crd_validators):
+def test_each_key_set_through_helm_reaches_the_rules(key, crd_validators):
     """One key at a time, with the other value of it: helm template == the Python rules of that config."""
     value = SHAPES[key] if key in SHAPES and key not in other_config() else other_config()[key]
-    spec = rules_through_helm(tmp_path, {key: value}, crd_validators)
+    spec = rules_through_helm({key: value}, crd_validators)
     cfg = dataclasses.replace(DEFAULT, **{key: value})
     assert spec == rule_file(cfg)
     assert spec != rule_file(DEFAULT), f"{key}: the value changed nothing"
@@ -183,8 +201,8 @@ DURATION_CASES = [
 
 
 @pytest.mark.parametrize(("key", "value"), DURATION_CASES)
-def test_durations_through_helm_are_normalised_as_the_python_rules(key, value, tmp_path):
-    spec = rules_through_helm(tmp_path, {key: value})
+def test_durations_through_helm_are_normalised_as_the_python_rules(key, value):
+    spec = rules_through_helm({key: value})
     assert spec == rule_file(dataclasses.replace(DEFAULT, **{key: value}))
 
 
@@ -194,7 +212,7 @@ def test_every_key_at_once_through_helm(shape, tmp_path, crd_validators):
     changes = other_config()
     if shape == "the other shapes":
         changes.update(SHAPES, selector="", job_gpus_only=True)
-    spec = rules_through_helm(tmp_path, changes, crd_validators)
+    spec = rules_through_helm(changes, crd_validators)
     assert spec == rule_file(dataclasses.replace(DEFAULT, **changes))
     (tmp_path / "rules.yml").write_text(yaml.safe_dump(spec))
     r = run(tool("promtool"), "check", "rules", str(tmp_path / "rules.yml"))
@@ -247,18 +265,23 @@ DASHBOARD_CASES: list[tuple[str, Any]] = [
 ]
 
 
-def dashboards_through_helm(tmp_path: Path, changes: dict[str, Any]) -> dict[str, Any]:
+def dashboards_through_helm(changes: dict[str, Any]) -> dict[str, Any]:
     """The chart's dashboards ConfigMap for these keys, each dashboard's JSON parsed."""
-    (tmp_path / "values.yaml").write_text(yaml.safe_dump(helm_values(changes)))
-    (cm,) = kinds(objects("-f", str(tmp_path / "values.yaml")))["ConfigMap"]
+    (cm,) = through_helm(changes)["ConfigMap"]
     return {name: json.loads(text) for name, text in cm["data"].items()}
 
 
 def python_dashboards(cfg: MonitoringConfig) -> dict[str, Any]:
+    return {name: json.loads(text) for name, text in _dashboard_texts(cfg)}
+
+
+@functools.cache
+def _dashboard_texts(cfg: MonitoringConfig) -> tuple[tuple[str, str], ...]:
+    """Each dashboard's JSON for this config, built once per config (several tests compare the same one)."""
     from vramwatch.monitoring.dashboards import build_all
     from vramwatch.monitoring.dashboards.render import dashboard_json
 
-    return {f"{m.uid}.json": json.loads(dashboard_json(m)) for m in build_all(cfg)}
+    return tuple((f"{m.uid}.json", dashboard_json(m)) for m in build_all(cfg))
 
 
 def test_the_dashboards_are_the_python_dashboards_with_the_defaults():
@@ -276,11 +299,11 @@ DASHBOARD_PARAMS = [
 
 
 @pytest.mark.parametrize(("key", "value"), DASHBOARD_PARAMS, ids=[f"{k}={v!r}"[:60] for k, v in DASHBOARD_PARAMS])
-def test_each_key_set_through_helm_reaches_the_dashboards(key, value, tmp_path):
+def test_each_key_set_through_helm_reaches_the_dashboards(key, value):
     """One key at a time: the chart's dashboards == the Python dashboards of that config (keys the
     dashboards do not use included: the chart must not change them either)."""
     cfg = dataclasses.replace(DEFAULT, **{key: value})
-    assert dashboards_through_helm(tmp_path, {key: value}) == python_dashboards(cfg)
+    assert dashboards_through_helm({key: value}) == python_dashboards(cfg)
 
 
 # the keys the dashboards use (tests/deploy/test_helm.py checks each changes them; docs/monitoring-config.md)
@@ -321,12 +344,12 @@ def test_which_keys_change_the_dashboards():
 
 
 @pytest.mark.parametrize("shape", ["every key", "the other shapes"])
-def test_every_key_at_once_through_helm_reaches_the_dashboards(shape, tmp_path):
+def test_every_key_at_once_through_helm_reaches_the_dashboards(shape):
     changes = {**other_config(), **DASHBOARD_VALUES}
     if shape == "the other shapes":
         changes.update(SHAPES, selector="", job_labels=(), node_label="instance")
     cfg = dataclasses.replace(DEFAULT, **changes)
-    assert dashboards_through_helm(tmp_path, changes) == python_dashboards(cfg)
+    assert dashboards_through_helm(changes) == python_dashboards(cfg)
 
 
 def test_helm_dashboards_equal_the_dashboards_command(tmp_path):

@@ -9,6 +9,7 @@ resumed steps, accumulation and failing framework properties can be set. The exp
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import types
@@ -16,13 +17,28 @@ import types
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("lightning.pytorch")
 
 import vramwatch  # noqa: E402
-from vramwatch.integrations import framework_settings, hf, lightning, start_for_framework  # noqa: E402
+from vramwatch.integrations import framework_settings, start_for_framework  # noqa: E402
 
 NS = types.SimpleNamespace
+
+
+# The callback modules, imported by the tests that use them: collecting this file (every xdist worker collects
+# every file) then costs none of transformers' and Lightning's imports, ~5 s of CPU, on the workers not running it.
+def _callbacks(name: str) -> types.ModuleType:
+    pytest.importorskip({"hf": "transformers", "lightning": "lightning.pytorch"}[name])
+    return importlib.import_module(f"vramwatch.integrations.{name}")
+
+
+@pytest.fixture
+def hf() -> types.ModuleType:
+    return _callbacks("hf")
+
+
+@pytest.fixture
+def lightning() -> types.ModuleType:
+    return _callbacks("lightning")
 
 
 @pytest.fixture(autouse=True)
@@ -74,8 +90,9 @@ class Raising:
 # --- _attr: both modules read the framework's ranks through it ---
 
 
-@pytest.mark.parametrize("mod", [hf, lightning], ids=["hf", "lightning"])
-def test_attr_reads_an_integer_or_nothing(mod):
+@pytest.mark.parametrize("name", ["hf", "lightning"])
+def test_attr_reads_an_integer_or_nothing(name):
+    mod = _callbacks(name)
     assert mod._attr(NS(r="3"), "r") == 3 and isinstance(mod._attr(NS(r=3.0), "r"), int)
     assert mod._attr(NS(r=0), "r") == 0
     assert mod._attr(NS(r=None), "r") is None
@@ -132,7 +149,7 @@ def hf_args(rank=3, local=1, world=4):
     return NS(process_index=rank, local_process_index=local, world_size=world)
 
 
-def test_hf_callback_checks_settings_and_starts_nothing_when_made(kw):
+def test_hf_callback_checks_settings_and_starts_nothing_when_made(kw, hf):
     with pytest.raises(vramwatch.ConfigError, match="interval"):
         hf.VramwatchCallback(interval=-1)
     cb = hf.VramwatchCallback(**kw)
@@ -142,7 +159,7 @@ def test_hf_callback_checks_settings_and_starts_nothing_when_made(kw):
     assert cb.handle is None
 
 
-def test_hf_begin_labels_with_the_trainers_ranks_and_watches(kw, watched):
+def test_hf_begin_labels_with_the_trainers_ranks_and_watches(kw, watched, hf):
     model, opt = torch.nn.Linear(2, 1), None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cb = hf.VramwatchCallback(**kw)
@@ -151,14 +168,14 @@ def test_hf_begin_labels_with_the_trainers_ranks_and_watches(kw, watched):
     assert watched == [(model, opt)]
 
 
-def test_hf_begin_with_ranks_the_args_cannot_tell(kw, watched):
+def test_hf_begin_with_ranks_the_args_cannot_tell(kw, watched, hf):
     cb = hf.VramwatchCallback(**kw)
     cb.on_train_begin(Raising(), None, None)  # no distributed state: the launcher's (none here) decides
     assert ident() == (0, 0, 1) and cb.handle is vramwatch.current()
     assert watched == [(None, None)]
 
 
-def test_hf_begin_survives_a_failing_start(kw, watched, monkeypatch, caplog):
+def test_hf_begin_survives_a_failing_start(kw, watched, monkeypatch, caplog, hf):
     def broken(*a, **k):
         raise RuntimeError("boom")
 
@@ -173,7 +190,7 @@ def test_hf_begin_survives_a_failing_start(kw, watched, monkeypatch, caplog):
     cb.on_train_end(None, None, None)
 
 
-def test_hf_steps_and_logs_feed_the_heartbeat(kw):
+def test_hf_steps_and_logs_feed_the_heartbeat(kw, hf):
     cb = hf.VramwatchCallback(**kw)
     cb.on_train_begin(hf_args(), None, None)
     for _ in range(3):
@@ -188,7 +205,7 @@ def test_hf_steps_and_logs_feed_the_heartbeat(kw):
     assert (hb().steps, hb().loss, hb().grad_norm) == (3, 2.5, 0.75)
 
 
-def test_hf_end_stops_only_what_it_started(kw):
+def test_hf_end_stops_only_what_it_started(kw, hf):
     cb = hf.VramwatchCallback(**kw)
     cb.on_train_begin(hf_args(), None, None)
     cb.on_train_end(None, None, None)
@@ -200,7 +217,7 @@ def test_hf_end_stops_only_what_it_started(kw):
     assert vramwatch.current() is None
 
 
-def test_hf_a_retried_inner_loop_keeps_what_it_started(kw):
+def test_hf_a_retried_inner_loop_keeps_what_it_started(kw, hf):
     """auto_find_batch_size reruns the inner loop after an OOM: on_train_begin twice, on_train_end once."""
     cb = hf.VramwatchCallback(**kw)
     cb.on_train_begin(hf_args(), None, None)
@@ -212,7 +229,7 @@ def test_hf_a_retried_inner_loop_keeps_what_it_started(kw):
     assert vramwatch.current() is None  # still its own: stopped
 
 
-def test_hf_end_keeps_the_scripts_exporter(kw):
+def test_hf_end_keeps_the_scripts_exporter(kw, hf):
     h = vramwatch.start(**kw, rank=0)
     cb = hf.VramwatchCallback()
     cb.on_train_begin(hf_args(), None, None)
@@ -222,7 +239,7 @@ def test_hf_end_keeps_the_scripts_exporter(kw):
     assert vramwatch.current() is h and h.heartbeat.steps == 1 and cb.handle is None
 
 
-def test_hf_stop_on_end_false_leaves_it_running(kw):
+def test_hf_stop_on_end_false_leaves_it_running(kw, hf):
     cb = hf.VramwatchCallback(stop_on_end=False, **kw)
     cb.on_train_begin(hf_args(), None, None)
     h = vramwatch.current()
@@ -230,7 +247,7 @@ def test_hf_stop_on_end_false_leaves_it_running(kw):
     assert vramwatch.current() is h is not None and cb.handle is None
 
 
-def test_hf_end_leaves_an_exporter_restarted_meanwhile(kw):
+def test_hf_end_leaves_an_exporter_restarted_meanwhile(kw, hf):
     cb = hf.VramwatchCallback(**kw)
     cb.on_train_begin(hf_args(), None, None)
     vramwatch.stop()
@@ -253,7 +270,7 @@ def pl_trainer(global_step=0, metrics=None, optimizers=(), rank=3, local=1, worl
     )
 
 
-def test_lightning_callback_checks_settings_and_starts_nothing_when_made(kw):
+def test_lightning_callback_checks_settings_and_starts_nothing_when_made(kw, lightning):
     with pytest.raises(vramwatch.ConfigError, match="port"):
         lightning.VramwatchCallback(port=70000)
     cb = lightning.VramwatchCallback(**kw)
@@ -262,19 +279,19 @@ def test_lightning_callback_checks_settings_and_starts_nothing_when_made(kw):
 
 
 @pytest.mark.parametrize("stage", ["validate", "test", "predict"])
-def test_lightning_starts_only_for_fit(kw, stage):
+def test_lightning_starts_only_for_fit(kw, stage, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(), None, stage)
     assert cb.handle is None and vramwatch.current() is None
 
 
-def test_lightning_setup_labels_with_the_trainers_ranks(kw):
+def test_lightning_setup_labels_with_the_trainers_ranks(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(rank=6, local=2, world=8), None, "fit")
     assert cb.handle is vramwatch.current() and ident() == (6, 2, 8)
 
 
-def test_lightning_setup_with_ranks_the_trainer_cannot_tell(kw):
+def test_lightning_setup_with_ranks_the_trainer_cannot_tell(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(Raising(), None, "fit")
     assert ident() == (0, 0, 1)
@@ -284,7 +301,7 @@ def test_lightning_setup_with_ranks_the_trainer_cannot_tell(kw):
     assert hb().steps == 1
 
 
-def test_lightning_survives_a_failing_start(kw, watched, monkeypatch, caplog):
+def test_lightning_survives_a_failing_start(kw, watched, monkeypatch, caplog, lightning):
     def broken(*a, **k):
         raise RuntimeError("boom")
 
@@ -299,7 +316,7 @@ def test_lightning_survives_a_failing_start(kw, watched, monkeypatch, caplog):
     cb.teardown(pl_trainer(), None, "fit")
 
 
-def test_lightning_counts_optimiser_steps_not_micro_batches(kw):
+def test_lightning_counts_optimiser_steps_not_micro_batches(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(global_step=0), None, "fit")
     # accumulate_grad_batches=2: global_step advances on every second batch
@@ -309,7 +326,7 @@ def test_lightning_counts_optimiser_steps_not_micro_batches(kw):
     assert hb().loss == 5.0  # the loss of the batch that completed the step
 
 
-def test_lightning_resumed_run_does_not_count_its_restored_step(kw):
+def test_lightning_resumed_run_does_not_count_its_restored_step(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(global_step=500), None, "fit")  # resumed from a checkpoint at step 500
     cb.on_train_batch_end(pl_trainer(global_step=500), None, {"loss": 1.0}, None, 0)
@@ -318,7 +335,7 @@ def test_lightning_resumed_run_does_not_count_its_restored_step(kw):
     assert hb().steps == 1
 
 
-def test_lightning_loss_from_a_dict_or_a_tensor_detached(kw):
+def test_lightning_loss_from_a_dict_or_a_tensor_detached(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(), None, "fit")
     w = torch.tensor(2.0, requires_grad=True)
@@ -331,7 +348,7 @@ def test_lightning_loss_from_a_dict_or_a_tensor_detached(kw):
     assert float(hb().loss) == 8.0 and hb().steps == 3
 
 
-def test_lightning_grad_norm_key_order(kw):
+def test_lightning_grad_norm_key_order(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(), None, "fit")
     metrics = {"train/grad_norm": 3.0, "grad_2.0_norm_total": 2.0, "grad_norm": 1.0}
@@ -347,7 +364,7 @@ def test_lightning_grad_norm_key_order(kw):
     assert hb().grad_norm == 3.0 and hb().steps == 4  # no grad norm logged: the last one stays
 
 
-def test_lightning_a_failing_trainer_property_still_beats(kw):
+def test_lightning_a_failing_trainer_property_still_beats(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(), None, "fit")
     cb.on_train_batch_end(pl_trainer(1), None, {"loss": 2.0}, None, 0)
@@ -355,7 +372,7 @@ def test_lightning_a_failing_trainer_property_still_beats(kw):
     assert hb().steps == 2 and hb().loss == 2.0  # a beat, without values it could not read safely
 
 
-def test_lightning_watches_the_module_and_its_first_optimizer(kw, watched):
+def test_lightning_watches_the_module_and_its_first_optimizer(kw, watched, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(), None, "fit")
     module, opt_a, opt_b = object(), object(), object()
@@ -365,7 +382,7 @@ def test_lightning_watches_the_module_and_its_first_optimizer(kw, watched):
     assert watched == [(module, opt_a), (module, None), (module, None)]
 
 
-def test_lightning_teardown_stops_only_what_it_started(kw):
+def test_lightning_teardown_stops_only_what_it_started(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(), None, "fit")
     h = vramwatch.current()
@@ -377,7 +394,7 @@ def test_lightning_teardown_stops_only_what_it_started(kw):
     assert ident() == (2, 1, 4)
 
 
-def test_lightning_fit_twice_keeps_what_it_started(kw):
+def test_lightning_fit_twice_keeps_what_it_started(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(global_step=0), None, "fit")
     h = vramwatch.current()
@@ -390,7 +407,7 @@ def test_lightning_fit_twice_keeps_what_it_started(kw):
     assert vramwatch.current() is None
 
 
-def test_lightning_teardown_keeps_the_scripts_exporter(kw):
+def test_lightning_teardown_keeps_the_scripts_exporter(kw, lightning):
     h = vramwatch.start(**kw, rank=0)
     cb = lightning.VramwatchCallback()
     cb.setup(pl_trainer(), None, "fit")
@@ -399,7 +416,7 @@ def test_lightning_teardown_keeps_the_scripts_exporter(kw):
     assert vramwatch.current() is h and cb.handle is None
 
 
-def test_lightning_stop_on_end_false_leaves_it_running(kw):
+def test_lightning_stop_on_end_false_leaves_it_running(kw, lightning):
     cb = lightning.VramwatchCallback(stop_on_end=False, **kw)
     cb.setup(pl_trainer(), None, "fit")
     h = vramwatch.current()
@@ -407,7 +424,7 @@ def test_lightning_stop_on_end_false_leaves_it_running(kw):
     assert vramwatch.current() is h is not None and cb.handle is None
 
 
-def test_lightning_teardown_leaves_an_exporter_restarted_meanwhile(kw):
+def test_lightning_teardown_leaves_an_exporter_restarted_meanwhile(kw, lightning):
     cb = lightning.VramwatchCallback(**kw)
     cb.setup(pl_trainer(), None, "fit")
     vramwatch.stop()
@@ -419,7 +436,7 @@ def test_lightning_teardown_leaves_an_exporter_restarted_meanwhile(kw):
 # --- the Lightning base class, chosen when the module is imported ---
 
 
-def base_with(present):
+def base_with(lightning, present):
     """lightning._callback_base() as if only the packages named in ``present`` had been imported."""
     real = sys.modules
     # the checks read sys.modules; the imports behind them use the interpreter's own table
@@ -430,17 +447,17 @@ def base_with(present):
         sys.modules = real
 
 
-def test_base_class_follows_the_package_the_script_imported():
+def test_base_class_follows_the_package_the_script_imported(lightning):
     import lightning.pytorch as new
 
     old = pytest.importorskip("pytorch_lightning")
-    assert base_with({"pytorch_lightning"}) is old.Callback  # the script uses the old name only
-    assert base_with({"pytorch_lightning", "lightning"}) is new.Callback
-    assert base_with({"lightning"}) is new.Callback
-    assert base_with(set()) is new.Callback  # neither imported yet: the new name when installed
+    assert base_with(lightning, {"pytorch_lightning"}) is old.Callback  # the script uses the old name only
+    assert base_with(lightning, {"pytorch_lightning", "lightning"}) is new.Callback
+    assert base_with(lightning, {"lightning"}) is new.Callback
+    assert base_with(lightning, set()) is new.Callback  # neither imported yet: the new name when installed
 
 
-def test_base_class_falls_back_to_pytorch_lightning(monkeypatch):
+def test_base_class_falls_back_to_pytorch_lightning(monkeypatch, lightning):
     old = pytest.importorskip("pytorch_lightning")
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # its import fails: as if not installed
     assert lightning._callback_base() is old.Callback

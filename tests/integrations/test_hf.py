@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never reach the Hub
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -11,14 +12,24 @@ import pytest
 
 from harness import wait_until
 
-transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
-pytest.importorskip("accelerate")
-
-from tiny_gpt2 import TinyLM, tiny_model  # noqa: E402
 
 import vramwatch  # noqa: E402
 from vramwatch.integrations import framework_settings  # noqa: E402
+
+transformers: Any = None  # bound by the fixture below, as are tiny_gpt2's TinyLM and tiny_model
+TinyLM: Any = None
+tiny_model: Any = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def transformers_imported() -> None:
+    """transformers is imported when this file's first test runs, not when it is collected: every xdist
+    worker collects every file, and the import costs ~1 s of CPU."""
+    global transformers, TinyLM, tiny_model
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from tiny_gpt2 import TinyLM, tiny_model
 
 
 def tiny_args(tmp_path, **kw):
@@ -50,44 +61,47 @@ def series(exp, name, **labels):
     return [v for lab, v in exp.metrics().get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
 
 
-class Probe(transformers.TrainerCallback):
-    """At one optimiser step, look at the live target from inside the run."""
+def make_probe(exp, at_step):
+    """A callback that, at one optimiser step, looks at the live target from inside the run."""
 
-    def __init__(self, exp, at_step):
-        self.exp, self.at_step = exp, at_step
-        self.logged = []
-        self.seen = None
+    class Probe(transformers.TrainerCallback):
+        def __init__(self, exp, at_step):
+            self.exp, self.at_step = exp, at_step
+            self.logged = []
+            self.seen = None
 
-    def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "loss" in logs:
-            self.logged.append((logs["loss"], logs.get("grad_norm")))
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.logged.append((logs["loss"], logs.get("grad_norm")))
 
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step != self.at_step:
-            return
-        exp, n = self.exp, self.at_step
-        wait_until(
-            lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
-            15,
-            f"{n} optimiser steps in the scrape",
-        )
-        loss, gnorm = self.logged[-1]  # logged after the previous step's on_step_end
-        wait_until(
-            lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss)], 10, "the logged loss"
-        )
-        self.seen = {
-            "grad_norm": series(exp, "vramwatch_training_grad_norm", rank=0),
-            "rank_info": [lab for lab, _ in exp.metrics().get("vramwatch_rank_info", [])],
-            "gnorm": gnorm,
-            "hist_count": series(exp, "vramwatch_training_step_duration_seconds_count", rank=0),
-        }
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step != self.at_step:
+                return
+            exp, n = self.exp, self.at_step
+            wait_until(
+                lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
+                15,
+                f"{n} optimiser steps in the scrape",
+            )
+            loss, gnorm = self.logged[-1]  # logged after the previous step's on_step_end
+            wait_until(
+                lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss)], 10, "the logged loss"
+            )
+            self.seen = {
+                "grad_norm": series(exp, "vramwatch_training_grad_norm", rank=0),
+                "rank_info": [lab for lab, _ in exp.metrics().get("vramwatch_rank_info", [])],
+                "gnorm": gnorm,
+                "hist_count": series(exp, "vramwatch_training_step_duration_seconds_count", rank=0),
+            }
+
+    return Probe(exp, at_step)
 
 
 def test_trainer_drives_the_heartbeat_with_loss_and_labels(exporter, tmp_path):
     from vramwatch.integrations.hf import VramwatchCallback
 
     exp = exporter().start()
-    probe = Probe(exp, at_step=6)
+    probe = make_probe(exp, at_step=6)
     cb = VramwatchCallback(simulate=True, serve="external", spool_dir=exp.spool, port=exp.port, interval=0.05)
     trainer = train(tmp_path, [cb, probe])
     assert trainer.state.global_step == 8

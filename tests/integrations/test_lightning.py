@@ -5,17 +5,27 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 from harness import wait_until
 
-L = pytest.importorskip("lightning.pytorch")
 torch = pytest.importorskip("torch")
 
-from tiny_lightning import Tiny  # noqa: E402
-
 import vramwatch  # noqa: E402
+
+L: Any = None  # lightning.pytorch and tiny_lightning.Tiny, bound by the fixture below
+Tiny: Any = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lightning_imported() -> None:
+    """Lightning is imported when this file's first test runs, not when it is collected: every xdist worker
+    collects every file, and Lightning's import costs ~2 s of CPU."""
+    global L, Tiny
+    L = pytest.importorskip("lightning.pytorch")
+    from tiny_lightning import Tiny
 
 
 def trainer(callbacks, max_steps=6):
@@ -37,40 +47,45 @@ def series(exp, name, **labels):
     return [v for lab, v in exp.metrics().get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
 
 
-class Probe(L.Callback):
-    def __init__(self, exp, at_step):
-        self.exp, self.at_step = exp, at_step
-        self.seen = None
+def make_probe(exp, at_step):
+    """A callback that, at one optimiser step, looks at the live target from inside the run."""
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step != self.at_step or self.seen is not None:
-            return
-        exp, n = self.exp, self.at_step
-        wait_until(
-            lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
-            15,
-            f"{n} optimiser steps in the scrape",
-        )
-        loss = float(outputs["loss"])
-        wait_until(
-            lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss, rel=1e-5)],
-            10,
-            "this step's loss",
-        )
-        gn = float(trainer.callback_metrics["grad_2.0_norm_total"])
-        wait_until(
-            lambda: series(exp, "vramwatch_training_grad_norm", rank=0) == [pytest.approx(gn, rel=1e-5)],
-            10,
-            "the logged grad norm",
-        )
-        self.seen = {"rank_info": [lab for lab, _ in exp.metrics().get("vramwatch_rank_info", [])]}
+    class Probe(L.Callback):
+        def __init__(self, exp, at_step):
+            self.exp, self.at_step = exp, at_step
+            self.seen = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step != self.at_step or self.seen is not None:
+                return
+            exp, n = self.exp, self.at_step
+            wait_until(
+                lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
+                15,
+                f"{n} optimiser steps in the scrape",
+            )
+            loss = float(outputs["loss"])
+            wait_until(
+                lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss, rel=1e-5)],
+                10,
+                "this step's loss",
+            )
+            gn = float(trainer.callback_metrics["grad_2.0_norm_total"])
+            wait_until(
+                lambda: series(exp, "vramwatch_training_grad_norm", rank=0) == [pytest.approx(gn, rel=1e-5)],
+                10,
+                "the logged grad norm",
+            )
+            self.seen = {"rank_info": [lab for lab, _ in exp.metrics().get("vramwatch_rank_info", [])]}
+
+    return Probe(exp, at_step)
 
 
 def test_lightning_drives_the_heartbeat_per_optimiser_step(exporter):
     from vramwatch.integrations.lightning import VramwatchCallback
 
     exp = exporter().start()
-    probe = Probe(exp, at_step=4)
+    probe = make_probe(exp, at_step=4)
     cb = VramwatchCallback(simulate=True, serve="external", spool_dir=exp.spool, port=exp.port, interval=0.05)
     t = trainer([cb, probe])
     t.fit(Tiny())
