@@ -8,7 +8,7 @@ PROMETHEUS   := $(TOOLS)/usr/bin/prometheus
 ALERTMANAGER := $(TOOLS)/usr/bin/prometheus-alertmanager
 export TEST_TOOLS_DIR := $(abspath $(TOOLS))/usr/bin
 
-.PHONY: demo test venv tools lint typecheck docs generate check-generated gpu-test mutation clean
+.PHONY: demo test venv tools lint typecheck collect docs generate check-generated gpu-test mutation clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -80,9 +80,13 @@ demo: venv tools
 # run that selects nothing (exit 5) is no failure while the other ran tests.
 # The venv and the tools are made side by side (on a fresh machine both mostly wait on downloads and unpacking),
 # and lint and types run while the tools finish; -O prints each step's output whole when it ends.
+# The tests write bytecode even where the environment turns it off (PYTHONDONTWRITEBYTECODE, as some images
+# set): pytest then keeps each test module's assert rewriting, and the hundreds of Python processes the tests
+# start load vramwatch compiled, not from source; all of it under __pycache__ (git-ignored).
 PYTEST_WORKERS ?= 4
+test collect: export PYTHONDONTWRITEBYTECODE :=
 test:
-	$(MAKE) --no-print-directory -j 4 -O lint typecheck tools
+	$(MAKE) --no-print-directory -j 4 -O lint typecheck collect tools
 	$(BIN)/python -m vramwatch docs --check
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --timing=exclude $(PYTEST_ARGS); \
 	a=$$?; $(BIN)/pytest -q -n 0 --timing=only $(PYTEST_ARGS); b=$$?; \
@@ -92,6 +96,12 @@ test:
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The suite collected once (beside mypy while the tools download): it writes the rewritten test modules, which
+# the workers then load; each worker collects every file, and rewriting them all is ~9 s of CPU.
+collect: venv
+	mkdir -p .cache
+	$(BIN)/pytest --collect-only -qq -p no:cacheprovider > .cache/collect.log || { tail -n 40 .cache/collect.log; exit 1; }
 
 # The whole package; how strict, per module, is [tool.mypy] in pyproject.toml.
 typecheck: venv
