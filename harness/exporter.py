@@ -72,6 +72,11 @@ class Exporter:
     def metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         return parse_metrics(self.scrape())
 
+    def values(self, name: str, **labels: object) -> list[float]:
+        """Values of ``name`` whose labels include ``labels`` (compared as text), from one scrape."""
+        want = {k: str(v) for k, v in labels.items()}
+        return [v for lab, v in self.metrics().get(name, []) if all(lab.get(k) == x for k, x in want.items())]
+
     def node(self) -> Any:
         from vramwatch.sim.state import SimNode, state_path
 

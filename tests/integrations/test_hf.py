@@ -57,10 +57,6 @@ def train(tmp_path, callbacks):
     return trainer
 
 
-def series(exp, name, **labels):
-    return [v for lab, v in exp.metrics().get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
-
-
 def make_probe(exp, at_step):
     """A callback that, at one optimiser step, looks at the live target from inside the run."""
 
@@ -79,19 +75,19 @@ def make_probe(exp, at_step):
                 return
             exp, n = self.exp, self.at_step
             wait_until(
-                lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
+                lambda: exp.values("vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
                 15,
                 f"{n} optimiser steps in the scrape",
             )
             loss, gnorm = self.logged[-1]  # logged after the previous step's on_step_end
             wait_until(
-                lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss)], 10, "the logged loss"
+                lambda: exp.values("vramwatch_training_loss", rank=0) == [pytest.approx(loss)], 10, "the logged loss"
             )
             self.seen = {
-                "grad_norm": series(exp, "vramwatch_training_grad_norm", rank=0),
+                "grad_norm": exp.values("vramwatch_training_grad_norm", rank=0),
                 "rank_info": [lab for lab, _ in exp.metrics().get("vramwatch_rank_info", [])],
                 "gnorm": gnorm,
-                "hist_count": series(exp, "vramwatch_training_step_duration_seconds_count", rank=0),
+                "hist_count": exp.values("vramwatch_training_step_duration_seconds_count", rank=0),
             }
 
     return Probe(exp, at_step)
@@ -117,13 +113,13 @@ def test_trainer_drives_the_heartbeat_with_loss_and_labels(exporter, tmp_path):
     # dead-rank grace window (docs/nothing-lost.md)
     wait_until(
         lambda: (
-            series(exp, "vramwatch_training_last_step_timestamp_seconds") == []
-            and series(exp, "vramwatch_sample_age_seconds") == []
+            exp.values("vramwatch_training_last_step_timestamp_seconds") == []
+            and exp.values("vramwatch_sample_age_seconds") == []
         ),
         10,
         "the heartbeat to go",
     )
-    assert series(exp, "vramwatch_training_steps_total"), "the final counters stay for the grace window"
+    assert exp.values("vramwatch_training_steps_total"), "the final counters stay for the grace window"
 
 
 def test_the_callback_does_not_change_training(tmp_path):

@@ -43,10 +43,6 @@ def trainer(callbacks, max_steps=6):
     )
 
 
-def series(exp, name, **labels):
-    return [v for lab, v in exp.metrics().get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
-
-
 def make_probe(exp, at_step):
     """A callback that, at one optimiser step, looks at the live target from inside the run."""
 
@@ -60,19 +56,19 @@ def make_probe(exp, at_step):
                 return
             exp, n = self.exp, self.at_step
             wait_until(
-                lambda: series(exp, "vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
+                lambda: exp.values("vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
                 15,
                 f"{n} optimiser steps in the scrape",
             )
             loss = float(outputs["loss"])
             wait_until(
-                lambda: series(exp, "vramwatch_training_loss", rank=0) == [pytest.approx(loss, rel=1e-5)],
+                lambda: exp.values("vramwatch_training_loss", rank=0) == [pytest.approx(loss, rel=1e-5)],
                 10,
                 "this step's loss",
             )
             gn = float(trainer.callback_metrics["grad_2.0_norm_total"])
             wait_until(
-                lambda: series(exp, "vramwatch_training_grad_norm", rank=0) == [pytest.approx(gn, rel=1e-5)],
+                lambda: exp.values("vramwatch_training_grad_norm", rank=0) == [pytest.approx(gn, rel=1e-5)],
                 10,
                 "the logged grad norm",
             )
@@ -98,13 +94,13 @@ def test_lightning_drives_the_heartbeat_per_optimiser_step(exporter):
     # dead-rank grace window (docs/nothing-lost.md)
     wait_until(
         lambda: (
-            series(exp, "vramwatch_training_last_step_timestamp_seconds") == []
-            and series(exp, "vramwatch_sample_age_seconds") == []
+            exp.values("vramwatch_training_last_step_timestamp_seconds") == []
+            and exp.values("vramwatch_sample_age_seconds") == []
         ),
         10,
         "the heartbeat to go",
     )
-    assert series(exp, "vramwatch_training_steps_total"), "the final counters stay for the grace window"
+    assert exp.values("vramwatch_training_steps_total"), "the final counters stay for the grace window"
 
 
 def test_the_callback_does_not_change_training(tmp_path):

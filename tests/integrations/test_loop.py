@@ -14,11 +14,6 @@ from harness import wait_until
 from vramwatch.rank.heartbeat import BUCKETS
 
 
-def series(exp, name, **labels):
-    """Values of ``name`` whose labels include ``labels``, from one scrape."""
-    return [v for lab, v in exp.metrics().get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
-
-
 def buckets(exp, rank):
     rows = [
         (lab["le"], v)
@@ -44,13 +39,13 @@ def test_loop_track_and_context_manager_through_a_scrape(rank_settings):
         for _ in vramwatch.track(range(5)):
             time.sleep(0.003)
         wait_until(
-            lambda: series(exp, "vramwatch_training_steps_total", rank=2, local_rank=1) == [10.0],
+            lambda: exp.values("vramwatch_training_steps_total", rank=2, local_rank=1) == [10.0],
             10,
             "ten steps in the scrape",
         )
-        assert series(exp, "vramwatch_training_loss", rank=2) == [pytest.approx(0.2)]  # the newest step's
-        assert series(exp, "vramwatch_training_grad_norm", rank=2) == [2.5]
-        (last,) = series(exp, "vramwatch_training_last_step_timestamp_seconds", rank=2, local_rank=1)
+        assert exp.values("vramwatch_training_loss", rank=2) == [pytest.approx(0.2)]  # the newest step's
+        assert exp.values("vramwatch_training_grad_norm", rank=2) == [2.5]
+        (last,) = exp.values("vramwatch_training_last_step_timestamp_seconds", rank=2, local_rank=1)
         assert time.time() - 30 < last <= time.time()
         info = [lab for lab, _ in exp.metrics()["vramwatch_rank_info"] if lab["rank"] == "2"]
         assert info and info[0]["world_size"] == "4" and info[0]["local_rank"] == "1"
@@ -59,21 +54,21 @@ def test_loop_track_and_context_manager_through_a_scrape(rank_settings):
         assert les == sorted(les) and b["+Inf"] == 9  # nine intervals between ten steps
         assert [b[k] for k in b] == sorted(b[k] for k in b)  # cumulative
         assert b["0.001"] == 0 and b["60.0"] == 9  # 3 ms steps: above 1 ms, far below a minute
-        (count,) = series(exp, "vramwatch_training_step_duration_seconds_count", rank=2)
-        (total,) = series(exp, "vramwatch_training_step_duration_seconds_sum", rank=2)
+        (count,) = exp.values("vramwatch_training_step_duration_seconds_count", rank=2)
+        (total,) = exp.values("vramwatch_training_step_duration_seconds_sum", rank=2)
         assert count == 9 and 9 * 0.003 <= total < 60
     assert vramwatch.current() is None  # leaving the block stopped it and withdrew the series
     # its heartbeat and sample age go at once (nothing left to go stale); its final counters stay for the
     # dead-rank grace window (docs/nothing-lost.md)
     wait_until(
         lambda: (
-            series(exp, "vramwatch_training_last_step_timestamp_seconds", rank=2) == []
-            and series(exp, "vramwatch_sample_age_seconds", rank=2) == []
+            exp.values("vramwatch_training_last_step_timestamp_seconds", rank=2) == []
+            and exp.values("vramwatch_sample_age_seconds", rank=2) == []
         ),
         10,
         "the heartbeat to go",
     )
-    assert series(exp, "vramwatch_training_steps_total", rank=2), "the final counters stay for the grace window"
+    assert exp.values("vramwatch_training_steps_total", rank=2), "the final counters stay for the grace window"
 
 
 def test_track_counts_only_completed_items(rank_settings):

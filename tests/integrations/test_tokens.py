@@ -24,10 +24,6 @@ def _started(tmp_path):
     return vramwatch.start(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05, rank=0)
 
 
-def series(exp, name, **labels):
-    return [v for lab, v in exp.metrics().get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
-
-
 # --- Hugging Face Trainer ---
 
 
@@ -68,9 +64,9 @@ def test_hf_tokens_seen_reach_the_scrape(exporter, tmp_path):
         assert t.state.num_input_tokens_seen == want  # the Trainer's own count: the independent source
         assert vramwatch.current().heartbeat.tokens == want
         wait_until(
-            lambda: series(exp, "vramwatch_training_tokens_total", rank=0) == [float(want)], 15, "the tokens counter"
+            lambda: exp.values("vramwatch_training_tokens_total", rank=0) == [float(want)], 15, "the tokens counter"
         )
-        assert series(exp, "vramwatch_training_samples_total") == []  # the Trainer does not count samples
+        assert exp.values("vramwatch_training_samples_total") == []  # the Trainer does not count samples
     finally:
         vramwatch.stop()
 
@@ -176,8 +172,8 @@ def test_lightning_counts_tokens_and_samples_of_a_token_batch(exporter, tmp_path
         assert vramwatch.current().heartbeat.samples == steps * ACCUM * BATCH
         wait_until(
             lambda: (
-                series(exp, "vramwatch_training_tokens_total", rank=0) == [float(steps * ACCUM * BATCH * LENGTH)]
-                and series(exp, "vramwatch_training_samples_total", rank=0) == [float(steps * ACCUM * BATCH)]
+                exp.values("vramwatch_training_tokens_total", rank=0) == [float(steps * ACCUM * BATCH * LENGTH)]
+                and exp.values("vramwatch_training_samples_total", rank=0) == [float(steps * ACCUM * BATCH)]
             ),
             15,
             "the tokens and samples counters",

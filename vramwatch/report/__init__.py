@@ -123,6 +123,11 @@ def _say(args: argparse.Namespace, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _needs_extras(e: ImportError) -> int:
+    print(f"vramwatch report: needs {NEEDS}: {e}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         from vramwatch import __version__
@@ -136,8 +141,7 @@ def run(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             raise ImportError("No module named 'matplotlib'")
     except ImportError as e:
-        print(f"vramwatch report: needs {NEEDS}: {e}", file=sys.stderr)
-        return 2
+        return _needs_extras(e)
 
     end = args.end if args.end is not None else time.time()
     start = args.start if args.start is not None else end - (args.last or 3600.0)
@@ -204,8 +208,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # matplotlib's import is most of a second: only once Prometheus has answered
         from vramwatch.report import charts, html
     except ImportError as e:
-        print(f"vramwatch report: needs {NEEDS}: {e}", file=sys.stderr)
-        return 2
+        return _needs_extras(e)
 
     rendered, charts_n, empty, failed = [], 0, 0, 0
     for i, d in enumerate(specs, start=1):

@@ -77,7 +77,7 @@ HEAD_CACHE_BYTES = 2048  # a larger head is parsed each time (a Prometheus scrap
 # scrape interval (1 m), shorter than its client's own idle timeout (5 m), so the client closes first
 KEEPALIVE_IDLE = 90.0
 AUTH_QUEUE = 8  # bcrypt checks waiting at once
-AUTH_JOIN_SECONDS = 2.0  # shutdown waits this long for a bcrypt check under way (one takes milliseconds)
+AUTH_JOIN_SECONDS = 2.0  # shutdown waits this long for a bcrypt check under way (~75 ms at cost 10)
 LINGER = 1.0  # after our FIN, how long the client's remaining bytes are read (so it gets no RST)
 _DRAIN_BYTES = 64 * 1024
 # readiness as the loop's poller takes it (epoll's bits are poll's)
