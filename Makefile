@@ -10,12 +10,17 @@ export TEST_TOOLS_DIR := $(abspath $(TOOLS))/usr/bin
 
 .PHONY: demo test venv tools lint typecheck collect docs generate check-generated gpu-test mutation clean
 
+# Python writes bytecode here whatever the environment says (some images set PYTHONDONTWRITEBYTECODE): the
+# venv is installed without it (--no-compile) and each module is compiled once, when first imported, under
+# __pycache__ (git-ignored). Compiling all of torch at install costs more than the few modules the tests load.
+export PYTHONDONTWRITEBYTECODE :=
+
+# One pip run: torch from its pinned CPU wheel and the package with every extra (a second run resolves all again).
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,dashboards,report,integrations]'
+	$(BIN)/pip install -q --no-compile torch==2.13.0 -e '.[test,dashboards,report,integrations]'
 	touch $@
 
 # Debian's alertmanager reads its default notification templates from this fixed path (no flag moves it).
@@ -76,20 +81,19 @@ demo: venv tools
 # but the `timing` ones on four workers, a test file per worker at a time, the longest files first (tests/
 # conftest.py's FILE_SECONDS; xdist would reorder them by test count): most tests wait on real servers, so
 # four workers keep two cores busy. Then the `timing` tests (a latency or CPU-cost bound that four workers'
-# load can break) alone, in one process. PYTEST_ARGS goes to both (`make test PYTEST_ARGS=tests/spool`); a
+# load can break) on two workers: each bears one neighbour (the longest, test_nothing_lost's, mostly waits on
+# Prometheus), and they take 29 s so instead of 40 s one after another. PYTEST_ARGS goes to both (`make test PYTEST_ARGS=tests/spool`); a
 # run that selects nothing (exit 5) is no failure while the other ran tests.
 # The venv and the tools are made side by side (on a fresh machine both mostly wait on downloads and unpacking),
 # and lint and types run while the tools finish; -O prints each step's output whole when it ends.
-# The tests write bytecode even where the environment turns it off (PYTHONDONTWRITEBYTECODE, as some images
-# set): pytest then keeps each test module's assert rewriting, and the hundreds of Python processes the tests
-# start load vramwatch compiled, not from source; all of it under __pycache__ (git-ignored).
+# With bytecode written (above), pytest keeps each test module's assert rewriting, and the hundreds of Python
+# processes the tests start load vramwatch and torch compiled, not from source.
 PYTEST_WORKERS ?= 4
-test collect: export PYTHONDONTWRITEBYTECODE :=
 test:
 	$(MAKE) --no-print-directory -j 4 -O lint typecheck collect tools
 	$(BIN)/python -m vramwatch docs --check
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --timing=exclude $(PYTEST_ARGS); \
-	a=$$?; $(BIN)/pytest -q -n 0 --timing=only $(PYTEST_ARGS); b=$$?; \
+	a=$$?; $(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --timing=only $(PYTEST_ARGS); b=$$?; \
 	if [ $$a = 5 ] && [ $$b = 5 ]; then exit 5; fi; for rc in $$a $$b; do [ $$rc = 0 ] || [ $$rc = 5 ] || exit $$rc; done
 
 # Every Python file of the repository (ruff skips what .gitignore names, such as the venv).
@@ -98,10 +102,14 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 # The suite collected once (beside mypy while the tools download): it writes the rewritten test modules, which
-# the workers then load; each worker collects every file, and rewriting them all is ~9 s of CPU.
+# the workers then load; each worker collects every file, and rewriting them all is ~9 s of CPU. Then the
+# packages some tests import late, so that their first import (compiling them: ~10 s of CPU) is not a worker's.
+WARM_IMPORTS := import lightning.pytorch, matplotlib.pyplot, transformers; \
+	transformers.Trainer, transformers.TrainingArguments, transformers.GPT2LMHeadModel
 collect: venv
 	mkdir -p .cache
 	$(BIN)/pytest --collect-only -qq -p no:cacheprovider > .cache/collect.log || { tail -n 40 .cache/collect.log; exit 1; }
+	HF_HUB_OFFLINE=1 $(BIN)/python -c '$(WARM_IMPORTS)'
 
 # The whole package; how strict, per module, is [tool.mypy] in pyproject.toml.
 typecheck: venv
