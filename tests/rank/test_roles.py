@@ -235,18 +235,26 @@ def test_a_pass_costs_little_for_a_real_model():
     model(torch.rand(4, 2, 64), torch.rand(3, 2, 64)).sum().backward()
     opt.step()  # mid-training: gradients and AdamW's state exist (its first step builds the state: not our cost)
     n = sum(1 for _ in model.parameters())
-    w = RoleWalker(model, opt, 30.0, 4096, device_types=("cpu",))
-    # the walker's own work only: the step pre-hook's gradient snapshot, then the sampler thread's passes
-    t0 = time.perf_counter()
-    w.on_optimizer_step()
-    for i in range(10_000):
-        w.poll(float(i) * 1e-3)
-        if w.result is not None and w._walk is None:
-            break
-    took = time.perf_counter() - t0
+
+    def walk() -> tuple[RoleWalker, float]:
+        # the walker's own work: the step pre-hook's gradient snapshot, then the sampler thread's passes; in
+        # this thread's CPU time, as the walker budgets itself (a neighbour's load stretches the wall time)
+        w = RoleWalker(model, opt, 30.0, 4096, device_types=("cpu",))
+        c0 = time.thread_time()
+        w.on_optimizer_step()
+        for i in range(10_000):
+            w.poll(float(i) * 1e-3)
+            if w.result is not None and w._walk is None:
+                break
+        return w, time.thread_time() - c0
+
+    walk()  # the first touches of torch's storage accessors, once per process
+    w, took = min((walk() for _ in range(3)), key=lambda r: r[1])  # the least of three: this machine is shared
     ((params, grads, state),) = w.result.values()
     assert params > 0 and grads == params and state > 2 * params, w.result  # bytes: every role was walked
-    # about a microsecond per tensor on the training machine; at the 30 s cadence, far under 0.05% of a core
+    # a parameter is 4 tensors (itself, its gradient, AdamW's two moments) and a step count: ~1.5 us a tensor on
+    # the H200 host, 5-7 us on this project's shared CPU machine (20-33 us a parameter). A slower walk only comes
+    # less often (MAX_CORE_SHARE); this catches a walk that got several times slower.
     assert took / n < 50e-6, f"{took / n * 1e6:.1f} us per parameter (its gradient and AdamW state included)"
 
 
