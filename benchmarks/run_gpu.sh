@@ -122,15 +122,22 @@ EOF
 fi
 {
   echo "date: $(date -u +%FT%TZ)"; echo "commit: ${VW_BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  # versions from the packages' metadata, not by importing them (torch and transformers: ~5 s of CPU)
   $PY - <<'EOF'
-import platform, importlib
+import importlib.metadata as md, importlib.util, platform, re
+from pathlib import Path
 print("python:", platform.python_version())
-for m in ("torch", "transformers", "pynvml", "prometheus_client", "pytest", "nvitop", "nvitop_exporter", "numpy"):
+for dist in ("torch", "transformers", "nvidia-ml-py", "prometheus-client", "pytest", "nvitop", "nvitop-exporter", "numpy"):
     try:
-        mod = importlib.import_module(m)
-        print(f"{m}: {getattr(mod, '__version__', '?')}", "" if m != "torch" else f"cuda {mod.version.cuda}")
+        extra = ""
+        if dist == "torch":  # the CUDA it was built for, as torch.version.cuda says it
+            spec = importlib.util.find_spec("torch")
+            text = Path(spec.origin).with_name("version.py").read_text() if spec and spec.origin else ""
+            m = re.search(r"^cuda\b[^=]*=\s*['\"]?([^'\"\n]+)", text, re.M)
+            extra = f" cuda {m.group(1) if m else '?'}"
+        print(f"{dist}: {md.version(dist)}{extra}")
     except Exception as e:
-        print(f"{m}: missing ({e.__class__.__name__})")
+        print(f"{dist}: missing ({e.__class__.__name__})")
 EOF
   nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,persistence_mode,pstate --format=csv 2>&1
   nvidia-smi 2>&1 | head -25
