@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
 import re
@@ -34,10 +35,16 @@ from vramwatch.report.prom import PromClient
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = [spec(m) for m in build_all()]
 PANELS = sum(len(d.panels) for d in SPECS)
+TABLES = sum(p.type == "table" for d in SPECS for p in d.panels)
 IMG = re.compile(
     r'<figure class="panel (\w+)" id="([\w-]+)" data-panel-id="(\d+)" data-type="\w+" '
     r'data-series="(\d+)" data-points="(\d+)"><img src="data:image/png;base64,([A-Za-z0-9+/=]+)" '
     r'width="(\d+)" height="(\d+)"'
+)
+# a table panel is an HTML table in the page, not a picture
+TABLE = re.compile(
+    r'<figure class="panel table" id="([\w-]+)" data-panel-id="(\d+)" data-type="table" '
+    r'data-series="(\d+)" data-points="(\d+)"><div class="table">(.*?)</div><figcaption>'
 )
 
 
@@ -201,15 +208,9 @@ def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
         for p in d.panels:
             res = run_panel(client, p, values, tc)
             assert res.series_count == 2 * len(p.targets) and not res.errors, p.title
-            fig = charts.draw(res, tc)
-            if p.type == "timeseries":
-                drawn = _lines(fig)
-                for r in res.results:
-                    for s in r.series:
-                        assert s.values in drawn[legend(r.target, s.labels)], (p.title, r.target.ref)
-                        assert len(s.values) == 11
-            elif p.type == "table":
+            if p.type == "table":
                 header, rows, nums = charts.table_rows(res)
+                page = charts.table_html(res)
                 cells = {c for row in rows for c in row}
                 for r in res.results:
                     col = p.columns.get(r.target.ref, "Value")
@@ -217,8 +218,20 @@ def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
                         continue
                     unit = p.column_units.get(col, p.axis.unit)
                     for s in r.series:
-                        assert charts.fmt(s.values[-1], unit) in cells, (p.title, r.target.ref)
+                        shown = charts.fmt(s.values[-1], unit)
+                        assert shown in cells and f">{html.escape(shown)}</td>" in page, (p.title, r.target.ref)
                 assert not set(header) & p.hidden
+                assert [html.unescape(h) for h in re.findall(r"<th>(.*?)</th>", page)] == header, p.title
+                assert page.count("<tr>") == len(rows) + 1, p.title
+                checked += 1
+                continue
+            fig = charts.draw(res, tc)
+            if p.type == "timeseries":
+                drawn = _lines(fig)
+                for r in res.results:
+                    for s in r.series:
+                        assert s.values in drawn[legend(r.target, s.labels)], (p.title, r.target.ref)
+                        assert len(s.values) == 11
             elif p.type in ("stat", "bargauge"):
                 texts = {t.get_text().strip() for ax in fig.axes for t in ax.texts}
                 v = res.results[0].series[0].values[-1]
@@ -336,6 +349,16 @@ def test_table_sorts_merges_and_formats():
     assert charts._threshold_color(0.97, p.axis) == charts.COLORS["red"]
     assert charts._threshold_color(0.9, p.axis) == charts.COLORS["orange"]
     assert charts._threshold_color(0.5, p.axis) == ""
+    # in the page: the rows in that order, each value's threshold colour as its cell's background
+    body = charts.table_html(PanelResult(p, [a, b]))
+    red, orange = charts.COLORS["red"], charts.COLORS["orange"]
+    assert re.findall(r"<tr>(.*?)</tr>", body)[1:] == [
+        f'<td>j</td><td>h</td><td>1</td><td>U1</td><td class="num" style="background:{red}8c">97%</td>'
+        f'<td class="num" style="background:{red}8c">99%</td>',
+        f'<td>j</td><td>h</td><td>2</td><td>U2</td><td class="num" style="background:{orange}8c">90%</td>'
+        '<td class="num"></td>',
+        '<td>j</td><td>h</td><td>0</td><td>U0</td><td class="num">50%</td><td class="num"></td>',
+    ]
     (hb,) = [x for x in d.panels if x.title == "Ranks by heartbeat age"]
     assert hb.column_thresholds == {"heartbeat age": ((DEFAULT.stall_min_seconds, "red"),)} and not hb.axis.thresholds
 
@@ -362,12 +385,14 @@ def test_cli_writes_one_chart_per_panel_self_contained(fake_prom, tmp_path):
     r = _report("--prometheus", fake_prom, "--last", "30m", "--out", str(out), "--var", "rank=0,1")
     assert r.returncode == 0, r.stderr
     html_text = out.read_text()
-    figs = _figures(html_text)
-    assert len(figs) == PANELS == html_text.count("<img ")
-    assert len({f[1] for f in figs}) == PANELS  # one per panel, each once
+    figs, tables = _figures(html_text), TABLE.findall(html_text)
+    assert len(figs) == PANELS - TABLES == html_text.count("<img ") and len(tables) == TABLES > 0
+    assert len({f[1] for f in figs} | {t[0] for t in tables}) == PANELS  # one per panel, each once
     for _type, fid, _pid, series, points, png, w, h in figs:
         assert series > 0 and points > 0, fid
         assert _png_size(png) == (w, h), fid
+    for fid, _pid, series, points, table in tables:
+        assert int(series) > 0 and int(points) > 0 and table.startswith("<table><thead>") and "<td" in table, fid
     sections = re.findall(r'<section class="row"><h3>([^<]*)</h3>', html_text)
     assert sections == [r.title for d in SPECS for r in d.rows]  # one section per dashboard row
     assert not re.search(r'(src|href)="(?!data:|#)', html_text)  # nothing fetched from outside
@@ -601,10 +626,12 @@ def live(tmp_path_factory):
 CHECK_SCRIPT = """<figure class="panel control" id="control"><img src="data:image/png;base64,iVBORw0KGgoAAAA"></figure>
 <script>
 window.addEventListener('load', () => {
-  const r = [...document.querySelectorAll('figure.panel img')].map(img =>
+  const images = [...document.querySelectorAll('figure.panel img')].map(img =>
     [img.closest('figure').id, img.complete ? img.naturalWidth : -1, img.complete ? img.naturalHeight : -1]);
+  const tables = [...document.querySelectorAll('figure.panel table')].map(t =>
+    [t.closest('figure').id, t.rows.length, t.getBoundingClientRect().height]);
   const pre = document.createElement('pre'); pre.id = 'render-check';
-  pre.textContent = JSON.stringify(r); document.body.appendChild(pre);
+  pre.textContent = JSON.stringify({images, tables}); document.body.appendChild(pre);
 });
 </script>"""
 
@@ -650,8 +677,8 @@ def test_live_report_renders_in_headless_chromium(live, tmp_path):
     )
     assert r.returncode == 0, r.stderr  # --strict: every query answered with data
     html_text = out.read_text()
-    figs = _figures(html_text)
-    assert len(figs) == PANELS
+    figs, tables = _figures(html_text), TABLE.findall(html_text)
+    assert len(figs) + len(tables) == PANELS
     assert all(f[3] > 0 and f[4] > 0 for f in figs), [f[1] for f in figs if not f[3]]
 
     # every chart decodes in a real browser, at the size the page says
@@ -660,9 +687,13 @@ def test_live_report_renders_in_headless_chromium(live, tmp_path):
     dom = _chromium("--virtual-time-budget=15000", "--dump-dom", checked.as_uri(), cwd=tmp_path)
     m = re.search(r'<pre id="render-check">(.*?)</pre>', dom.stdout, re.S)
     assert m, f"no render check in the DOM: {dom.stderr[-2000:]}"
-    rendered = {fid: (w, h) for fid, w, h in json.loads(m.group(1))}
+    seen = json.loads(m.group(1))
+    rendered = {fid: (w, h) for fid, w, h in seen["images"]}
     assert rendered.pop("control") == (0, 0)
     assert rendered == {f[1]: (f[6], f[7]) for f in figs}
+    # every table laid out with its rows: the browser's row count is the page's, and it has a height
+    want = {fid: table.count("<tr>") for fid, _pid, _s, _p, table in tables}
+    assert {fid: rows for fid, rows, _h in seen["tables"]} == want and all(h > 0 for *_, h in seen["tables"])
 
     # a screenshot of the page as a person sees it
     shot = tmp_path / "report.png"

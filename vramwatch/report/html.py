@@ -1,4 +1,5 @@
-"""The report page: one section per dashboard, one per row, one PNG per panel, nothing fetched from outside."""
+"""The report page: one section per dashboard, one per row, a PNG (or a table's HTML) per panel, nothing fetched
+from outside."""
 
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ figcaption{font-size:12px;color:#444;margin-top:4px}
 figcaption b{font-size:13px;color:#222}
 figcaption .note{color:#c4162a}
 details pre{white-space:pre-wrap;word-break:break-all;font-size:11px;background:#f4f4f4;padding:6px}
+div.table{overflow-x:auto;max-height:520px;overflow-y:auto}
+div.table table{border-collapse:collapse;font-size:12px;width:100%}
+div.table th{background:#f0f0f0;text-align:left;position:sticky;top:0}
+div.table th,div.table td{border:1px solid #dddddd;padding:2px 6px;white-space:nowrap}
+div.table td.num{text-align:right;font-variant-numeric:tabular-nums}
+p.nodata{color:#888888;text-align:center;margin:16px 0}
+p.more{font-size:11px;color:#555;margin:4px 0 0}
 """
 
 
@@ -80,13 +88,16 @@ def page(
 
 def _figure(d: DashboardSpec, rp: RenderedPanel) -> str:
     p, c = rp.panel, rp.chart
-    src = "data:image/png;base64," + base64.b64encode(c.png).decode("ascii")
+    if c.table:
+        body = f'<div class="table">{c.table}</div>'
+    else:
+        src = "data:image/png;base64," + base64.b64encode(c.png).decode("ascii")
+        body = f'<img src="{src}" width="{c.width}" height="{c.height}" alt="{escape(p.title)}">'
     note = f' <span class="note">({escape(c.note)})</span>' if c.note else ""
     queries = "\n".join(escape(e) for e in rp.exprs)
     return (
         f'<figure class="panel {escape(p.type)}" id="{escape(d.uid)}-{p.id}" data-panel-id="{p.id}" '
         f'data-type="{escape(p.type)}" data-series="{c.series}" data-points="{c.points}">'
-        f'<img src="{src}" width="{c.width}" height="{c.height}" alt="{escape(p.title)}">'
-        f"<figcaption><b>{escape(p.title)}</b>{note}<br>{escape(p.description)}"
+        f"{body}<figcaption><b>{escape(p.title)}</b>{note}<br>{escape(p.description)}"
         f"<details><summary>queries</summary><pre>{queries}</pre></details></figcaption></figure>"
     )
