@@ -82,8 +82,8 @@ demo: venv tools
 # conftest.py's FILE_SECONDS; xdist would reorder them by test count): most tests wait on real servers, so
 # four workers keep two cores busy. Then the `timing` tests (a latency or CPU-cost bound that four workers'
 # load can break) on two workers: each bears one neighbour (the longest, test_nothing_lost's, mostly waits on
-# Prometheus), and they take 29 s so instead of 40 s one after another. PYTEST_ARGS goes to both (`make test PYTEST_ARGS=tests/spool`); a
-# run that selects nothing (exit 5) is no failure while the other ran tests.
+# Prometheus), so they take 29 s instead of 40 s one after another. PYTEST_ARGS goes to both (`make test
+# PYTEST_ARGS=tests/spool`); a run that selects nothing (exit 5) is no failure while the other ran tests.
 # The venv and the tools are made side by side (on a fresh machine both mostly wait on downloads and unpacking),
 # and lint and types run while the tools finish; -O prints each step's output whole when it ends.
 # With bytecode written (above), pytest keeps each test module's assert rewriting, and the hundreds of Python
