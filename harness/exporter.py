@@ -77,6 +77,14 @@ class Exporter:
         want = {k: str(v) for k, v in labels.items()}
         return [v for lab, v in self.metrics().get(name, []) if all(lab.get(k) == x for k, x in want.items())]
 
+    def wait_steps(self, n: int, timeout: float = 15.0) -> None:
+        """Until rank 0's scrape counts ``n`` optimiser steps (WaitTimeout otherwise)."""
+        wait_until(
+            lambda: self.values("vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
+            timeout,
+            f"{n} optimiser steps in the scrape",
+        )
+
     def node(self) -> Any:
         from vramwatch.sim.state import SimNode, state_path
 

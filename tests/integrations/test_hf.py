@@ -73,12 +73,8 @@ def make_probe(exp, at_step):
         def on_step_end(self, args, state, control, **kw):
             if state.global_step != self.at_step:
                 return
-            exp, n = self.exp, self.at_step
-            wait_until(
-                lambda: exp.values("vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
-                15,
-                f"{n} optimiser steps in the scrape",
-            )
+            exp = self.exp
+            exp.wait_steps(self.at_step)
             loss, gnorm = self.logged[-1]  # logged after the previous step's on_step_end
             wait_until(
                 lambda: exp.values("vramwatch_training_loss", rank=0) == [pytest.approx(loss)], 10, "the logged loss"

@@ -54,12 +54,8 @@ def make_probe(exp, at_step):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step != self.at_step or self.seen is not None:
                 return
-            exp, n = self.exp, self.at_step
-            wait_until(
-                lambda: exp.values("vramwatch_training_steps_total", rank=0, local_rank=0) == [float(n)],
-                15,
-                f"{n} optimiser steps in the scrape",
-            )
+            exp = self.exp
+            exp.wait_steps(self.at_step)
             loss = float(outputs["loss"])
             wait_until(
                 lambda: exp.values("vramwatch_training_loss", rank=0) == [pytest.approx(loss, rel=1e-5)],
