@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,24 +69,29 @@ def imports(module: str) -> Iterator[tuple[str, int]]:
                     yield target, node.lineno
 
 
-GRAPH: dict[str, dict[str, int]] = {}
-for _m in MODULES:
-    GRAPH[_m] = {}
-    for _target, _line in imports(_m):
-        if _target != _m:
-            GRAPH[_m].setdefault(_target, _line)
+@functools.cache
+def _graph() -> dict[str, dict[str, int]]:
+    """module -> {imported package module: first line}; built when a test asks (each xdist worker collects this
+    file, and parsing the whole package is ~0.7 s of CPU that only the worker running it needs)."""
+    graph: dict[str, dict[str, int]] = {}
+    for m in MODULES:
+        graph[m] = {}
+        for target, line in imports(m):
+            if target != m:
+                graph[m].setdefault(target, line)
+    return graph
 
 
 def _where(module: str, target: str) -> str:
-    return f"{MODULES[module].relative_to(ROOT)}:{GRAPH[module][target]}"
+    return f"{MODULES[module].relative_to(ROOT)}:{_graph()[module][target]}"
 
 
 def _crossings(importers: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
     return [
         f"{_where(m, t)}: {m} imports {t}"
-        for m in GRAPH
+        for m in _graph()
         if _within(m, importers)
-        for t in GRAPH[m]
+        for t in _graph()[m]
         if _within(t, forbidden)
     ]
 
@@ -110,7 +116,7 @@ def _cycles() -> list[list[str]]:
     """
 
     def edges(m: str) -> list[str]:
-        return [t for t in GRAPH[m] if not (_is_package(m) and t.startswith(m + "."))]
+        return [t for t in _graph()[m] if not (_is_package(m) and t.startswith(m + "."))]
 
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -139,7 +145,7 @@ def _cycles() -> list[list[str]]:
             if len(component) > 1:
                 components.append(sorted(component))
 
-    for m in sorted(GRAPH):
+    for m in sorted(_graph()):
         if m not in index:
             visit(m)
 
@@ -177,8 +183,8 @@ def test_no_import_cycles() -> None:
 
 def test_the_graph_sees_imports_inside_functions() -> None:
     # the cli imports its subcommands' modules only when they run
-    assert "vramwatch.docs" in GRAPH["vramwatch.cli"]
-    assert "vramwatch.server.main" in GRAPH["vramwatch.cli"]
+    assert "vramwatch.docs" in _graph()["vramwatch.cli"]
+    assert "vramwatch.server.main" in _graph()["vramwatch.cli"]
 
 
 # --- no test depends on where the virtualenv lives ---
