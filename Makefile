@@ -78,17 +78,18 @@ demo: venv tools
 	$(BIN)/python scripts/demo_stack.py $(DEMO_ARGS)
 
 # The gates, in order of cost: lint and format, types, generated docs, then the tests in two runs. First all
-# but the `timing` ones on four workers, a test file per worker at a time, the longest files first (tests/
-# conftest.py's FILE_SECONDS; xdist would reorder them by test count): most tests wait on real servers, so
-# four workers keep two cores busy. Then the `timing` tests (a latency or CPU-cost bound that four workers'
-# load can break) on two workers: each bears one neighbour (the longest, test_nothing_lost's, mostly waits on
-# Prometheus), so they take 29 s instead of 40 s one after another. PYTEST_ARGS goes to both (`make test
-# PYTEST_ARGS=tests/spool`); a run that selects nothing (exit 5) is no failure while the other ran tests.
+# but the `timing` ones on six workers, a test file per worker at a time, the longest files first (tests/
+# conftest.py's FILE_SECONDS; xdist would reorder them by test count): most tests wait on real servers, and
+# with four workers the two cores still idled a fifth of the run. Paired runs read 263 s with four, 234 s with
+# five, 205 s with six and 218 s with eight (medians; benchmarks/RESULTS.md). Then the `timing` tests (a latency
+# or CPU-cost bound that the first run's load can break) on two workers: each bears one neighbour (the longest,
+# test_nothing_lost's, mostly waits on Prometheus), so they take 29 s instead of 40 s one after another. PYTEST_ARGS goes to both (`make
+# test PYTEST_ARGS=tests/spool`); a run that selects nothing (exit 5) is no failure while the other ran tests.
 # The venv and the tools are made side by side (on a fresh machine both mostly wait on downloads and unpacking),
 # and lint and types run while the tools finish; -O prints each step's output whole when it ends.
 # With bytecode written (above), pytest keeps each test module's assert rewriting, and the hundreds of Python
 # processes the tests start load vramwatch and torch compiled, not from source.
-PYTEST_WORKERS ?= 4
+PYTEST_WORKERS ?= 6
 test:
 	$(MAKE) --no-print-directory -j 4 -O lint typecheck collect tools
 	$(BIN)/python -m vramwatch docs --check
@@ -102,14 +103,16 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 # The suite collected once (beside mypy while the tools download): it writes the rewritten test modules, which
-# the workers then load; each worker collects every file, and rewriting them all is ~9 s of CPU. Then the
-# packages some tests import late, so that their first import (compiling them: ~10 s of CPU) is not a worker's.
+# the workers then load; each worker collects every file, and rewriting them all is ~9 s of CPU. Before it, in
+# the same process, the packages some tests import late, so that their first import (compiling them: ~10 s of
+# CPU) is not a worker's; one process, so torch is imported once.
 WARM_IMPORTS := import lightning.pytorch, matplotlib.pyplot, transformers; \
 	transformers.Trainer, transformers.TrainingArguments, transformers.GPT2LMHeadModel
+COLLECT := import pytest, sys; sys.exit(pytest.main(["--collect-only", "-qq", "-p", "no:cacheprovider"]))
 collect: venv
 	mkdir -p .cache
-	$(BIN)/pytest --collect-only -qq -p no:cacheprovider > .cache/collect.log || { tail -n 40 .cache/collect.log; exit 1; }
-	HF_HUB_OFFLINE=1 $(BIN)/python -c '$(WARM_IMPORTS)'
+	HF_HUB_OFFLINE=1 $(BIN)/python -c '$(WARM_IMPORTS); $(COLLECT)' > .cache/collect.log || \
+		{ tail -n 40 .cache/collect.log; exit 1; }
 
 # The whole package; how strict, per module, is [tool.mypy] in pyproject.toml.
 typecheck: venv

@@ -27,7 +27,7 @@ from harness import Exporter, Prometheus, ToolMissing, start_sim_rank, stop_proc
 
 @pytest.hookimpl(tryfirst=True)  # before the tmp_path factory reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
-    # Under pytest-xdist (`make test` runs `-n 4`) each worker's tmp_path gains a "popen-gwN" level. Start
+    # Under pytest-xdist (`make test` runs `-n 6`) each worker's tmp_path gains a "popen-gwN" level. Start
     # the controller from a short base instead, so paths stay as short as in a plain run: tests quote
     # them in messages that shorten long values.
     if config.getoption("numprocesses", None) and not config.option.basetemp and not hasattr(config, "workerinput"):
@@ -44,38 +44,42 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
-# Seconds per file on two loaded cores (`make test`, 2026-12-03), for the order only: under xdist a file runs on
-# one worker, so the longest start first (longest-processing-time first) and none ends the run alone. A file
-# not named here comes after these, those with slow or e2e tests first; a stale figure only costs time
-# (refresh from a run's per-file sums of `--durations=0` when files grow or move).
+# Seconds per file on two loaded cores (`make test`'s workers, 2026-12-07), for the order only: under xdist a
+# file runs on one worker, so the longest start first (longest-processing-time first) and none ends the run
+# alone. A file not named here comes after these, those with slow or e2e tests first; a stale figure only costs
+# time (refresh from a run's per-file sums of `--durations=0` when files grow or move).
 # (`make test` passes --no-loadscope-reorder: xdist's own order, by test count, started the soak last.)
 FILE_SECONDS = {
-    "test_benchmarks.py": 83,
-    "system/test_soak.py": 73,
-    "test_report.py": 69,
-    "system/test_nothing_lost.py": 50,
-    "system/test_e2e_tls.py": 42,
+    "test_benchmarks.py": 122,
+    "system/test_soak.py": 75,
+    "test_report.py": 56,
+    "system/test_nothing_lost.py": 45,
     "system/test_e2e_alerting.py": 37,
-    "system/test_faults.py": 28,
-    "system/test_e2e_core.py": 28,
-    "monitoring/test_dashboards_live.py": 21,
-    "system/test_node_daemon.py": 19,
-    "system/test_e2e_device.py": 17,
-    "deploy/test_helm.py": 15,
+    "system/test_e2e_tls.py": 37,
+    "system/test_faults.py": 34,
+    "deploy/test_helm.py": 24,
+    "monitoring/test_dashboards_live.py": 23,
+    "system/test_e2e_core.py": 23,
+    "system/test_node_daemon.py": 22,
+    "server/test_server_main.py": 20,
+    "integrations/test_tokens.py": 18,
+    "integrations/test_lightning.py": 16,
+    "system/test_e2e_device.py": 16,
+    "rank/test_roles_threads.py": 16,
+    "server/test_http_admission.py": 16,
+    "rank/test_api.py": 15,
+    "deploy/test_kubernetes.py": 15,
     "system/test_e2e_squat.py": 14,
-    "rank/test_api.py": 13,
-    "server/test_http_admission.py": 13,
-    "sim/test_scenario.py": 12,
-    "deploy/test_slurm.py": 11,
+    "spool/test_codec_fast.py": 14,
+    "monitoring/test_promtool.py": 13,
+    "integrations/test_hf.py": 13,
+    "sim/test_scenario.py": 13,
+    "monitoring/test_monitoring_config.py": 12,
+    "monitoring/test_alerts.py": 12,
     "test_cli.py": 11,
-    "deploy/test_demo_stack.py": 10,
-    "rank/test_step_peak.py": 10,
-    "system/test_e2e_jobs.py": 9,
-    "server/test_collector_runner.py": 8,
-    "monitoring/test_dcgm_recipe.py": 7,
-    "system/test_e2e_mig.py": 7,
-    "deploy/test_wheel.py": 7,
-    "integrations/test_lightning.py": 6,
+    "rank/test_step_peak.py": 11,
+    "deploy/test_slurm.py": 11,
+    "server/test_bad_samples.py": 10,
 }
 _TESTS = Path(__file__).resolve().parent
 
