@@ -83,8 +83,9 @@ demo: venv tools
 # with four workers the two cores still idled a fifth of the run. Paired runs read 263 s with four, 234 s with
 # five, 205 s with six and 218 s with eight (medians; benchmarks/RESULTS.md). Then the `timing` tests (a latency
 # or CPU-cost bound that the first run's load can break) on two workers: each bears one neighbour (the longest,
-# test_nothing_lost's, mostly waits on Prometheus), so they take 29 s instead of 40 s one after another. PYTEST_ARGS goes to both (`make
-# test PYTEST_ARGS=tests/spool`); a run that selects nothing (exit 5) is no failure while the other ran tests.
+# test_nothing_lost's, mostly waits on Prometheus), so they take 29 s instead of 40 s one after another.
+# PYTEST_ARGS goes to both (`make test PYTEST_ARGS=tests/spool`); a run that selects nothing (exit 5) is no
+# failure while the other ran tests.
 # The venv and the tools are made side by side (on a fresh machine both mostly wait on downloads and unpacking),
 # and lint and types run while the tools finish; -O prints each step's output whole when it ends.
 # With bytecode written (above), pytest keeps each test module's assert rewriting, and the hundreds of Python
