@@ -405,6 +405,20 @@ def test_a_failed_read_is_read_again_by_the_next_scrape(node, monkeypatch):
     assert cached.renders == 2
 
 
+def test_the_spool_coming_back_alone_renders_again(node):
+    """The guard makes a vanished spool again, then the server clears its trouble: a render between the two
+    (new directory, trouble still set) must not be served until something else changes (a `make test` run
+    read `up` 0 for 5 s after the spool came back)."""
+    cached, exp = node.cached, node.exp
+    up = b'vramwatch_collector_up{collector="spool",job_id="",rank=""} '
+    exp.spool_trouble = "the spool is a file"
+    assert up + b"0.0\n" in cached.reply("", False).body and cached.renders == 1
+    exp.spool_trouble = ""  # nothing on disk changed since that render, and yet
+    assert up + b"1.0\n" in cached.reply("", False).body and cached.renders == 2
+    cached.reply("", False)
+    assert cached.renders == 2
+
+
 def test_a_render_holds_the_snapshots_its_key_names(node):
     # held, so that no later snapshot can take the id() the key compares
     cached, runner = node.cached, node.runner
