@@ -81,7 +81,7 @@ demo: venv tools
 # but the `timing` ones on six workers, a test file per worker at a time, the longest files first (tests/
 # conftest.py's FILE_SECONDS; xdist would reorder them by test count): most tests wait on real servers, and
 # with four workers the two cores still idled a fifth of the run. Paired runs read 263 s with four, 234 s with
-# five, 205 s with six and 218 s with eight (medians; benchmarks/RESULTS.md). Then the `timing` tests (a latency
+# five, 205 s with six (medians) and 218 s with eight (one run; benchmarks/RESULTS.md). Then the `timing` tests (a latency
 # or CPU-cost bound that the first run's load can break) on two workers: each bears one neighbour (the longest,
 # test_nothing_lost's, mostly waits on Prometheus), so they take 29 s instead of 40 s one after another.
 # PYTEST_ARGS goes to both (`make test PYTEST_ARGS=tests/spool`); a run that selects nothing (exit 5) is no

@@ -71,6 +71,10 @@ class ForkedCLI:
         self._dir = tempfile.TemporaryDirectory(prefix="vw-forked-")
         self._runs = 0
 
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
     def run(self, args: list[str], timeout: float) -> subprocess.CompletedProcess:
         assert self._proc.stdin and self._proc.stdout
         self._runs += 1
@@ -78,7 +82,7 @@ class ForkedCLI:
         self._proc.stdin.write(json.dumps({"args": args, "stdout": str(out), "stderr": str(err)}) + "\n")
         self._proc.stdin.flush()
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        if not ready:
+        if not ready:  # ended with its run: the next test's run gets a new forker, not this one's pipe
             self.close()
             raise subprocess.TimeoutExpired(["vramwatch", *args], timeout)
         line = self._proc.stdout.readline()

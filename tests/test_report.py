@@ -175,9 +175,9 @@ def _forked_cli():
 
 
 def _report(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    if not _forked:
+    if not (_forked and _forked[-1].alive):  # one that timed out or died takes no more runs
         _forked.append(ForkedCLI([*REPORT_MODULES, "vramwatch.monitoring.dashboards"], cwd=ROOT))
-    return _forked[0].run(["report", *args], timeout)
+    return _forked[-1].run(["report", *args], timeout)
 
 
 def _png_size(png: bytes) -> tuple[int, int]:

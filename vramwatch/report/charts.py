@@ -359,7 +359,7 @@ def table_html(res: PanelResult) -> str:
                 out.append(f"<td>{escape(cell)}</td>")
                 continue
             c = _threshold_color(values[col - n_labels], Axis(p.axis.unit, thresholds=steps[col]))
-            # the PNG tables' 55% of the threshold colour, as the hex colour's alpha
+            # the threshold colour at 55% opacity (alpha 0x8c), light enough to read the value on
             style = f' style="background:{c}8c"' if c.startswith("#") and len(c) == 7 else ""
             out.append(f'<td class="num"{style}>{escape(cell)}</td>')
         out.append("</tr>")
