@@ -21,14 +21,14 @@ def test_a_removed_spool_is_made_again_with_lock_and_server_json(tmp_path, caplo
     shutil.rmtree(d)
     assert not guard.intact()
     guard.check(health)
-    assert guard.intact() and guard.trouble == "" and health.errors == 1
+    assert guard.intact() and guard.trouble == "" and health.errors == guard.vanished == 1
     assert spool.server_running(d), "the lock is held in the new spool"
     assert os.stat(d).st_mode & 0o777 == 0o700
     with open(os.path.join(d, spool.SERVER_INFO)) as fh:
         assert json.load(fh)["port"] == 9
     assert "vanished" in caplog.text
     guard.check(health)
-    assert health.errors == 1  # counted once
+    assert health.errors == guard.vanished == 1  # counted once
     guard.release()
     assert not spool.server_running(d) and not os.path.exists(os.path.join(d, spool.SERVER_INFO))
 
@@ -99,7 +99,7 @@ def test_an_intact_spool_is_left_alone_and_a_remade_one_logged_once(tmp_path, ca
     ]
     shutil.rmtree(d)  # a second vanishing is counted again
     guard.check(health)
-    assert health.errors == 2 and len(caplog.messages) == 2
+    assert health.errors == guard.vanished == 2 and len(caplog.messages) == 2
     guard.release()
 
 

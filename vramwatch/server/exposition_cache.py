@@ -305,9 +305,11 @@ class CachedExposition:
         if state is None:
             return None
         health = tuple((c.health.up, c.health.errors, c.health.duration) for c in self.exporter.collectors)
-        # the spool's `up` follows the guard's trouble, which the server clears after the guard has made the
-        # spool again: a render between the two has the new directory and the old trouble
-        return state, tuple(map(id, snapshots)), health, self.exporter.spool_trouble
+        # the spool's `up` and errors follow the guard, which the server hands over after the guard's check: a
+        # render between the two has the new directory and the old trouble, and a spool made again (empty,
+        # as before) reads as the old one
+        guard = (self.exporter.spool_trouble, self.exporter.spool_vanished)
+        return state, tuple(map(id, snapshots)), health, guard
 
     def _build(self, snapshots: list[object], key: tuple[object, ...] | None) -> _Render:
         # the snapshots and the spool were looked at before the read: whatever changes in between

@@ -129,7 +129,7 @@ class Server:
         try:
             while not self._stop.wait(1.0):
                 self.guard.check(self.exporter.spool_health)
-                self.exporter.spool_trouble = self.guard.trouble
+                self.exporter.spool_trouble, self.exporter.spool_vanished = self.guard.trouble, self.guard.vanished
                 if not exit_when_idle:
                     continue
                 now = time.monotonic()

@@ -27,6 +27,7 @@ class ExporterCollector:
         self.hostname = settings.resolved_hostname()
         self.spool_health = Health()
         self.spool_trouble = ""  # why the spool directory is unusable (it vanished and cannot be made again)
+        self.spool_vanished = 0  # the guard's count of vanishings: a spool made again can read as the old one
         self.rank_view = RankView(spool_dir, settings.max_ranks, settings.dead_rank_grace_seconds)
         self._served_at: float | None = None
         # what a cache must know of the last read: whether it read at all (a failed read is tried again),

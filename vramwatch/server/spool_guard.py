@@ -28,6 +28,7 @@ class SpoolGuard:
         self.node = node_daemon  # the node root (3733, ranks of every user), not a private spool
         self.lock_fd: int | None = None
         self.trouble = ""  # why the spool is unusable now; empty while it is fine
+        self.vanished = 0  # times it vanished (each counted once in the health's errors)
         self._info: dict[str, object] | None = None
         self._id: tuple[int, int] | None = None
         self._info_due = False  # server.json to write again into a spool made again
@@ -73,6 +74,7 @@ class SpoolGuard:
             return
         if not intact and not self.trouble:
             health.errors += 1  # one vanishing, counted once however long the spool takes to come back
+            self.vanished += 1
         try:
             if not intact:
                 self._relock()
