@@ -103,13 +103,20 @@ def values_schema(hand_written: str) -> str:
     return json.dumps(schema, indent=2) + "\n"
 
 
+def _read(path: Path, missing: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return missing
+
+
 def generated(cfg: MonitoringConfig, root: Path) -> dict[Path, str]:
     """The chart's generated files, where ``root`` holds the chart (values.yaml and the schema keep their
     hand-written parts there)."""
     if not (root / CHART / "Chart.yaml").is_file():
         return {}
-    values = (root / VALUES_PATH).read_text(encoding="utf-8")
-    schema = (root / SCHEMA_PATH).read_text(encoding="utf-8")
+    values = _read(root / VALUES_PATH, "")
+    schema = _read(root / SCHEMA_PATH, '{"type": "object", "properties": {}}')
     return {
         RULES_PATH: chart_rules(cfg),
         VALUES_PATH: values.split(MARKER, 1)[0] + alerts_values(cfg),
