@@ -22,7 +22,10 @@ _PLUGINS = {
     "alerts": ("vramwatch.monitoring.alerts.cli", "print the alert rules (Prometheus rule file or PrometheusRule)"),
     "dashboards": ("vramwatch.monitoring.dashboards.cli", "write the Grafana dashboards as JSON"),
     "report": ("vramwatch.report", "render the dashboards from a Prometheus into one HTML file"),
-    "deploy": ("vramwatch.shipped", "write the shipped deploy files (Helm chart, manifests, systemd unit, alertmanager.yml)"),
+    "deploy": (
+        "vramwatch.shipped",
+        "write the shipped deploy files: Helm chart, manifests, systemd unit, alertmanager.yml",
+    ),
 }
 _FLAG_ALIASES = {"web_config_file": ["--web.config.file"]}
 

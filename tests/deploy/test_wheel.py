@@ -186,9 +186,11 @@ def test_installed_deploy_writes_the_chart_the_unit_and_alertmanager_yml(venv, t
     assert r.returncode == 1 and "alertmanager.yml" in r.stderr and "--force" in r.stderr
     assert (out / "alertmanager" / "alertmanager.yml").read_text() == "route: {receiver: mine}\n"
     r = vw(venv, "deploy", "--write", str(out), "--force", cwd=tmp_path)
-    assert r.returncode == 0 and (out / "alertmanager" / "alertmanager.yml").read_bytes() == (
-        DEPLOY / "alertmanager" / "alertmanager.yml"
-    ).read_bytes()
+    assert (
+        r.returncode == 0
+        and (out / "alertmanager" / "alertmanager.yml").read_bytes()
+        == (DEPLOY / "alertmanager" / "alertmanager.yml").read_bytes()
+    )
 
 
 def test_installed_server_serves_without_torch_or_nvml(venv, tmp_path):

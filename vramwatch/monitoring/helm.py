@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vramwatch.monitoring.alerts.render import to_yaml
-from vramwatch.monitoring.alerts.rules import all_alert_names, alerts, groups
+from vramwatch.monitoring.alerts.rules import alerts, all_alert_names, groups
 from vramwatch.monitoring.config import MonitoringConfig
 
 CHART = Path("helm") / "vramwatch"
