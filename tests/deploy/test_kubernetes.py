@@ -343,17 +343,34 @@ def test_example_train_script_runs_with_the_jobs_settings(tmp_path):
 
 
 def _every_key_changed():
-    """A config with a non-default value for every MonitoringConfig key (the Helm tests' values, plus the
-    keys that change only the dashboards)."""
+    """A config with a non-default value for every MonitoringConfig key."""
     import dataclasses
 
-    from test_helm import other_config
+    from vramwatch.monitoring.config import DEFAULT, GIB
 
-    from vramwatch.monitoring.config import DEFAULT
-
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(DEFAULT):
+        v = getattr(DEFAULT, f.name)
+        if isinstance(v, bool):
+            changes[f.name] = not v
+        elif isinstance(v, float):
+            changes[f.name] = float(8 * GIB) if f.name == "rank_skew_min_bytes" else round(v * 0.9 + 0.0125, 4)
+        elif f.name.endswith(("_for", "_window")):
+            changes[f.name] = "7m" if v != "7m" else "9m"
     return dataclasses.replace(
         DEFAULT,
-        **other_config(),
+        **changes,
+        selector='namespace="ml"',  # quotes: also inside the hang alert's Go string
+        target_selector='job="train-vw"',
+        xid_critical=(48, 79),
+        xid_warning=(13, 31),
+        runbook_url="https://wiki.example.com/gpu/{alertname}#{anchor}",
+        dashboard_url="https://grafana.example.com",
+        extra_labels=(("team", "ml-infra"), ("tier", "gold")),
+        disabled_alerts=("GPUClockThrottled",),
+        job_labels=("job", "namespace"),
+        throttle_reasons=("hw_slowdown",),
+        rank_skew_exempt=('rank="0"', 'job="pp", rank=~"0|15"'),
         node_label="host",
         dashboard_tags=("gpu", "team-ml"),
         gpu_peak_flops=(("NVIDIA H200.*", 900e12), ("NVIDIA L4", 121e12)),
