@@ -104,8 +104,9 @@ def crd_validators():
     return operator_validators()
 
 
-def test_helm_lint_strict():
-    r = run(tool("helm"), "lint", "--strict", str(CHART))
+@pytest.mark.parametrize("variant", ["defaults", "every alert value", "example sidecar", "networkpolicy"])
+def test_helm_lint_strict(variant):
+    r = run(tool("helm"), "lint", "--strict", str(CHART), *VARIANTS[variant])
     assert r.returncode == 0, r.stdout + r.stderr
 
 
