@@ -1,7 +1,7 @@
 """``vramwatch`` command line: parses, then dispatches to functions taking Settings.
 
 Subcommands: serve, demo, config, docs, and (from their own modules) alerts,
-dashboards, report. Every setting is also a flag (``--port``, ``--web.config.file``, ...).
+dashboards, report, deploy. Every setting is also a flag (``--port``, ``--web.config.file``, ...).
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ _PLUGINS = {
     "alerts": ("vramwatch.monitoring.alerts.cli", "print the alert rules (Prometheus rule file or PrometheusRule)"),
     "dashboards": ("vramwatch.monitoring.dashboards.cli", "write the Grafana dashboards as JSON"),
     "report": ("vramwatch.report", "render the dashboards from a Prometheus into one HTML file"),
+    "deploy": (
+        "vramwatch.shipped",
+        "write the shipped deploy files: Helm chart, manifests, systemd unit, alertmanager.yml",
+    ),
 }
 _FLAG_ALIASES = {"web_config_file": ["--web.config.file"]}
 

@@ -79,6 +79,47 @@ def test_readme_overlay_swaps_the_job_and_relabels(variants):
         assert k[kind][0]["metadata"]["labels"]["release"] == "prometheus"
 
 
+def test_both_readme_overlays_together_keep_the_release_label(readme_overlay, tmp_path):
+    """The README's overlay (release label) with its config overlay added as documented ("beside the overlay's
+    other settings"): the config's rules arrive, and the PrometheusRule keeps the overlay's release label, the
+    one Prometheus selects it by (a rendered rule carrying the default label would put it back)."""
+    pytest.importorskip("grafana_foundation_sdk")  # `vramwatch dashboards --config` renders with the SDK
+    import yaml
+
+    text = (K8S / "README.md").read_text()
+    commands = re.search(r"<!-- config overlay[^\n]*-->\n```sh\n(.*?)```", text, re.S)
+    assert commands, "deploy/kubernetes/README.md lost its config overlay commands"
+    patches = re.search(r"```yaml\n(patches:\n.*?)```", text[commands.end() :], re.S)
+    assert patches, "deploy/kubernetes/README.md lost the config overlay's patches"
+    overlay = readme_overlay.parent / "both"
+    overlay.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for line in commands.group(1).splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv or argv[0] == "cd":  # run in the overlay
+            continue
+        if argv[0] == "cp":  # "then keep only the keys you change": one change, to see it arrive
+            (overlay / argv[2]).write_text("memory_warning_ratio: 0.81\n")
+            continue
+        assert argv[0] == "vramwatch", line
+        out = argv.index(">") if ">" in argv else len(argv)
+        r = subprocess.run(
+            [sys.executable, "-m", *argv[:out]], cwd=overlay, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, f"{line}: {r.stderr}"
+        if out < len(argv):
+            (overlay / argv[out + 1]).write_text(r.stdout)
+    kustomization = yaml.safe_load((readme_overlay / "kustomization.yaml").read_text())
+    kustomization["patches"] += yaml.safe_load(patches.group(1))["patches"]  # after the release patch
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    k = _kinds(render(overlay))
+    (rule,) = k["PrometheusRule"]
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    assert rule["metadata"]["namespace"] == "ml-team"
+    assert any(r.get("expr", "").endswith("> 0.81") for g in rule["spec"]["groups"] for r in g["rules"])
+    assert k["PodMonitor"][0]["metadata"]["labels"]["release"] == "prometheus"
+
+
 def _manifest_files() -> list[Path]:
     return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
 
@@ -302,17 +343,34 @@ def test_example_train_script_runs_with_the_jobs_settings(tmp_path):
 
 
 def _every_key_changed():
-    """A config with a non-default value for every MonitoringConfig key (the Helm tests' values, plus the
-    keys that change only the dashboards)."""
+    """A config with a non-default value for every MonitoringConfig key."""
     import dataclasses
 
-    from test_helm import other_config
+    from vramwatch.monitoring.config import DEFAULT, GIB
 
-    from vramwatch.monitoring.config import DEFAULT
-
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(DEFAULT):
+        v = getattr(DEFAULT, f.name)
+        if isinstance(v, bool):
+            changes[f.name] = not v
+        elif isinstance(v, float):
+            changes[f.name] = float(8 * GIB) if f.name == "rank_skew_min_bytes" else round(v * 0.9 + 0.0125, 4)
+        elif f.name.endswith(("_for", "_window")):
+            changes[f.name] = "7m" if v != "7m" else "9m"
     return dataclasses.replace(
         DEFAULT,
-        **other_config(),
+        **changes,
+        selector='namespace="ml"',  # quotes: also inside the hang alert's Go string
+        target_selector='job="train-vw"',
+        xid_critical=(48, 79),
+        xid_warning=(13, 31),
+        runbook_url="https://wiki.example.com/gpu/{alertname}#{anchor}",
+        dashboard_url="https://grafana.example.com",
+        extra_labels=(("team", "ml-infra"), ("tier", "gold")),
+        disabled_alerts=("GPUClockThrottled",),
+        job_labels=("job", "namespace"),
+        throttle_reasons=("hw_slowdown",),
+        rank_skew_exempt=('rank="0"', 'job="pp", rank=~"0|15"'),
         node_label="host",
         dashboard_tags=("gpu", "team-ml"),
         gpu_peak_flops=(("NVIDIA H200.*", 900e12), ("NVIDIA L4", 121e12)),

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from deploy_files import DEPLOY, K8S, RULES, run
 
-from harness import ROOT, free_port, http_get, parse_metrics, wait_until
+from harness import ROOT, free_port, http_get, parse_metrics, tool, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -162,6 +162,35 @@ def test_installed_without_torch_every_artefact_works(venv, tmp_path):
 
     r = vw(venv, "serve", "--help", cwd=tmp_path)
     assert r.returncode == 0 and "--port" in r.stdout, r.stderr
+
+
+def test_installed_deploy_writes_the_chart_the_unit_and_alertmanager_yml(venv, tmp_path):
+    """`vramwatch deploy --write DIR` from the installed package data: every deploy file, as in the tree, and a
+    chart Helm installs from there (its train.py, a link in the tree, a file here)."""
+    out = tmp_path / "out"
+    r = vw(venv, "deploy", "--write", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    shipped = {str(p.relative_to(DEPLOY)) for p in DEPLOY.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    written = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    assert written == shipped
+    for rel in ("helm/vramwatch/Chart.yaml", "systemd/vramwatch.service", "alertmanager/alertmanager.yml"):
+        assert rel in written
+    for rel in written:
+        assert (out / rel).read_bytes() == (DEPLOY / rel).read_bytes(), rel
+    assert not (out / "helm/vramwatch/files/train.py").is_symlink()
+    r = run(tool("helm"), "lint", "--strict", str(out / "helm" / "vramwatch"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    # a file the user changed is not overwritten unless asked
+    (out / "alertmanager" / "alertmanager.yml").write_text("route: {receiver: mine}\n")
+    r = vw(venv, "deploy", "--write", str(out), cwd=tmp_path)
+    assert r.returncode == 1 and "alertmanager.yml" in r.stderr and "--force" in r.stderr
+    assert (out / "alertmanager" / "alertmanager.yml").read_text() == "route: {receiver: mine}\n"
+    r = vw(venv, "deploy", "--write", str(out), "--force", cwd=tmp_path)
+    assert (
+        r.returncode == 0
+        and (out / "alertmanager" / "alertmanager.yml").read_bytes()
+        == (DEPLOY / "alertmanager" / "alertmanager.yml").read_bytes()
+    )
 
 
 def test_installed_server_serves_without_torch_or_nvml(venv, tmp_path):

@@ -308,11 +308,11 @@ def test_cli_write_and_check_cover_the_chart_where_the_directory_has_it(tmp_path
     shutil.copy(ROOT / "deploy" / helm.CHART / "Chart.yaml", tmp_path / helm.CHART / "Chart.yaml")
     assert run("--write", str(tmp_path)) == 0
     out = capsys.readouterr().out
-    for rel in (cli.RULES_PATH, cli.PROMETHEUS_RULE_PATH, cli.EXAMPLE_CONFIG_PATH, helm.RULE_TEMPLATE_PATH):
+    for rel in (cli.RULES_PATH, cli.PROMETHEUS_RULE_PATH, cli.EXAMPLE_CONFIG_PATH, helm.RULES_PATH):
         assert (tmp_path / rel).is_file() and f"wrote {tmp_path / rel}" in out
     assert (tmp_path / cli.RULES_PATH).read_text(encoding="utf-8") == to_yaml(rule_file(DEFAULT))
     assert run("--check", str(tmp_path)) == 0
-    template = tmp_path / helm.RULE_TEMPLATE_PATH
+    template = tmp_path / helm.RULES_PATH
     template.write_text(template.read_text() + "# edited\n")
     assert run("--check", str(tmp_path)) == 1
     err = capsys.readouterr().err

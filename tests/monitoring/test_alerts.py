@@ -26,7 +26,7 @@ ALERTS_DIR = ROOT / "vramwatch" / "monitoring" / "alerts"
 ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
 SCHEMAS = ROOT / "tests" / "data" / "schemas" / "prometheus-operator"
-EVERYTHING = dataclasses.replace(DEFAULT, target_absent_for="15m")
+EVERYTHING = dataclasses.replace(DEFAULT, target_absent_for="15m", dashboard_url="https://grafana.example.com")
 
 
 # --- structure ---
@@ -44,7 +44,7 @@ def test_every_rule_has_severity_summary_description_and_runbook():
         if not r["expr"].startswith("absent("):  # absent() has neither labels nor a value worth showing
             assert "$labels." in ann["description"] or "$value" in ann["description"], r["alert"]
         assert ann["runbook_url"] == DEFAULT.runbook_url.format(anchor=r["alert"].lower())
-        uid = re.fullmatch(re.escape(DEFAULT.dashboard_url) + r"/d/([a-z-]+)\?orgId=1(\{\{.*)", ann["dashboard_url"])
+        uid = re.fullmatch(re.escape(EVERYTHING.dashboard_url) + r"/d/([a-z-]+)\?orgId=1(\{\{.*)", ann["dashboard_url"])
         assert uid and uid.group(1) in DASHBOARD_UIDS, ann["dashboard_url"]
         if "for" in r:
             assert parse_duration(r["for"]) > 0

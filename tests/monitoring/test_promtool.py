@@ -2,7 +2,7 @@
 
 The test files name one of three rule files that this module renders beside them in a temporary
 directory: ``behaviour.rules.yml`` (annotations stripped, so behaviour tests list labels only),
-``vramwatch.rules.yml`` (the shipped rules, for the wording tests), ``absent.rules.yml`` (the
+``vramwatch.rules.yml`` (the shipped rules with a Grafana link set, for the wording tests), ``absent.rules.yml`` (the
 opt-in absent-target rule) and ``skew-exempt.rules.yml`` (ranks exempted from the rank-skew rule by a
 matcher set).
 """
@@ -26,6 +26,7 @@ from vramwatch.monitoring.config import DEFAULT
 CASES = ROOT / "tests" / "monitoring" / "alerts"
 TEST_FILES = sorted(CASES.glob("*.yaml"))
 ABSENT = dataclasses.replace(DEFAULT, target_absent_for="15m")
+WORDING = dataclasses.replace(DEFAULT, dashboard_url="http://127.0.0.1:3000")  # no link by default
 SKEW_EXEMPT = dataclasses.replace(DEFAULT, rank_skew_exempt=(*DEFAULT.rank_skew_exempt, 'job="pp-train", rank=~"0|3"'))
 RENDERED = ("vramwatch.rules.yml", "behaviour.rules.yml", "absent.rules.yml", "skew-exempt.rules.yml")
 
@@ -39,7 +40,7 @@ def _strip_annotations(doc: dict) -> dict:
 
 
 def render_into(d: Path) -> None:
-    (d / "vramwatch.rules.yml").write_text(to_yaml(rule_file(DEFAULT)))
+    (d / "vramwatch.rules.yml").write_text(to_yaml(rule_file(WORDING)))
     (d / "behaviour.rules.yml").write_text(to_yaml(_strip_annotations(rule_file(DEFAULT))))
     (d / "absent.rules.yml").write_text(to_yaml(_strip_annotations(rule_file(ABSENT))))
     (d / "skew-exempt.rules.yml").write_text(to_yaml(_strip_annotations(rule_file(SKEW_EXEMPT))))

@@ -41,6 +41,7 @@ CFG = dataclasses.replace(
     busy_stall_min_seconds=3.0,
     sample_stale_seconds=15.0,
     xid_window="8s",
+    dashboard_url="https://grafana.example.com",
 )
 WAIT = 60.0  # bound on each wait; typical latencies are a few seconds
 

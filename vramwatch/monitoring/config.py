@@ -232,9 +232,10 @@ class MonitoringConfig:
         _runbook_url,
     )
     dashboard_url: str = setting(
-        "http://127.0.0.1:3000",
-        "Grafana's base URL: each alert's dashboard_url annotation opens its dashboard there, scoped to the "
-        "alert's node, GPU and rank. Empty: no such annotation. The default is the compose stack's Grafana.",
+        "",
+        "Grafana's base URL, e.g. https://grafana.example.com: each alert's dashboard_url annotation opens its "
+        "dashboard there, scoped to the alert's node, GPU and rank. Empty (the default): no such annotation, "
+        "rather than a link to a Grafana that is not yours.",
         _base_url,
     )
     dashboard_tags: tuple[str, ...] = setting(

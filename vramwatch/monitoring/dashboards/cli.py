@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 SHIPPED = (
     "grafana/dashboards/*.json",
     "kubernetes/dashboards-configmap.yaml",
-    "helm/vramwatch/templates/dashboards-configmap.yaml",
+    "helm/vramwatch/files/dashboards/*.json",
 )
 
 

@@ -1,12 +1,31 @@
-{{/* The objects' base name: the release name, or fullnameOverride. */}}
+{{/* The chart's name: vramwatch, or nameOverride. */}}
+{{- define "vramwatch.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The objects' base name: fullnameOverride, else the release name (with the chart's name if it lacks it). */}}
 {{- define "vramwatch.fullname" -}}
-{{- default .Release.Name .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "vramwatch.name" . -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The objects' namespace: namespaceOverride, else the release's. */}}
+{{- define "vramwatch.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride -}}
 {{- end -}}
 
 {{/* Labels of every object: (dict "ctx" . "component" "<what>" "extra" <map of more labels>); "selected"
 true for the objects kube-prometheus-stack's Prometheus selects by `release` (monitors, rules). */}}
 {{- define "vramwatch.labels" -}}
-app.kubernetes.io/name: vramwatch
+app.kubernetes.io/name: {{ include "vramwatch.name" .ctx }}
 app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
@@ -28,54 +47,74 @@ release: {{ .ctx.Values.release | quote }}
 {{ .Values.scrape.podLabel.key }}: {{ .Values.scrape.podLabel.value | quote }}
 {{- end -}}
 
-{{/* A threshold as the Python rules print it (vramwatch/monitoring/alerts/promql.py num): 0.85, 120, 4294967296. */}}
-{{- define "vramwatch.num" -}}
-{{- $v := float64 . -}}
-{{- if eq $v (floor $v) -}}{{ int64 $v }}{{- else -}}{{ $v }}{{- end -}}
+{{/* A monitor's scrape endpoint (podMetricsEndpoints[] / endpoints[]): (dict "ctx" . "monitor" <its values>). */}}
+{{- define "vramwatch.endpoint" -}}
+{{- $m := .monitor -}}
+- port: {{ .ctx.Values.scrape.portName }}
+  path: /metrics
+  scheme: {{ $m.scheme }}
+  interval: {{ $m.interval }}
+  scrapeTimeout: {{ $m.scrapeTimeout }}
+  honorLabels: {{ $m.honorLabels }}
+  {{- with $m.tlsConfig }}
+  tlsConfig:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $m.basicAuth }}
+  basicAuth:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  relabelings:
+    - targetLabel: job
+      replacement: {{ .ctx.Values.scrape.jobLabel }}
+    - sourceLabels: [__meta_kubernetes_pod_node_name]
+      targetLabel: node
+    {{- with $m.relabelings }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $m.metricRelabelings }}
+  metricRelabelings:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
 {{- end -}}
 
-{{/* A ratio as a percentage (promql.py percent): 0.85 -> 85%, 0.355 -> 35.5%. */}}
-{{- define "vramwatch.percent" -}}
-{{- $p := round (mulf (float64 .) 100.0) 4 -}}
-{{- include "vramwatch.num" $p -}}%
+{{/* One rule of the rule file with the chart's values applied, as YAML; empty when its alert is off.
+(dict "rule" <the rule> "ctx" .). Recording rules pass unchanged. */}}
+{{- define "vramwatch.rule" -}}
+{{- $r := deepCopy .rule -}}
+{{- $v := .ctx.Values.prometheusRule -}}
+{{- if $r.alert -}}
+{{- $knobs := get .ctx.Values.alerts $r.alert | default dict -}}
+{{- if dig "enabled" true $knobs -}}
+{{- $labels := $r.labels | default dict -}}
+{{- $shipped := $labels.severity | default "" -}}
+{{- /* for and severity: one value for every rule of the name, or a mapping by the shipped severity */ -}}
+{{- $for := $knobs.for -}}
+{{- if kindIs "map" $for }}{{ $for = get $for $shipped }}{{ end -}}
+{{- if $for }}{{ $_ := set $r "for" $for }}{{ end -}}
+{{- $severity := $knobs.severity | default $shipped -}}
+{{- if kindIs "map" $severity }}{{ $severity = get $severity $shipped | default $shipped }}{{ end -}}
+{{- $labels = merge (dict) ($knobs.labels | default dict) $v.additionalRuleLabels $labels -}}
+{{- if $severity }}{{ $_ := set $labels "severity" $severity }}{{ end -}}
+{{- $_ := set $r "labels" $labels -}}
+{{- $annotations := $r.annotations | default dict -}}
+{{- with $v.runbookUrl -}}
+{{- $url := . | replace "{anchor}" (lower $r.alert) | replace "{alertname}" $r.alert -}}
+{{- $_ := set $annotations "runbook_url" $url -}}
 {{- end -}}
-
-{{/* A Prometheus duration in seconds (config.py parse_duration): 1h30m -> 5400, 500ms -> 0.5. */}}
-{{- define "vramwatch.seconds" -}}
-{{- $units := dict "ms" 0.001 "s" 1.0 "m" 60.0 "h" 3600.0 "d" 86400.0 "w" 604800.0 "y" 31536000.0 -}}
-{{- $total := 0.0 -}}
-{{- range regexFindAll "[0-9]+(ms|s|m|h|d|w|y)" . -1 -}}
-{{- $n := regexFind "^[0-9]+" . -}}
-{{- $total = addf $total (mulf (float64 $n) (get $units (trimPrefix $n .))) -}}
-{{- end -}}
-{{- include "vramwatch.num" $total -}}
-{{- end -}}
-
-{{/* A number as Python's format(v, "g") writes it (the rules' descriptions): 6 significant digits. */}}
-{{- define "vramwatch.g" -}}
-{{- printf "%.6g" (float64 .) -}}
-{{- end -}}
-
-{{/* A number as the dashboards print it (vramwatch/monitoring/dashboards/common.py num, Python's repr):
-0.85, 120, 1979000000000000.0, 1e+16. */}}
-{{- define "vramwatch.pynum" -}}
-{{- $v := float64 . -}}
-{{- $a := ternary (mulf $v -1.0) $v (lt $v 0.0) -}}
-{{- if and (eq $v (floor $v)) (lt $a 1e15) -}}{{ int64 $v }}
-{{- else if and (eq $v (floor $v)) (lt $a 1e16) -}}{{ int64 $v }}.0
-{{- else if or (ge $a 1e16) (lt $a 0.0001) -}}{{ printf "%g" $v }}
-{{- else -}}{{ toJson $v }}
+{{- /* the shipped links point at a placeholder Grafana (vramwatch/monitoring/helm.py) */ -}}
+{{- $link := get $annotations "dashboard_url" -}}
+{{- if hasPrefix "https://grafana.invalid/" $link -}}
+{{- if $v.dashboardUrl -}}
+{{- $_ := set $annotations "dashboard_url" (replace "https://grafana.invalid" (trimSuffix "/" $v.dashboardUrl) $link) -}}
+{{- else -}}
+{{- $_ := unset $annotations "dashboard_url" -}}
 {{- end -}}
 {{- end -}}
-
-{{/* A Prometheus duration normalised (config.py format_duration): 90s -> 1m30s, 1h0m -> 1h. */}}
-{{- define "vramwatch.duration" -}}
-{{- $ms := round (mulf (include "vramwatch.seconds" . | float64) 1000.0) 0 | int64 -}}
-{{- if le $ms 0 -}}0s{{- else -}}
-{{- range list (list "d" 86400000) (list "h" 3600000) (list "m" 60000) (list "s" 1000) (list "ms" 1) -}}
-{{- $n := div $ms (index . 1) -}}
-{{- $ms = mod $ms (index . 1) -}}
-{{- if $n }}{{ $n }}{{ index . 0 }}{{ end -}}
+{{- $_ := set $r "annotations" $annotations -}}
+{{ toYaml $r }}
 {{- end -}}
+{{- else -}}
+{{ toYaml $r }}
 {{- end -}}
 {{- end -}}
