@@ -23,7 +23,7 @@ UNKNOWN = "unknown"
 ADVICE: dict[str, str] = {
     "restart_app": "restart the application (the job, from its last checkpoint); the GPU needs nothing",
     "reset_gpu": "stop the GPU's processes and reset it (drain the node, nvidia-smi -r), then restart the job",
-    "restart_bm": "drain the node and reboot it (restart bare metal); the job on it is lost",
+    "restart_bm": "drain the node and reboot it (restart bare metal), then restart the job",
     "restart_vm": "drain the node and restart the VM",
     "contact_support": "drain the node and contact NVIDIA support (attach nvidia-bug-report.sh output)",
     "workflow_xid_48": "double-bit ECC error: reset the GPU (drain the node, then reset; with Xid 63/64 the "

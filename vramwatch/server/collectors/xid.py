@@ -13,7 +13,7 @@ catalogue for the code (``contract.XID_CATALOGUE``; ``unknown`` for a code it
 lacks), which is what the alerts split pages from warnings by. The Xids training
 jobs meet (``contract.XID_PREINIT``, a short list) are pre-initialised at 0, so
 the first event is an increase. Each event is also logged with its meaning, what
-to do, and the ranks on that GPU with their last step. A GPU that falls off the bus shows up as GPU_IS_LOST rather
+(its action), and the ranks on that GPU with their last step. A GPU that falls off the bus shows up as GPU_IS_LOST rather
 than as an event (NVML cannot deliver Xid 79; NVIDIA/DCGM#162): when the NVML
 collector marks a GPU lost, the watcher records one Xid 79 per loss.
 
@@ -123,13 +123,9 @@ def ranks_on(spool_dir: str, max_ranks: int, uuid: str) -> list[tuple[str, int]]
 
 
 def describe_event(index: int, uuid: str, xid: int, ranks: list[tuple[str, int]], source: str = "") -> str:
-    what = xid_catalogue.meaning(xid)
-    act = xid_catalogue.action(xid)
+    what = "; ".join(x for x in (xid_catalogue.meaning(xid), f"action {xid_catalogue.action(xid)}") if x)
     who = ", ".join(f"rank {r} (last step {s})" for r, s in ranks) or "no rank of this job"
-    return (
-        f"vramwatch: Xid {xid}{f' ({what})' if what else ''} on GPU {index} {uuid}"
-        f"{f' [{source}]' if source else ''}: {who}; action {act}: {xid_catalogue.ADVICE[act]}"
-    )
+    return f"vramwatch: Xid {xid} ({what}) on GPU {index} {uuid}{f' [{source}]' if source else ''}: {who}"
 
 
 def log_event(settings: Settings, index: int, uuid: str, xid: int, source: str = "") -> None:
