@@ -68,7 +68,7 @@ def xid_rules(cfg: MonitoringConfig) -> list[dict]:
         xid_events(cfg, f'xid=~"{warning}"'),
         alone,
     )
-    what = f"{GPU_WHERE} reported Xid {label('xid')} (NVIDIA's action: {label('action')})"
+    what = f"{GPU_WHERE} reported Xid {label('xid')}, action {label('action')} in NVIDIA's Xid catalogue"
     events = f"(about {VALUE_INT} event(s) in the last {cfg.xid_window})"
     todo = _advice("action", xid_catalogue.ADVICE)
     return [
@@ -77,8 +77,8 @@ def xid_rules(cfg: MonitoringConfig) -> list[dict]:
             page,
             CRITICAL,
             "A GPU reported an Xid error that needs a GPU reset, a node reboot or NVIDIA support.",
-            f"{what} {events}: {todo}. Where the driver reports it, gpu_recovery_action (GPURecoveryAction) "
-            "says which; the runbook's Xid table gives the code's meaning.",
+            f"{what} {events}: {todo}. Where the driver reports a recovery action, GPURecoveryAction names it; "
+            "the runbook's Xid table gives the code's meaning.",
         ),
         alert(
             "GPUXidError",
