@@ -93,8 +93,8 @@ def xid_rules(cfg: MonitoringConfig) -> list[dict]:
             CRITICAL,
             "A GPU's driver asks for a recovery action (reset, reboot or drain).",
             f"{GPU_WHERE}: NVML's GPU recovery action is {label('action')}: "
-            f"{_advice('action', xid_catalogue.RECOVERY_ADVICE)}. It follows a fatal Xid (the Xid 154 event "
-            "says it changed) and clears once done.",
+            f"{_advice('action', xid_catalogue.RECOVERY_ADVICE)}. It follows a fatal Xid (an Xid event says it "
+            "changed) and clears once done.",
         ),
     ]
 
