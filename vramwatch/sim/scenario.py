@@ -35,7 +35,7 @@ EVENTS = {
     "an Xid on the stalled GPU": (82.0, 82.0),
 }
 THERMAL, FOREIGN, XID_AT = EVENTS.values()
-XID = 13  # graphics engine exception: a warning Xid (MonitoringConfig.xid_warning), pre-initialised
+XID = 13  # graphics engine exception, action restart_app: a warning that says "restart the application"; pre-initialised
 FOREIGN_PID = 4242  # the inference server's pid
 FOREIGN_BYTES = 12 * GIB
 HOT_C = 88.0
