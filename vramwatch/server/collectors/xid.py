@@ -12,9 +12,9 @@ gauge. Each row carries its ``action``, the resolution bucket of NVIDIA's Xid
 catalogue for the code (``contract.XID_CATALOGUE``; ``unknown`` for a code it
 lacks), which is what the alerts split pages from warnings by. The Xids training
 jobs meet (``contract.XID_PREINIT``, a short list) are pre-initialised at 0, so
-the first event is an increase. Each event is also logged with its meaning, what
-(its action), and the ranks on that GPU with their last step. A GPU that falls off the bus shows up as GPU_IS_LOST rather
-than as an event (NVML cannot deliver Xid 79; NVIDIA/DCGM#162): when the NVML
+the first event is an increase. Each event is also logged with its meaning, its
+action, and the ranks on that GPU with their last step. A GPU that falls off the
+bus shows up as GPU_IS_LOST rather than as an event (NVML cannot deliver Xid 79; NVIDIA/DCGM#162): when the NVML
 collector marks a GPU lost, the watcher records one Xid 79 per loss.
 
 The watcher is the collector's :class:`~vramwatch.server.collectors.Watch`: the
