@@ -152,6 +152,31 @@ def test_figures_match_nvidia_smi(server):
     assert dur["nvml"] < 0.25
 
 
+def test_the_recovery_action_matches_nvml_or_is_absent(server):
+    """Where the driver has NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: one state at 1 per GPU, the one NVML
+    reports (a healthy card: none); where it lacks it: no series, and the collector stays up."""
+    import pynvml
+
+    from vramwatch.monitoring import xid_catalogue
+
+    pynvml.nvmlInit()
+    want: dict[str, str | None] = {}
+    for uuid in smi():
+        h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        (v,) = pynvml.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
+        want[uuid] = xid_catalogue.recovery_action(v.value.uiVal) if v.nvmlReturn == pynvml.NVML_SUCCESS else None
+    m = server.metrics()
+    got: dict[str, list[str]] = {}
+    for lab, value in m.get("gpu_recovery_action", []):
+        got.setdefault(lab["uuid"], [])
+        if value == 1.0:
+            got[lab["uuid"]].append(lab["action"])
+    for uuid, state in want.items():
+        assert got.get(uuid) == ([state] if state else None), (uuid, state, got.get(uuid))
+    up = {lab["collector"]: v for lab, v in m["vramwatch_collector_up"] if not lab.get("rank")}
+    assert up["nvml"] == 1.0
+
+
 def test_xid_watcher_registers_and_waits_without_errors(tmp_path):
     settings = Settings(simulate=False, spool_dir=str(tmp_path))
     session = nb.NvmlSession(settings)

@@ -85,6 +85,7 @@ def test_the_issue_rule_set_is_there():
         "TorchMemoryBudgetHigh",
         "TrainingStalled",
         "GPUXidError",
+        "GPURecoveryAction",
         "GPULost",
     }
 

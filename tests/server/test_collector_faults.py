@@ -553,11 +553,13 @@ def test_a_loss_right_after_a_real_xid_79_is_that_event_and_a_later_one_counts_a
     assert got == [
         (
             logging.ERROR,
-            f"vramwatch: Xid 79 (GPU has fallen off the bus) on GPU 1 {d1.uuid} [GPU_IS_LOST]: no rank of this job",
+            f"vramwatch: Xid 79 (GPU has fallen off the bus; action restart_bm) on GPU 1 {d1.uuid} [GPU_IS_LOST]: "
+            "no rank of this job",
         ),
         (
             logging.ERROR,
-            f"vramwatch: Xid 79 (GPU has fallen off the bus) on GPU 0 {d0.uuid} [GPU_IS_LOST]: no rank of this job",
+            f"vramwatch: Xid 79 (GPU has fallen off the bus; action restart_bm) on GPU 0 {d0.uuid} [GPU_IS_LOST]: "
+            "no rank of this job",
         ),
     ]
 
@@ -722,14 +724,18 @@ def test_the_xid_collector_in_job_mode_shows_only_the_ranks_gpus(tmp_path):
     assert xc.watcher.wait_ms == 50
 
 
-def test_the_event_line_for_an_xid_without_a_mnemonic_and_several_ranks():
+def test_the_event_line_names_the_catalogue_meaning_and_action_and_several_ranks():
     from vramwatch.server.collectors.xid import describe_event
 
     assert describe_event(2, "GPU-x", 150, [("0", 5), ("1", 6)]) == (
-        "vramwatch: Xid 150 on GPU 2 GPU-x: rank 0 (last step 5), rank 1 (last step 6)"
+        "vramwatch: Xid 150 (NVLINK: MSE Error; action workflow_nvlink5_err) on GPU 2 GPU-x: "
+        "rank 0 (last step 5), rank 1 (last step 6)"
     )
     assert describe_event(0, "GPU-y", 13, []) == (
-        "vramwatch: Xid 13 (graphics engine exception) on GPU 0 GPU-y: no rank of this job"
+        "vramwatch: Xid 13 (Graphics Engine Exception; action restart_app) on GPU 0 GPU-y: no rank of this job"
+    )
+    assert (
+        describe_event(0, "GPU-y", 999, []) == "vramwatch: Xid 999 (action unknown) on GPU 0 GPU-y: no rank of this job"
     )
 
 
@@ -742,8 +748,14 @@ def test_a_warning_xid_logs_a_warning_and_a_critical_one_an_error(tmp_path, capl
     log_event(settings, 0, "GPU-a", 31)
     log_event(settings, 0, "GPU-a", 48)
     assert lines(caplog, "GPU-a") == [
-        (logging.WARNING, "vramwatch: Xid 31 (MMU fault (illegal address)) on GPU 0 GPU-a: no rank of this job"),
-        (logging.ERROR, "vramwatch: Xid 48 (double-bit ECC error) on GPU 0 GPU-a: no rank of this job"),
+        (
+            logging.WARNING,
+            "vramwatch: Xid 31 (GPU memory page fault; action restart_app) on GPU 0 GPU-a: no rank of this job",
+        ),
+        (
+            logging.ERROR,
+            "vramwatch: Xid 48 (Double Bit ECC Error; action workflow_xid_48) on GPU 0 GPU-a: no rank of this job",
+        ),
     ]
 
 

@@ -182,6 +182,7 @@ SITES = {  # field -> the NVML function it calls first
     "sm_clock": "nvmlDeviceGetClockInfo",
     "memory_clock": "nvmlDeviceGetClockInfo",
     "throttle": "nvmlDeviceGetCurrentClocksEventReasons",
+    "recovery_action": "nvmlDeviceGetFieldValues",
     "energy": "nvmlDeviceGetTotalEnergyConsumption",
     "ecc": "nvmlDeviceGetTotalEccErrors",
     "remapped_rows": "nvmlDeviceGetRemappedRows",
@@ -196,6 +197,7 @@ FAMILY = {  # field -> one family it fills
     "sm_clock": "gpu_sm_clock_hertz",
     "memory_clock": "gpu_memory_clock_hertz",
     "throttle": "gpu_clock_throttle",
+    "recovery_action": "gpu_recovery_action",
     "energy": "gpu_energy_joules_total",
     "ecc": "gpu_ecc_errors_total",
     "remapped_rows": "gpu_remapped_rows",
@@ -705,3 +707,59 @@ def test_a_different_card_at_the_index_does_not_inherit_the_old_uuid(tmp_path):
     rig.node.inject_error("nvmlDeviceGetUUID", E.NVML_ERROR_GPU_IS_LOST, gpu=1)
     rig.poll(0)
     assert _up_series(rig)["1"] == ("", 0.0)
+
+
+# --- NVML's GPU recovery action (a field value) ---
+def recovery(rig: Rig, gpu: int = 0) -> dict[str, float]:
+    return {lab["action"]: v for lab, v in rig.metrics().get("gpu_recovery_action", []) if lab["gpu"] == str(gpu)}
+
+
+def test_the_recovery_action_is_one_series_per_state_and_follows_the_driver(rig):
+    from vramwatch.monitoring import contract
+
+    assert recovery(rig) == {s: 1.0 if s == "none" else 0.0 for s in contract.RECOVERY_ACTIONS}
+    rig.node.gpu(0).recovery_action = 4  # NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET
+    rig.poll(1.0)  # the fast cadence: the next read, never the scrape
+    assert recovery(rig)["drain_and_reset"] == 1.0 and recovery(rig)["none"] == 0.0
+    assert sum(recovery(rig).values()) == 1.0
+    assert recovery(rig, gpu=1)["none"] == 1.0
+
+
+def test_a_driver_without_the_field_leaves_the_family_absent_and_up_1(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "vramwatch")
+    rig = Rig(tmp_path)
+    rig.node.gpu(1).recovery_action = None  # the field's own nvmlReturn is NOT_SUPPORTED
+    for _ in range(3):
+        rig.poll(1.0)
+    assert recovery(rig, gpu=1) == {} and recovery(rig, gpu=0)["none"] == 1.0
+    assert rig.nvml.health.up == 1
+    assert len([r for r in caplog.records if "recovery_action is NOT_SUPPORTED" in r.getMessage()]) == 1
+    assert rig.nv.calls["nvmlDeviceGetFieldValues"] == 3 + 1, "GPU 1 is not asked again"
+
+
+class _FieldAnswers:
+    """The simulated NVML with one field answer replaced (a driver older than the field, a newer state)."""
+
+    def __init__(self, nv: Any, ret: int = 0, value: int = 0) -> None:
+        self._nv, self.ret, self.value = nv, ret, value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nv, name)
+
+    def nvmlDeviceGetFieldValues(self, h: Any, ids: list[Any]) -> list[Any]:
+        (v,) = self._nv.nvmlDeviceGetFieldValues(h, ids)
+        v.nvmlReturn, v.value.uiVal = self.ret, self.value
+        return [v]
+
+
+@pytest.mark.parametrize(
+    "ret, value",
+    [(E.NVML_ERROR_INVALID_ARGUMENT, 0), (0, 99)],
+    ids=["older driver: invalid field id", "a state newer than the table"],
+)
+def test_an_unknown_field_or_state_is_dropped_never_mislabelled(tmp_path, ret, value):
+    rig = Rig(tmp_path)
+    rig.nv = rig.session.nv = _FieldAnswers(rig.nv, ret, value)
+    rig.poll(1.0)
+    rig.poll(1.0)
+    assert recovery(rig) == {} and rig.nvml.health.up == 1

@@ -39,7 +39,8 @@ def counts(ledger: XidLedger, uuid: str) -> dict[str, float]:
 def test_ledger_preinitialises_the_xids_that_matter_and_counts_repeats():
     ledger = XidLedger()
     ledger.preinit(0, "GPU-a")
-    assert set(PREINIT) == set(DEFAULT.xid_critical + DEFAULT.xid_warning)
+    # the alerts' default code lists are the pre-initialised codes whose action pages or warns
+    assert set(DEFAULT.xid_critical + DEFAULT.xid_warning) < set(PREINIT)
     assert counts(ledger, "GPU-a") == {str(x): 0.0 for x in PREINIT}
     assert ledger.record(0, "GPU-a", 79, when=100.0) == 1
     assert ledger.record(0, "GPU-a", 79, when=200.0) == 2  # a repeat is visible, never a last-value gauge
@@ -64,12 +65,12 @@ def test_families_counter_and_timestamp_only_once_seen():
     ctx = ScrapeContext((), time.time(), "h")
     total, last = xid_families(ledger.counts(), ctx)
     assert {tuple(s.labels.values()): s.value for s in total.samples if s.name.endswith("_total")} == {
-        ("0", "GPU-a", "13"): 0.0,
-        ("0", "GPU-a", "79"): 1.0,
-        ("1", "GPU-b", "79"): 0.0,
+        ("0", "GPU-a", "13", "restart_app"): 0.0,
+        ("0", "GPU-a", "79", "restart_bm"): 1.0,
+        ("1", "GPU-b", "79", "restart_bm"): 0.0,
     }
     assert total.name + "_total" == "gpu_xid_errors_total"
-    assert [(s.labels["xid"], s.value) for s in last.samples] == [("79", 1234.5)]
+    assert [(s.labels["xid"], s.labels["action"], s.value) for s in last.samples] == [("79", "restart_bm", 1234.5)]
     sample = RankSample(0, 0, 1, "h", 1, 0.0, devices=(DeviceSample(0, "GPU-b", {}),))
     total, _ = xid_families(ledger.counts(), ScrapeContext((sample,), time.time(), "h"), job_only=True)
     assert {s.labels["uuid"] for s in total.samples} == {"GPU-b"}

@@ -218,11 +218,28 @@ def test_critical_xid_pages_an_application_xid_warns_both_resolve(stack):
         node.inject_xid(2, 13)
     paged = _wait("the Xid 79 page", lambda: stack.hooks.alerts("/page", "GPUXidError", uuid=gpu1, xid="79"))
     assert paged[0]["labels"]["severity"] == "critical"
-    _wait("the Xid 13 warning", lambda: stack.hooks.alerts("/warning", "GPUXidError", uuid=gpu2, xid="13"))
+    assert paged[0]["labels"]["action"] == "restart_bm" and "reboot" in paged[0]["annotations"]["description"]
+    warned = _wait("the Xid 13 warning", lambda: stack.hooks.alerts("/warning", "GPUXidError", uuid=gpu2, xid="13"))
+    assert warned[0]["labels"]["action"] == "restart_app"
+    assert "restart the application" in warned[0]["annotations"]["description"]  # the demo's Xid says what to do
     assert not stack.hooks.alerts("/page", "GPUXidError", xid="13")
     # no recovery action exists for an event: it resolves once the window (8 s here) has passed
     _wait("the Xid page to resolve", lambda: stack.hooks.alerts("/page", "GPUXidError", "resolved", uuid=gpu1))
     _wait("the Xid warning to resolve", lambda: stack.hooks.alerts("/warning", "GPUXidError", "resolved", uuid=gpu2))
+
+
+def test_the_drivers_recovery_action_pages_until_it_is_none(stack):
+    gpu = stack.uuids[1]
+    with edit(stack.exp.spool) as node:
+        node.gpu(1).recovery_action = 4  # NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET
+    paged = _wait("the recovery page", lambda: stack.hooks.alerts("/page", "GPURecoveryAction", uuid=gpu))
+    assert paged[0]["labels"]["action"] == "drain_and_reset"
+    assert "drain the GPU's jobs, then reset it" in paged[0]["annotations"]["description"]
+    with edit(stack.exp.spool) as node:
+        node.gpu(1).recovery_action = 0
+    _wait(
+        "the recovery page to resolve", lambda: stack.hooks.alerts("/page", "GPURecoveryAction", "resolved", uuid=gpu)
+    )
 
 
 def test_busy_stall_pages_and_resolves_when_steps_resume(stack):

@@ -216,13 +216,18 @@ class MonitoringConfig:
     )
     xid_critical: tuple[int, ...] = setting(
         contract.XID_CRITICAL,
-        "Xids that page (NVIDIA's catalogue: reset, reboot or RMA). The server pre-initialises the defaults' counters.",
+        "Xids that page whatever their action. Which Xids page follows the `action` label, the bucket of NVIDIA's "
+        "Xid catalogue (a GPU reset, a reboot, support: " + ", ".join(contract.XID_PAGE_ACTIONS) + "); the "
+        "default lists the pre-initialised codes those actions give, so it only matters once you change it: "
+        "add a code to page on it, or move one to xid_warning.",
         _xids,
     )
     xid_warning: tuple[int, ...] = setting(
         contract.XID_WARNING,
-        "Xids known to be application faults or maintenance events: they warn (every Xid not in "
-        "xid_critical warns; these are the ones the descriptions name).",
+        "Xids that only warn whatever their action (the actions that warn: "
+        + ", ".join(contract.XID_WARN_ACTIONS)
+        + "; a lone Xid 45 warns, `ignore` never alerts); the default lists the pre-initialised codes those "
+        "actions give. Move a paging code here to demote it.",
         _xids,
     )
     runbook_url: str = setting(

@@ -18,6 +18,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from vramwatch.monitoring import xid_catalogue
 from vramwatch.monitoring.cadence import READ_MAX_GAP
 
 # job_id: the job a rank belongs to (vramwatch.rank.identity; bounded, at most 64 of [A-Za-z0-9_.-]), so
@@ -31,11 +32,24 @@ MIG = ("gpu", "uuid")
 MIG_INFO = MIG + ("parent_uuid", "gpu_instance_id", "compute_instance_id", "profile")
 COLLECTOR = ("collector", "rank", JOB_ID)
 
-# Xids that page (NVIDIA's catalogue: reset / reboot / RMA), and the app faults that only warn. The
-# server pre-initialises their counters at 0 (so a first event is an increase) and logs the critical
-# ones as errors; MonitoringConfig takes these as its defaults, so the alerts name the same codes.
-XID_CRITICAL: tuple[int, ...] = (48, 62, 64, 74, 79, 95, 119, 120, 46, 109, 140)
-XID_WARNING: tuple[int, ...] = (13, 31, 43, 45, 61, 63, 92, 94)
+# NVIDIA's Xid catalogue (vramwatch.monitoring.xid_catalogue: source, version, advice): Xid -> (mnemonic,
+# meaning, action). The action, the catalogue's immediate-action bucket, labels the Xid families
+# (`unknown` for a code the catalogue lacks) and splits the Xid alerts: XID_PAGE_ACTIONS page,
+# XID_WARN_ACTIONS warn, a lone Xid 45 warns, `ignore` never alerts.
+XID_CATALOGUE: dict[int, tuple[str, str, str]] = xid_catalogue.CATALOGUE
+XID_ACTIONS: tuple[str, ...] = xid_catalogue.ACTIONS
+XID_PAGE_ACTIONS: tuple[str, ...] = xid_catalogue.PAGE_ACTIONS
+XID_WARN_ACTIONS: tuple[str, ...] = xid_catalogue.WARN_ACTIONS
+# The Xids whose counters the server pre-initialises at 0 (so a first event is an increase; any other
+# code alerts through its last-event timestamp): the ones training jobs meet, a short list.
+XID_PREINIT: tuple[int, ...] = (13, 31, 43, 45, 48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 46, 109, 140, 154)
+# Of those, the ones that page and the ones that warn by their action: MonitoringConfig's defaults for
+# xid_critical / xid_warning (codes that page / warn whatever their action), so the default split is the
+# catalogue's and an override moves a code.
+XID_CRITICAL: tuple[int, ...] = tuple(x for x in XID_PREINIT if xid_catalogue.action(x) in XID_PAGE_ACTIONS)
+XID_WARNING: tuple[int, ...] = tuple(x for x in XID_PREINIT if xid_catalogue.action(x) in XID_WARN_ACTIONS)
+# gpu_recovery_action's `action`: NVML's GPU recovery action states, by value
+RECOVERY_ACTIONS: tuple[str, ...] = xid_catalogue.RECOVERY_ACTIONS
 
 # Why a node has no NVML, the `reason` of vramwatch_nvml_available 0: no libnvidia-ml (a CPU-only pod or
 # host), the library without its kernel driver, or NVML answering with no GPU. A state, not a failure.
@@ -674,8 +688,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "gpu_xid_errors_total",
         "counter",
         "",
-        GPU + ("xid",),
-        "Xid events seen since the exporter started (pre-initialised at 0 for the Xids that matter).",
+        GPU + ("xid", "action"),
+        "Xid events seen since the exporter started (pre-initialised at 0 for the Xids that matter); action: "
+        "the resolution bucket of NVIDIA's Xid catalogue for that code (contract.XID_ACTIONS, unknown for a code "
+        "it lacks).",
         "xid",
         "the Xid watcher is off or NVML has no events",
     ),
@@ -683,10 +699,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "gpu_last_xid_timestamp_seconds",
         "gauge",
         "seconds",
-        GPU + ("xid",),
+        GPU + ("xid", "action"),
         "When the newest event of that Xid came (Unix time).",
         "xid",
         "no event of that Xid yet",
+    ),
+    _m(
+        "gpu_recovery_action",
+        "gauge",
+        "",
+        GPU + ("action",),
+        "NVML's GPU recovery action, 1 for the state in force and 0 for the others: "
+        + ", ".join(RECOVERY_ACTIONS)
+        + " (read on the NVML collector's cadence).",
+        "nvml",
+        "the driver or GPU lacks the field (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, newer drivers), or the GPU is lost",
     ),
     # --- self-health ---
     _m(

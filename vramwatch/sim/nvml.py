@@ -379,6 +379,28 @@ class SimNvml:
     def nvmlDeviceGetPcieReplayCounter(self, h: SimHandle) -> int:
         return int(self._call("nvmlDeviceGetPcieReplayCounter", h)[1].pcie_replays)
 
+    def nvmlDeviceGetFieldValues(self, h: SimHandle, field_ids: list[Any]) -> list[SimpleNamespace]:
+        """Only the GPU recovery action (field 230); any other field answers NOT_SUPPORTED in its own
+        nvmlReturn, as a driver does, and so does 230 where ``recovery_action`` is None (an older driver)."""
+        g = self._call("nvmlDeviceGetFieldValues", h)[1]
+        out = []
+        for fid in field_ids:
+            field_id, scope = fid if isinstance(fid, tuple) else (fid, 0)
+            action = g.recovery_action if field_id == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION else None
+            ret = pynvml.NVML_SUCCESS if action is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            out.append(
+                SimpleNamespace(
+                    fieldId=field_id,
+                    scopeId=scope,
+                    timestamp=int(time.time() * 1e6),
+                    latencyUsec=0,
+                    valueType=pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+                    nvmlReturn=ret,
+                    value=SimpleNamespace(uiVal=int(action or 0)),
+                )
+            )
+        return out
+
     # --- GPM and NVLink ---
     c_nvmlGpmMetricsGet_t = SimGpmMetricsGet
 

@@ -35,7 +35,8 @@ EVENTS = {
     "an Xid on the stalled GPU": (82.0, 82.0),
 }
 THERMAL, FOREIGN, XID_AT = EVENTS.values()
-XID = 13  # graphics engine exception: a warning Xid (MonitoringConfig.xid_warning), pre-initialised
+# graphics engine exception, action restart_app: a pre-initialised Xid whose warning says "restart the application"
+XID = 13
 FOREIGN_PID = 4242  # the inference server's pid
 FOREIGN_BYTES = 12 * GIB
 HOT_C = 88.0

@@ -30,7 +30,8 @@ What each field means:
   power draw), ``ecc_corrected``/``ecc_uncorrected`` (volatile counts), ``remapped`` (rows:
   correctable, uncorrectable, pending, failure), ``pcie_replays``, ``extra_used_bytes`` (device memory
   held by something that is neither a rank nor a foreign process), ``driver_reserved_bytes`` (what NVML's
-  v2 memory call reports as reserved), ``lost`` (every device call raises GPU_IS_LOST), ``mig`` (MIG
+  v2 memory call reports as reserved), ``lost`` (every device call raises GPU_IS_LOST), ``recovery_action``
+  (NVML's GPU recovery action value, None: the driver lacks the field), ``mig`` (MIG
   mode on: utilisation and remapped rows become NOT_SUPPORTED, as on real MIG parents; GPM too),
   ``mig_instances`` (:class:`SimMig`: the MIG devices NVML enumerates under it, each with its MIG- uuid,
   GPU/compute instance ids, profile and memory; ``g.enable_mig(("3g.71gb", "3g.71gb"))`` sets both;
@@ -98,6 +99,9 @@ class SimGpu:
     extra_used_bytes: int = 0  # memory used by something other than the ranks and foreign processes
     driver_reserved_bytes: int = 615 * MIB
     lost: bool = False
+    # NVML's GPU recovery action (field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): 0 none, 1 gpu_reset,
+    # 2 node_reboot, 3 drain_p2p, 4 drain_and_reset, ...; None: a driver without the field (NOT_SUPPORTED)
+    recovery_action: int | None = 0
     mig: bool = False
     # GPM (NVML's performance counters, Hopper and newer): False makes nvmlGpmQueryDeviceSupport say
     # isSupportedDevice=0; the rates are what the next GPM interval reports

@@ -1,12 +1,19 @@
-"""Device health: Xid events, a lost GPU, ECC errors, remapped rows, clock throttling.
+"""Device health: Xid events, NVML's recovery action, a lost GPU, ECC errors, remapped rows, throttling.
 
 Xid alerts read both Xid families: ``increase()`` of the counter (pre-initialised at 0, so the
 first event counts) or, for an Xid the watcher had not pre-initialised (its counter appears at 1,
 which ``increase()`` misses), the age of ``gpu_last_xid_timestamp_seconds``.
+
+Which Xids page follows their ``action`` label, the bucket of NVIDIA's Xid catalogue
+(:mod:`vramwatch.monitoring.xid_catalogue`): a reset, a reboot or support pages, restart_app and the
+other actionable buckets (and a code the catalogue lacks) warn, ``ignore`` never alerts, and Xid 45
+(cleanup after another error) warns only when no other Xid came on the node in the window, so a flood
+of it never pages. ``xid_critical`` / ``xid_warning`` move single codes whatever their action.
 """
 
 from __future__ import annotations
 
+from vramwatch.monitoring import xid_catalogue
 from vramwatch.monitoring.alerts.promql import (
     CRITICAL,
     GPU_WHERE,
@@ -25,38 +32,79 @@ from vramwatch.monitoring.alerts.promql import (
 from vramwatch.monitoring.config import MonitoringConfig
 
 
-def xid_events(cfg: MonitoringConfig, xid_matcher: str) -> str:
+def xid_events(cfg: MonitoringConfig, *matchers: str) -> str:
     w = duration(cfg.xid_window)
-    count = metric(cfg, "gpu_xid_errors_total", xid_matcher)
-    last = metric(cfg, "gpu_last_xid_timestamp_seconds", xid_matcher)
+    count = metric(cfg, "gpu_xid_errors_total", *matchers)
+    last = metric(cfg, "gpu_last_xid_timestamp_seconds", *matchers)
     return f"increase({count}[{w}]) > 0\nor ((time() - {last}) < {num(parse_duration(cfg.xid_window))}) * 0 + 1"
 
 
-def rules(cfg: MonitoringConfig) -> list[dict]:
-    critical = regex(cfg.xid_critical)
-    known = ", ".join(str(x) for x in cfg.xid_warning)
-    xid_where = f"{GPU_WHERE} reported Xid {label('xid')}"
+def _either(*exprs: str) -> str:
+    return "\nor\n".join(f"(\n{e}\n)" for e in exprs)
+
+
+def _advice(label_name: str, advice: dict[str, str]) -> str:
+    """A template naming what to do for the alert's ``label_name`` value (one branch per known value)."""
+    branches = "".join(
+        ("{{ if " if i == 0 else "{{ else if ") + f'eq $labels.{label_name} "{value}" }}}}{text}'
+        for i, (value, text) in enumerate(advice.items())
+    )
+    return branches + "{{ else }}see the runbook{{ end }}"
+
+
+def xid_rules(cfg: MonitoringConfig) -> list[dict]:
+    critical, warning = regex(cfg.xid_critical), regex(cfg.xid_warning)
+    page = _either(
+        xid_events(cfg, f'action=~"{regex(xid_catalogue.PAGE_ACTIONS)}"', f'xid!~"{warning}"'),
+        xid_events(cfg, f'xid=~"{critical}"'),
+    )
+    # Xid 45 alone: "unless" binds tighter than "or", so both sides are bracketed
+    solo = xid_events(cfg, f'action="{xid_catalogue.SOLO_ACTION}"', f'xid!~"{critical}"', f'xid!~"{warning}"')
+    others = xid_events(cfg, f'action!="{xid_catalogue.SOLO_ACTION}"')
+    alone = f"(\n{solo}\n)\nunless on(instance)\n(\n{others}\n)"
+    warn = _either(
+        # action "" too: the series of an exporter from before the action label warn as they did
+        xid_events(cfg, f'action=~"{regex((*xid_catalogue.WARN_ACTIONS, ""))}"', f'xid!~"{critical}"'),
+        xid_events(cfg, f'xid=~"{warning}"'),
+        alone,
+    )
+    what = f"{GPU_WHERE} reported Xid {label('xid')}, action {label('action')} in NVIDIA's Xid catalogue"
     events = f"(about {VALUE_INT} event(s) in the last {cfg.xid_window})"
+    todo = _advice("action", xid_catalogue.ADVICE)
+    return [
+        alert(
+            "GPUXidError",
+            page,
+            CRITICAL,
+            "A GPU reported an Xid error that needs a GPU reset, a node reboot or NVIDIA support.",
+            f"{what} {events}: {todo}. Where the driver reports a recovery action, GPURecoveryAction names it; "
+            "the runbook's Xid table gives the code's meaning.",
+        ),
+        alert(
+            "GPUXidError",
+            warn,
+            WARNING,
+            "A GPU reported an Xid error that does not page.",
+            f"{what} {events}: {todo}. The runbook's Xid table gives the code's meaning.",
+        ),
+        alert(
+            "GPURecoveryAction",
+            metric(cfg, "gpu_recovery_action", 'action!="none"') + " == 1",
+            CRITICAL,
+            "A GPU's driver asks for a recovery action (reset, reboot or drain).",
+            f"{GPU_WHERE}: NVML's GPU recovery action is {label('action')}: "
+            f"{_advice('action', xid_catalogue.RECOVERY_ADVICE)}. It follows a fatal Xid (an Xid event says it "
+            "changed) and clears once done.",
+        ),
+    ]
+
+
+def rules(cfg: MonitoringConfig) -> list[dict]:
     ecc = metric(cfg, "gpu_ecc_errors_total", 'type="uncorrected"')
     remapped = metric(cfg, "gpu_remapped_rows", 'kind=~"pending|failure"')
     throttle = metric(cfg, "gpu_clock_throttle", f'reason=~"{regex(cfg.throttle_reasons)}"')
     return [
-        alert(
-            "GPUXidError",
-            xid_events(cfg, f'xid=~"{critical}"'),
-            CRITICAL,
-            "A GPU reported a critical Xid error (reset, reboot or RMA).",
-            f"{xid_where} {events}: a fatal driver error; the GPU needs a reset or the node a reboot "
-            "(see the runbook's Xid table).",
-        ),
-        alert(
-            "GPUXidError",
-            xid_events(cfg, f'xid!~"{critical}"'),
-            WARNING,
-            "A GPU reported an Xid error.",
-            f"{xid_where} {events}, which does not page: the known ones ({known}) are application faults "
-            "(the process that hit it must restart) or maintenance events (reset at the next drain).",
-        ),
+        *xid_rules(cfg),
         alert(
             "GPULost",
             f"{metric(cfg, 'gpu_up')} == 0",

@@ -8,11 +8,13 @@ built again ("events that occurred before registration are not recorded").
 
 The ledger counts events per (GPU, Xid) since the exporter started, so
 ``increase()`` and ``rate()`` work and repeats are visible; never a last-value
-gauge. The Xids that matter for training (``contract.XID_CRITICAL`` and
-``XID_WARNING``, the alerts' defaults) are pre-initialised at 0, so the first
-event is an increase. Each event is also logged with the ranks on that GPU and
-their last step. A GPU that falls off the bus shows up as GPU_IS_LOST rather
-than as an event (NVML cannot deliver Xid 79; NVIDIA/DCGM#162): when the NVML
+gauge. Each row carries its ``action``, the resolution bucket of NVIDIA's Xid
+catalogue for the code (``contract.XID_CATALOGUE``; ``unknown`` for a code it
+lacks), which is what the alerts split pages from warnings by. The Xids training
+jobs meet (``contract.XID_PREINIT``, a short list) are pre-initialised at 0, so
+the first event is an increase. Each event is also logged with its meaning, its
+action, and the ranks on that GPU with their last step. A GPU that falls off the
+bus shows up as GPU_IS_LOST rather than as an event (NVML cannot deliver Xid 79; NVIDIA/DCGM#162): when the NVML
 collector marks a GPU lost, the watcher records one Xid 79 per loss.
 
 The watcher is the collector's :class:`~vramwatch.server.collectors.Watch`: the
@@ -32,7 +34,7 @@ from typing import Any, NamedTuple
 from prometheus_client.core import Metric
 
 from vramwatch.config import Settings
-from vramwatch.monitoring import contract
+from vramwatch.monitoring import contract, xid_catalogue
 from vramwatch.server import nvml_backend as nb
 from vramwatch.server.collectors import Collector, Health, ScrapeContext, Tick, register
 
@@ -41,28 +43,9 @@ log = logging.getLogger("vramwatch")
 XID_EVENT = 0x0000000000000008  # nvmlEventTypeXidCriticalError
 WAIT_MS = 500  # one wait on the event set; stopping the server waits for the current one
 MAX_XIDS_PER_GPU = 64  # beyond this many distinct Xids on one GPU, the rest count as xid="other"
-PREINIT = tuple(dict.fromkeys(contract.XID_CRITICAL + contract.XID_WARNING))
+PREINIT = contract.XID_PREINIT
 LOST_XID = 79  # GPU_IS_LOST is what "fallen off the bus" looks like through NVML
 LOST_REPEAT_S = 60.0  # a loss right after a real Xid 79 event is that event, not a second one
-# mnemonics for the log line only (NVIDIA open-gpu-kernel-modules nverror.h; never a label)
-MNEMONICS = {
-    13: "graphics engine exception",
-    31: "MMU fault (illegal address)",
-    43: "channel reset after a user fault",
-    45: "preemptive cleanup",
-    48: "double-bit ECC error",
-    61: "PMU breakpoint",
-    62: "PMU halt",
-    63: "page retirement / row remap recorded",
-    64: "page retirement / row remap failed",
-    74: "NVLink error",
-    79: "GPU has fallen off the bus",
-    92: "excessive single-bit ECC",
-    94: "contained ECC error",
-    95: "uncontained ECC error",
-    119: "GSP RPC timeout",
-    120: "GSP error",
-}
 
 
 class XidCount(NamedTuple):
@@ -140,12 +123,9 @@ def ranks_on(spool_dir: str, max_ranks: int, uuid: str) -> list[tuple[str, int]]
 
 
 def describe_event(index: int, uuid: str, xid: int, ranks: list[tuple[str, int]], source: str = "") -> str:
-    what = MNEMONICS.get(xid, "")
+    what = "; ".join(x for x in (xid_catalogue.meaning(xid), f"action {xid_catalogue.action(xid)}") if x)
     who = ", ".join(f"rank {r} (last step {s})" for r, s in ranks) or "no rank of this job"
-    return (
-        f"vramwatch: Xid {xid}{f' ({what})' if what else ''} on GPU {index} {uuid}"
-        f"{f' [{source}]' if source else ''}: {who}"
-    )
+    return f"vramwatch: Xid {xid} ({what}) on GPU {index} {uuid}{f' [{source}]' if source else ''}: {who}"
 
 
 def log_event(settings: Settings, index: int, uuid: str, xid: int, source: str = "") -> None:
@@ -153,7 +133,7 @@ def log_event(settings: Settings, index: int, uuid: str, xid: int, source: str =
         ranks = ranks_on(settings.resolved_spool_dir(), settings.max_ranks, uuid)
     except Exception:  # noqa: BLE001 - the log line never costs the event
         ranks = []
-    level = logging.ERROR if xid in contract.XID_CRITICAL else logging.WARNING
+    level = logging.ERROR if xid_catalogue.action(xid) in contract.XID_PAGE_ACTIONS else logging.WARNING
     log.log(level, "%s", describe_event(index, uuid, xid, ranks, source))
 
 
@@ -334,7 +314,7 @@ def xid_families(rows: Iterable[XidCount], ctx: ScrapeContext, job_only: bool = 
     for index, uuid, xid, events, when in rows:
         if job is not None and uuid not in job:
             continue
-        labels = [str(index), uuid, xid]
+        labels = [str(index), uuid, xid, xid_catalogue.action(xid)]  # "other" (past the bound): unknown
         total.add_metric(labels, events)
         if when > 0:
             last.add_metric(labels, when)
