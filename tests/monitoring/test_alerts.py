@@ -13,14 +13,13 @@ import pytest
 import yaml
 
 from harness import ROOT, tool
-from vramwatch.monitoring import contract
+from vramwatch.monitoring import contract, dashboard_ids
 from vramwatch.monitoring.alerts import cli
 from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml
 from vramwatch.monitoring.alerts.rules import alert_names, alerts, anchor, groups
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, format_duration, parse_duration
-from vramwatch.monitoring.dashboards import ids
 
-DASHBOARD_UIDS = {ids.TRAINING_MEMORY_UID, ids.GPU_HEALTH_UID, ids.FLEET_UID}
+DASHBOARD_UIDS = {dashboard_ids.TRAINING_MEMORY_UID, dashboard_ids.GPU_HEALTH_UID, dashboard_ids.FLEET_UID}
 
 ALERTS_DIR = ROOT / "vramwatch" / "monitoring" / "alerts"
 ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from vramwatch.monitoring import contract
-from vramwatch.monitoring.alerts.promql import num, percent
 from vramwatch.monitoring.alerts.render import HEADER, to_yaml
 from vramwatch.monitoring.alerts.rules import all_alert_names, groups
 from vramwatch.monitoring.config import DEFAULT, GIB, MonitoringConfig, format_duration, parse_duration
+from vramwatch.monitoring.promql import num, percent
 
 CHART = Path("helm") / "vramwatch"
 RULE_TEMPLATE_PATH = CHART / "templates" / "prometheusrule.yaml"

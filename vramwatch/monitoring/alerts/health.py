@@ -7,7 +7,8 @@ which ``increase()`` misses), the age of ``gpu_last_xid_timestamp_seconds``.
 
 from __future__ import annotations
 
-from vramwatch.monitoring.alerts.promql import (
+from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.promql import (
     CRITICAL,
     GPU_WHERE,
     VALUE,
@@ -22,7 +23,6 @@ from vramwatch.monitoring.alerts.promql import (
     parse_duration,
     regex,
 )
-from vramwatch.monitoring.config import MonitoringConfig
 
 
 def xid_events(cfg: MonitoringConfig, xid_matcher: str) -> str:

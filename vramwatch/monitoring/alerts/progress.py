@@ -20,7 +20,8 @@ Neither fires for one slow step of up to ``stall_factor`` x the mean: the bound 
 from __future__ import annotations
 
 from vramwatch.monitoring import contract
-from vramwatch.monitoring.alerts.promql import (
+from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.promql import (
     CRITICAL,
     RANK_WHERE,
     STEP_MEAN_RECORD,
@@ -37,7 +38,6 @@ from vramwatch.monitoring.alerts.promql import (
     step_mean,
     step_skew,
 )
-from vramwatch.monitoring.config import MonitoringConfig
 
 _PER_GPU_ONLY = ",".join(x for x in contract.RANK_DEVICE if x not in contract.RANK)  # uuid,device
 _GPU_JOIN = "gpu," + ",".join(x for x in contract.RANK_DEVICE if x != "uuid")  # gpu,device,rank,local_rank

@@ -8,21 +8,21 @@ import dataclasses
 from typing import Any
 
 from vramwatch.errors import ConfigError
+from vramwatch.monitoring import dashboard_ids
 from vramwatch.monitoring.alerts import allocator, contention, exporter, health, memory, progress
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, shown
-from vramwatch.monitoring.dashboards import ids
 
 # (group name, module, the dashboard its alerts link to): the order of the rule file
 AREAS = (
-    ("vramwatch-memory", memory, ids.TRAINING_MEMORY_UID),
-    ("vramwatch-allocator", allocator, ids.TRAINING_MEMORY_UID),
-    ("vramwatch-progress", progress, ids.TRAINING_MEMORY_UID),
-    ("vramwatch-health", health, ids.GPU_HEALTH_UID),
-    ("vramwatch-contention", contention, ids.TRAINING_MEMORY_UID),
-    ("vramwatch-exporter", exporter, ids.FLEET_UID),
+    ("vramwatch-memory", memory, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-allocator", allocator, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-progress", progress, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-health", health, dashboard_ids.GPU_HEALTH_UID),
+    ("vramwatch-contention", contention, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-exporter", exporter, dashboard_ids.FLEET_UID),
 )
 # alerts whose dashboard is not their area's
-DASHBOARD_OF = {"GPUForeignProcess": ids.GPU_HEALTH_UID}
+DASHBOARD_OF = {"GPUForeignProcess": dashboard_ids.GPU_HEALTH_UID}
 
 
 def anchor(alertname: str) -> str:
@@ -34,7 +34,7 @@ def dashboard_link(cfg: MonitoringConfig, uid: str) -> str:
     """``<dashboard_url>/d/<uid>``, scoped by the alert's labels (each only where the alert has it)."""
     params = "".join(
         f"{{{{ if $labels.{label} }}}}&var-{var}={{{{ $labels.{label} }}}}{{{{ end }}}}"
-        for label, var in ids.LINK_VARIABLES
+        for label, var in dashboard_ids.LINK_VARIABLES
     )
     return f"{cfg.dashboard_url}/d/{uid}?orgId=1{params}"
 

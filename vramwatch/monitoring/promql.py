@@ -1,4 +1,5 @@
-"""Small helpers the rule modules share: selectors from the contract, templates, rule dicts."""
+"""PromQL helpers the alert rules, the dashboards and the Helm chart share: selectors from the contract,
+templates, rule dicts. A leaf below all three (it imports only the contract and the config)."""
 
 from __future__ import annotations
 
