@@ -9,7 +9,7 @@ from typing import Any
 
 from vramwatch.errors import ConfigError
 from vramwatch.monitoring import dashboard_ids
-from vramwatch.monitoring.alerts import allocator, contention, exporter, health, memory, progress
+from vramwatch.monitoring.alerts import allocator, contention, exporter, health, incidents, memory, progress
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, shown
 
 # (group name, module, the dashboard its alerts link to): the order of the rule file
@@ -17,6 +17,7 @@ AREAS = (
     ("vramwatch-memory", memory, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-allocator", allocator, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-progress", progress, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-incidents", incidents, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-health", health, dashboard_ids.GPU_HEALTH_UID),
     ("vramwatch-contention", contention, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-exporter", exporter, dashboard_ids.FLEET_UID),
@@ -47,8 +48,16 @@ def _annotate(rule: dict[str, Any], cfg: MonitoringConfig, uid: str) -> None:
     rule["labels"] = {**rule.get("labels", {}), **dict(cfg.extra_labels)}
 
 
+def _of_job(cfg: MonitoringConfig, rule: dict[str, Any]) -> dict[str, Any]:
+    """A GPU's cause alert carries the job identity of the GPU's ranks, so that Alertmanager groups it with
+    the job's pages and lets it mute the job's symptoms (incidents.with_job)."""
+    if rule.get("alert") in incidents.GPU_CAUSES:
+        return {**rule, "expr": incidents.with_job(cfg, rule["expr"])}
+    return rule
+
+
 def _raw(cfg: MonitoringConfig) -> list[tuple[str, list[dict[str, Any]], str]]:
-    return [(name, module.rules(cfg), uid) for name, module, uid in AREAS]
+    return [(name, [_of_job(cfg, r) for r in module.rules(cfg)], uid) for name, module, uid in AREAS]
 
 
 def all_alert_names() -> set[str]:
