@@ -38,7 +38,8 @@ def with_job(cfg: MonitoringConfig, expr: str) -> str:
     alloc = metric(cfg, "torch_cuda_memory_allocated_bytes")
     w = duration(cfg.incident_window)
     by = f"uuid, {peers(cfg)}"
-    jobs = f"max by ({by}) ({alloc} * 0 + 2)\nor max by ({by}) (last_over_time({alloc}[{w}]) * 0 + 1)"
+    # a job using the GPU now (1) before one that used it within the window (0)
+    jobs = f"max by ({by}) ({alloc} * 0 + 1)\nor max by ({by}) (last_over_time({alloc}[{w}]) * 0)"
     newest = f"topk by (uuid) (1, {jobs.replace(chr(10), ' ')})"
     return (
         f"(\n{expr}\n) * on(uuid) group_left({peers(cfg)}) ({newest} * 0 + 1)\nor (\n{expr}\n) unless on(uuid) {newest}"
@@ -71,8 +72,9 @@ def node_lost(cfg: MonitoringConfig) -> str:
 
 
 def loss_nonfinite(cfg: MonitoringConfig) -> str:
+    """Ranks whose newest loss is NaN or +-Inf (less itself: NaN, where a finite loss gives 0)."""
     loss = metric(cfg, "vramwatch_training_loss")
-    return f"{loss} != {loss}\nor abs({loss}) == +Inf"
+    return f"{loss}\nunless {loss} - {loss} == 0"
 
 
 def _gpu_of(cfg: MonitoringConfig) -> str:
@@ -109,7 +111,7 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             f"within the last {cfg.incident_window}; for more than {cfg.node_lost_for} none is there, none of "
             "them said how it ended, and the job's other ranks still run"
             '{{ with printf "up{instance=%q}" $labels.instance | query }}{{ with first . }}'
-            "{{ if eq .Value 0.0 }} (its target fails its scrapes){{ end }}{{ end }}"
+            "{{ if not .Value }} (its target fails its scrapes){{ end }}{{ end }}"
             "{{ else }} (its target left service discovery: the pod or node is gone){{ end }}. "
             "The node died, rebooted, or its vramwatch server did. What to do: check the node (reachable? "
             "kernel log, `kubectl describe node`), cordon it, and restart the job from its last checkpoint "
