@@ -40,7 +40,7 @@ def with_job(cfg: MonitoringConfig, expr: str) -> str:
     by = f"uuid, {peers(cfg)}"
     # a job using the GPU now (1) before one that used it within the window (0)
     jobs = f"max by ({by}) ({alloc} * 0 + 1)\nor max by ({by}) (last_over_time({alloc}[{w}]) * 0)"
-    newest = f"topk by (uuid) (1, {jobs.replace(chr(10), ' ')})"
+    newest = f"topk by (uuid) (1, {' '.join(jobs.splitlines())})"
     return (
         f"(\n{expr}\n) * on(uuid) group_left({peers(cfg)}) ({newest} * 0 + 1)\nor (\n{expr}\n) unless on(uuid) {newest}"
     )
