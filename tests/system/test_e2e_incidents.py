@@ -108,8 +108,8 @@ def stack(tmp_path_factory):
     s.stop()
 
 
-def job(stack: Stack, job_id: str, hosts: int, ranks_per_host: int) -> list[Node]:
-    nodes = [Node(f"{job_id}-node{h}", ranks_per_host) for h in range(hosts)]
+def job(stack: Stack, job_id: str, hosts: int, ranks_per_host: int, mode: str = "node") -> list[Node]:
+    nodes = [Node(f"{job_id}-node{h}", ranks_per_host, mode) for h in range(hosts)]
     world = hosts * ranks_per_host
     for h, node in enumerate(nodes):
         for lr in range(ranks_per_host):
@@ -206,10 +206,13 @@ def test_a_lost_gpu_under_8_ranks_is_at_most_2_pages(stack):
         assert exited[0]["labels"]["rank"] == "3" and g.uuid in exited[0]["annotations"]["description"]
 
 
-@pytest.mark.parametrize("how", ["target down", "gone from discovery"])
-def test_a_lost_node_in_a_2_node_job_is_at_most_2_pages_one_naming_the_host(stack, how):
-    job_id = "lost-" + how.split()[-1]
-    nodes = job(stack, job_id, hosts=2, ranks_per_host=4)
+@pytest.mark.parametrize(
+    "how, mode", [("target down", "node"), ("target down", "job"), ("gone from discovery", "node")]
+)
+def test_a_lost_node_in_a_2_node_job_is_at_most_2_pages_one_naming_the_host(stack, how, mode):
+    """A node daemon (mode node) or a server its ranks started (mode job) alike."""
+    job_id = f"lost-{how.split()[-1]}-{mode}"
+    nodes = job(stack, job_id, hosts=2, ranks_per_host=4, mode=mode)
     lost = nodes[1]
     if how == "target down":
         lost.down = True

@@ -351,6 +351,13 @@ class MonitoringConfig:
         "least NCCL's collective timeout, after which the job's other ranks end too.",
         _window,
     )
+    rank_exit_for: str = setting(
+        "30s",
+        "How long the rest of a job must keep running after a rank ended abnormally before it pages: a job "
+        "cancelled or preempted as a whole (every rank signalled at once) ends everywhere within seconds "
+        "and does not page.",
+        _for,
+    )
     node_lost_for: str = setting(
         "1m",
         "How long a node's ranks must be gone (its target down or out of service discovery) while the rest "

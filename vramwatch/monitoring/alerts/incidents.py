@@ -95,12 +95,14 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             CRITICAL,
             "A rank of a running job ended abnormally.",
             f"{RANK_WHERE}{_gpu_of(cfg)} ended: {label('reason')}"
-            "{{ if $labels.detail }} ({{ $labels.detail }}){{ end }}, while other ranks of its job still run: "
+            "{{ if $labels.detail }} ({{ $labels.detail }}){{ end }}, and other ranks of its job still run "
+            f"{cfg.rank_exit_for} later: "
             "they will wait for it in their next collective until the job's collective timeout ends them. "
             "What to do: read that rank's log for the error (reason exception or oom: the traceback; signal: "
             "who sent it, e.g. the OOM killer or the scheduler; killed: the process vanished without a last "
             "word, look at the host's kernel log), then restart the job from its last checkpoint. "
             "The job's hang pages are muted while this fires.",
+            cfg.rank_exit_for,
         ),
         alert(
             "TrainingNodeLost",

@@ -166,6 +166,7 @@ _WHAT_TO_DO = (
 
 
 def hang_page(cfg: MonitoringConfig) -> dict:
+    job_bound = _why(cfg, cfg.busy_stall_min_seconds).replace("(bound: ", "(")
     return alert(
         "TrainingStalled",
         job_hangs(cfg),
@@ -176,7 +177,7 @@ def hang_page(cfg: MonitoringConfig) -> dict:
         f"while its GPU {label('uuid')} reads"
         "{{ else }}"
         f"{VALUE_INT} rank(s) of job {label('job_id')} ({label('job')}) have not completed a step for longer "
-        f"than their stall bound {_why(cfg, cfg.busy_stall_min_seconds).replace('(bound: ', '(')}, while their GPUs read"
+        f"than their stall bound {job_bound}, while their GPUs read"
         "{{ end }}"
         f" at least {percent(cfg.busy_utilization_ratio)} utilisation at no more than "
         f"{percent(cfg.busy_power_ratio)} of the power limit: the hang signature. Work since the last "
