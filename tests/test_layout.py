@@ -3,6 +3,8 @@
 - the rank side (vramwatch.rank, vramwatch.integrations) and the server side (vramwatch.server) do not
   import each other: they meet only through vramwatch.spool;
 - vramwatch.monitoring (the contract, alerts, dashboards) imports neither side;
+- the alert rules and the dashboards do not import each other: what both need (the PromQL helpers, the
+  dashboard ids) lives below them in vramwatch.monitoring, and those shared modules import neither;
 - no import cycles between the package's modules.
 """
 
@@ -106,6 +108,25 @@ def test_the_server_side_does_not_import_the_rank_side() -> None:
 
 def test_monitoring_imports_neither_side() -> None:
     assert _crossings(("vramwatch.monitoring",), RANK_SIDE + SERVER_SIDE) == []
+
+
+ALERTS = ("vramwatch.monitoring.alerts",)
+# the dashboards' CLI takes the shared --config argument from the alerts' CLI: one command line beside another
+DASHBOARDS = tuple(m for m in MODULES if _within(m, ("vramwatch.monitoring.dashboards",)) and not m.endswith(".cli"))
+SHARED_BELOW = ("vramwatch.monitoring.promql", "vramwatch.monitoring.dashboard_ids")
+
+
+def test_alerts_and_dashboards_do_not_import_each_other() -> None:
+    assert _crossings(ALERTS, DASHBOARDS) == []
+    from_dashboards = [
+        f"{_where(m, t)}: {m} imports {t}" for m in DASHBOARDS for t in _graph()[m] if _within(t, ALERTS)
+    ]
+    assert from_dashboards == []
+
+
+def test_what_alerts_dashboards_and_helm_share_imports_none_of_them() -> None:
+    above = (*ALERTS, "vramwatch.monitoring.dashboards", "vramwatch.monitoring.helm")
+    assert _crossings(SHARED_BELOW, above) == []
 
 
 def _cycles() -> list[list[str]]:

@@ -110,6 +110,67 @@ CASES: dict[str, tuple[dict[str, str], dict[str, str], bool, bool]] = {
         False,
         False,
     ),
+    # a cause mutes the symptoms of its job (the job's identity equal), never another job's nor a jobless rank's
+    "gpu-lost-mutes-its-jobs-hang": (
+        {"alertname": "GPULost", "severity": "critical", "uuid": GPU_A, "job_id": "J"},
+        {"alertname": "TrainingStalled", "severity": "critical", "job_id": "J"},
+        True,
+        False,
+    ),
+    "critical-xid-mutes-its-jobs-straggler": (
+        {"alertname": "GPUXidError", "severity": "critical", "uuid": GPU_A, "xid": "79", "job_id": "J"},
+        {"alertname": "TrainingRankStraggler", "severity": "warning", "uuid": GPU_B, "rank": "3", "job_id": "J"},
+        True,
+        False,
+    ),
+    "rank-exit-mutes-its-jobs-hang": (
+        {"alertname": "TrainingRankExited", "severity": "critical", "rank": "2", "reason": "oom", "job_id": "J"},
+        {"alertname": "TrainingStalled", "severity": "critical", "job_id": "J"},
+        True,
+        False,
+    ),
+    "node-lost-mutes-its-jobs-hang": (
+        {"alertname": "TrainingNodeLost", "severity": "critical", "hostname": "b", "job_id": "J"},
+        {"alertname": "TrainingStalled", "severity": "critical", "job_id": "J"},
+        True,
+        False,
+    ),
+    "node-lost-mutes-its-target-down": (
+        {"alertname": "TrainingNodeLost", "severity": "critical", "hostname": "b", "job_id": "J"},
+        {"alertname": "VramwatchTargetDown", "severity": "warning"},
+        True,
+        False,
+    ),
+    "cause-of-another-job": (
+        {"alertname": "GPULost", "severity": "critical", "uuid": GPU_A, "job_id": "K"},
+        {"alertname": "TrainingStalled", "severity": "critical", "job_id": "J"},
+        False,
+        False,
+    ),
+    "cause-of-no-job-mutes-no-jobless-rank": (
+        {"alertname": "GPULost", "severity": "critical", "uuid": GPU_A},
+        {"alertname": "TrainingStalled", "severity": "critical", "uuid": GPU_B, "rank": "0"},
+        False,
+        False,
+    ),
+    "xid-warning-is-no-cause": (
+        {"alertname": "GPUXidError", "severity": "warning", "uuid": GPU_A, "xid": "13", "job_id": "J"},
+        {"alertname": "TrainingStalled", "severity": "critical", "job_id": "J"},
+        False,
+        False,
+    ),
+    "hang-page-mutes-its-ranks-stall-warnings": (
+        {"alertname": "TrainingStalled", "severity": "critical", "job_id": "J"},
+        {"alertname": "TrainingStalled", "severity": "warning", "uuid": GPU_B, "rank": "5", "job_id": "J"},
+        True,
+        False,
+    ),
+    "symptom-never-mutes-the-cause": (
+        {"alertname": "TrainingStalled", "severity": "critical", "job_id": "J"},
+        {"alertname": "TrainingRankExited", "severity": "critical", "rank": "2", "reason": "oom", "job_id": "J"},
+        False,
+        False,
+    ),
 }
 LAST = "page-mutes-its-warning"  # posted again, last, under a job of its own: the barrier
 

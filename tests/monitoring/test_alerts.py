@@ -13,14 +13,13 @@ import pytest
 import yaml
 
 from harness import ROOT, tool
-from vramwatch.monitoring import contract
+from vramwatch.monitoring import contract, dashboard_ids, promql
 from vramwatch.monitoring.alerts import cli
 from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml
 from vramwatch.monitoring.alerts.rules import alert_names, alerts, anchor, groups
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, format_duration, parse_duration
-from vramwatch.monitoring.dashboards import ids
 
-DASHBOARD_UIDS = {ids.TRAINING_MEMORY_UID, ids.GPU_HEALTH_UID, ids.FLEET_UID}
+DASHBOARD_UIDS = {dashboard_ids.TRAINING_MEMORY_UID, dashboard_ids.GPU_HEALTH_UID, dashboard_ids.FLEET_UID}
 
 ALERTS_DIR = ROOT / "vramwatch" / "monitoring" / "alerts"
 ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
@@ -87,6 +86,9 @@ def test_the_issue_rule_set_is_there():
         "GPUXidError",
         "GPURecoveryAction",
         "GPULost",
+        "TrainingRankExited",
+        "TrainingNodeLost",
+        "TrainingLossNonFinite",
     }
 
 
@@ -155,7 +157,8 @@ def test_every_metric_in_every_expr_is_in_the_contract():
                 continue
             base = re.sub(r"_(sum|count|bucket)$", "", name) if name not in contract.BY_NAME else name
             what = r.get("alert") or r["record"]
-            assert base in contract.BY_NAME or name == "up", f"{what}: {name} is not in the contract"
+            known = base in contract.BY_NAME or base in promql.AWAITED or name == "up"
+            assert known, f"{what}: {name} is not in the contract"
             used.add(base)
     # the scanner is not vacuous: the families the alerts are built on are all found
     assert {
@@ -167,6 +170,22 @@ def test_every_metric_in_every_expr_is_in_the_contract():
         "gpu_clock_throttle",
         "up",
     } <= used
+
+
+def test_the_awaited_families_are_not_in_the_contract_yet():
+    # the rank side adds them (helpers' CONTRACT-NEW); once it has, delete them from promql.AWAITED
+    assert promql.AWAITED and not promql.AWAITED & set(contract.BY_NAME)
+
+
+def test_the_pager_groups_a_jobs_alerts_by_the_rules_job_identity():
+    am = yaml.safe_load(ALERTMANAGER.read_text())
+    pager = next(r for r in am["route"]["routes"] if r["receiver"] == "pager")
+    (job_route,) = pager["routes"]
+    assert job_route["matchers"] == ['job_id=~".+"']
+    assert job_route["group_by"] == list(DEFAULT.peer_labels)  # no alertname: every page of a job in one group
+    causes = next(r for r in am["inhibit_rules"] if "TrainingRankExited" in str(r["source_matchers"]))
+    assert causes["equal"] == list(DEFAULT.peer_labels)
+    assert 'job_id=~".+"' in causes["source_matchers"]  # a cause of no job mutes no jobless rank
 
 
 def test_selector_reaches_every_vramwatch_series():

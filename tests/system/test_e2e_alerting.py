@@ -8,7 +8,8 @@ each on its own simulated GPU:
 
 - GPU 0, rank 0: memory to 90% (warning, not paged), 97% (paged; the warning inhibited), 50% (resolved);
 - GPU 1: a critical Xid pages and resolves; GPU 2 gets an application Xid that only warns;
-- GPU 2, rank 2: a busy stall (steps stop, utilisation pinned, power low) pages and resolves.
+- GPU 2, rank 2: a busy stall (steps stop, utilisation pinned, power low) pages once for the job, naming
+  rank 2 as the first to stop, and resolves.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ CFG = dataclasses.replace(
     xid_window="8s",
     dashboard_url="https://grafana.example.com",
 )
+JOB_ID = "e2e-alerting"
 WAIT = 60.0  # bound on each wait; typical latencies are a few seconds
 
 
@@ -133,6 +135,7 @@ class Stack:
                 str(control),
                 world_size=3,
                 cuda_visible=str(rank),
+                job_id=JOB_ID,
             )
             self.ranks[rank] = (proc, control)
         rules = tmp / "vramwatch.rules.yml"
@@ -243,20 +246,24 @@ def test_the_drivers_recovery_action_pages_until_it_is_none(stack):
 
 
 def test_busy_stall_pages_and_resolves_when_steps_resume(stack):
-    gpu2 = stack.uuids[2]
     with edit(stack.exp.spool) as node:  # the hang signature: utilisation pinned, power falling
         node.gpu(2).utilization, node.gpu(2).power_w = 1.0, 100.0
     stack.drive(2, stall=True)
-    paged = _wait("the busy-stall page", lambda: stack.hooks.alerts("/page", "TrainingStalled", rank="2"))
-    assert paged[0]["labels"]["severity"] == "critical" and paged[0]["labels"]["uuid"] == gpu2
-    assert "has not completed a step for" in paged[0]["annotations"]["description"]
-    # the link opens the training-memory dashboard on this node, GPU and rank
+    paged = _wait("the busy-stall page", lambda: stack.hooks.alerts("/page", "TrainingStalled", job_id=JOB_ID))
+    # one page for the job (its two ranks share it), naming the rank that stopped
+    assert len(paged) == 1 and paged[0]["labels"]["severity"] == "critical" and "rank" not in paged[0]["labels"]
+    description = paged[0]["annotations"]["description"]
+    assert description.startswith(f"1 rank(s) of job {JOB_ID}"), description
+    assert "The first of its job's ranks to stop: rank 2 of job" in description, description
+    # the link opens the training-memory dashboard on this job
     link = paged[0]["annotations"]["dashboard_url"]
     assert link.startswith(f"{CFG.dashboard_url}/d/vramwatch-training-memory?"), link
-    assert f"&var-gpu={gpu2}" in link and "&var-rank=2" in link and "{{" not in link
+    assert f"&var-job_id={JOB_ID}" in link and "{{" not in link
     assert not stack.hooks.alerts("/warning", "TrainingStalled", rank="2"), "a busy stall is not an idle stall"
 
     stack.drive(2, stall=False)
     with edit(stack.exp.spool) as node:
         node.gpu(2).utilization, node.gpu(2).power_w = 0.95, 550.0
-    _wait("the stall page to resolve", lambda: stack.hooks.alerts("/page", "TrainingStalled", "resolved", rank="2"))
+    _wait(
+        "the stall page to resolve", lambda: stack.hooks.alerts("/page", "TrainingStalled", "resolved", job_id=JOB_ID)
+    )

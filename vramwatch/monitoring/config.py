@@ -324,13 +324,58 @@ class MonitoringConfig:
     )
     straggler_ratio: float = setting(
         1.2,
-        "Straggler: a rank whose mean step time over straggler_window is above this many times the median "
-        "of its job's ranks (job_labels) warns. Ranks in lock-step collectives share one step time: the "
-        "skew shows where they are not (independent ranks, a rank blocked outside the collectives).",
+        "Straggler: a rank whose own work per step (its step time less its time waiting for peers in "
+        "collectives, over straggler_window) is above this many times the median of its job's ranks "
+        "(job_labels) warns. In lock-step collectives every rank's step time is equal and the slow rank is "
+        "the one that waits least; a rank that does not measure its waits is compared on its step time.",
         _above_one,
     )
     straggler_window: str = setting("10m", "The window of each rank's mean step time (straggler rule).", _window)
     straggler_for: str = setting("15m", "How long a rank must stay a straggler before it warns.", _for)
+    throughput_drop_ratio: float = setting(
+        0.7,
+        "Job throughput: a job whose step rate over throughput_window is below this share of its own rate "
+        "over the throughput_baseline_window before it warns (the whole job slowed; no rank to blame).",
+        _ratio,
+    )
+    throughput_window: str = setting("10m", "The window of the job's current step rate.", _window)
+    throughput_baseline_window: str = setting(
+        "1h", "The window of the job's own earlier step rate (ending where throughput_window begins).", _window
+    )
+    throughput_for: str = setting("15m", "How long the job's throughput must stay low before it warns.", _for)
+    phase_quiet_window: str = setting(
+        "30m",
+        "A declared non-training phase (vramwatch.phase: eval, save, load, compile) younger than this keeps its "
+        "job's stall and throughput alerts quiet; past it the job stalls as usual (a hang inside an "
+        "evaluation still pages).",
+        _window,
+    )
+    incident_window: str = setting(
+        "30m",
+        "How long a rank's abnormal exit, or ranks vanished from a node, stay a cause (TrainingRankExited, "
+        "TrainingNodeLost: firing, and muting the job's symptom pages) while the rest of the job runs. At "
+        "least NCCL's collective timeout, after which the job's other ranks end too.",
+        _window,
+    )
+    rank_exit_for: str = setting(
+        "30s",
+        "How long the rest of a job must keep running after a rank ended abnormally before it pages: a job "
+        "cancelled or preempted as a whole (every rank signalled at once) ends everywhere within seconds "
+        "and does not page.",
+        _for,
+    )
+    node_lost_for: str = setting(
+        "1m",
+        "How long a node's ranks must be gone (its target down or out of service discovery) while the rest "
+        "of their job runs before it pages: longer than a scrape blip.",
+        _for,
+    )
+    loss_nonfinite_for: str = setting(
+        "30s",
+        "How long the newest loss must read NaN or +-Inf before it pages: two scrape intervals of the shipped "
+        "prometheus.yml (15 s). Non-finite grad norms never page (fp16 loss scaling skips those steps).",
+        _for,
+    )
     gpu_peak_flops: tuple[tuple[str, float], ...] = setting(
         peaks.DENSE_BF16,
         "Peak dense BF16 FLOP/s by GPU name (a regex on gpu_info's name, the first match wins): the MFU "

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from vramwatch.monitoring.alerts.promql import (
+from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.promql import (
     DEVICE_WHERE,
     VALUE_BYTES,
     VALUE_INT,
@@ -14,7 +15,6 @@ from vramwatch.monitoring.alerts.promql import (
     num,
     percent,
 )
-from vramwatch.monitoring.config import MonitoringConfig
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:

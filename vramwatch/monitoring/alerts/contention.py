@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from vramwatch.monitoring.alerts.promql import (
+from vramwatch.monitoring.config import GIB, MonitoringConfig
+from vramwatch.monitoring.promql import (
     DEVICE_WHERE,
     GPU_WHERE,
     VALUE_INT,
@@ -13,7 +14,6 @@ from vramwatch.monitoring.alerts.promql import (
     metric,
     num,
 )
-from vramwatch.monitoring.config import GIB, MonitoringConfig
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:

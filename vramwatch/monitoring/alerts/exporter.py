@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from vramwatch.monitoring.alerts.promql import (
+from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.promql import (
     RANK_WHERE,
     VALUE_DURATION,
     WARNING,
@@ -13,7 +14,6 @@ from vramwatch.monitoring.alerts.promql import (
     num,
     up,
 )
-from vramwatch.monitoring.config import MonitoringConfig
 
 
 def target_down(cfg: MonitoringConfig) -> str:

@@ -14,7 +14,8 @@ of it never pages. ``xid_critical`` / ``xid_warning`` move single codes whatever
 from __future__ import annotations
 
 from vramwatch.monitoring import xid_catalogue
-from vramwatch.monitoring.alerts.promql import (
+from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.promql import (
     CRITICAL,
     GPU_WHERE,
     VALUE,
@@ -29,7 +30,6 @@ from vramwatch.monitoring.alerts.promql import (
     parse_duration,
     regex,
 )
-from vramwatch.monitoring.config import MonitoringConfig
 
 
 def xid_events(cfg: MonitoringConfig, *matchers: str) -> str:

@@ -14,7 +14,9 @@ Each name is a warning/critical pair, so Alertmanager can inhibit the warning un
 
 from __future__ import annotations
 
-from vramwatch.monitoring.alerts.promql import (
+from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.mig import memory_ratio
+from vramwatch.monitoring.promql import (
     CRITICAL,
     DEVICE_WHERE,
     GPU_WHERE,
@@ -26,8 +28,6 @@ from vramwatch.monitoring.alerts.promql import (
     num,
     percent,
 )
-from vramwatch.monitoring.config import MonitoringConfig
-from vramwatch.monitoring.mig import memory_ratio
 
 
 def _levels(cfg: MonitoringConfig) -> tuple[tuple[str, float, str], ...]:

@@ -20,24 +20,37 @@ Neither fires for one slow step of up to ``stall_factor`` x the mean: the bound 
 from __future__ import annotations
 
 from vramwatch.monitoring import contract
-from vramwatch.monitoring.alerts.promql import (
+from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.promql import (
     CRITICAL,
     RANK_WHERE,
     STEP_MEAN_RECORD,
     STEP_SKEW_RECORD,
     VALUE_DURATION,
+    VALUE_INT,
+    VALUE_PERCENT,
     VALUE_RATIO,
     WARNING,
     alert,
+    duration,
     label,
     metric,
     num,
+    parse_duration,
     percent,
+    regex,
     stall_bound,
     step_mean,
     step_skew,
 )
-from vramwatch.monitoring.config import MonitoringConfig
+
+# per rank and GPU, the heartbeat's age where the rank is stalled past the busy floor with the hang signature
+BUSY_STALL_RECORD = "vramwatch:training_busy_stall:age_seconds"
+# per rank: own work per step (step time less collective waits) and its ratio to its job's median
+OWN_MEAN_RECORD = "vramwatch:training_own_seconds_per_step:mean"
+OWN_SKEW_RECORD = "vramwatch:training_own_seconds_per_step:skew_ratio"
+# per rank: data wait per step over its job's median
+INPUT_WAIT_SKEW_RECORD = "vramwatch:training_data_wait_seconds_per_step:skew_ratio"
 
 _PER_GPU_ONLY = ",".join(x for x in contract.RANK_DEVICE if x not in contract.RANK)  # uuid,device
 _GPU_JOIN = "gpu," + ",".join(x for x in contract.RANK_DEVICE if x != "uuid")  # gpu,device,rank,local_rank
@@ -72,18 +85,39 @@ def _why(cfg: MonitoringConfig, floor: float) -> str:
     return f"(bound: {cfg.stall_factor:g}x its mean step time over {cfg.stall_window}, at least {floor:g}s)"
 
 
+def job_query(cfg: MonitoringConfig, template: str) -> str:
+    """A Go template pipeline ``printf "<query>" <the alert's job labels> | query``: each ``{JOB}`` in
+    ``template`` becomes the selector and the alert's job labels (the Helm chart rewrites that form)."""
+    matchers = [m for m in (cfg.selector,) if m] + [f"{name}=%q" for name in cfg.peer_labels]
+    query = template.replace("{JOB}", "{" + ", ".join(matchers) + "}")
+    args = " ".join(f"$labels.{name}" for name in cfg.peer_labels)
+    return f"printf {_go_string(query)}" + f" {args}" * template.count("{JOB}") + " | query"
+
+
 def first_stopped(cfg: MonitoringConfig) -> str:
     """An annotation naming the rank of the alert's job whose newest step is the oldest: the one that
     stopped first (in a hung collective the others wait for it). Empty when the query finds none."""
     hb = "vramwatch_training_last_step_timestamp_seconds"
-    matchers = [m for m in (cfg.selector,) if m] + [f"{name}=%q" for name in cfg.peer_labels]
-    query = f"bottomk(1, {hb}{{{', '.join(matchers)}}})"
-    args = " ".join(f"$labels.{name}" for name in cfg.peer_labels)
     return (
-        f"{{{{ with printf {_go_string(query)} {args} | query }}}}{{{{ with first . }}}}"
+        f"{{{{ with {job_query(cfg, f'bottomk(1, {hb}{{JOB}})')} }}}}{{{{ with first . }}}}"
         " The first of its job's ranks to stop: rank {{ .Labels.rank }}"
         "{{ if .Labels.job_id }} of job {{ .Labels.job_id }}{{ end }} on {{ .Labels.instance }}."
         "{{ end }}{{ end }}"
+    )
+
+
+def culprit(cfg: MonitoringConfig) -> str:
+    """An annotation naming the rank(s) the hang waits for: those behind the rest of the job in collectives
+    issued (a rank that never reached the collective the others wait in); where no rank is behind (every
+    rank inside the same collective, e.g. a broken link), the first rank to stop (:func:`first_stopped`)."""
+    c = "vramwatch_collectives_total"
+    behind = f"{c}{{JOB}} == on() group_left() (min({c}{{JOB}}) < max({c}{{JOB}}))"
+    return (
+        f"{{{{ with {job_query(cfg, behind)} }}}} The others wait for"
+        "{{ range . }} rank {{ .Labels.rank }} on {{ .Labels.instance }}"
+        ' (collective {{ .Value | printf "%.0f" }}){{ end }}:'
+        " behind the rest of its job in collectives issued, it never reached the one they wait in."
+        f"{{{{ else }}}}{first_stopped(cfg)}{{{{ end }}}}"
     )
 
 
@@ -92,49 +126,185 @@ def _go_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def peers(cfg: MonitoringConfig) -> str:
+    """The labels that make ranks one job (the job's identity in alerts and Alertmanager's grouping)."""
+    return ", ".join(cfg.peer_labels)
+
+
+def in_phase(cfg: MonitoringConfig) -> str:
+    """Per job: a rank of it declared a non-training phase (evaluation, checkpoint, compile) younger than
+    ``phase_quiet_window``. Per job, not per rank: while rank 0 evaluates, the others wait for it."""
+    start = metric(cfg, "vramwatch_training_phase_start_timestamp_seconds")
+    return f"group by ({peers(cfg)}) (time() - {start} < {num(parse_duration(cfg.phase_quiet_window))})"
+
+
+def unless_in_phase(cfg: MonitoringConfig, expr: str) -> str:
+    return f"(\n{_indent(expr)}\n)\nunless on({peers(cfg)}) {in_phase(cfg)}"
+
+
+def ranks_of_job(cfg: MonitoringConfig) -> str:
+    """Per job: its ranks that have reported a step."""
+    return f"count by ({peers(cfg)}) ({metric(cfg, 'vramwatch_training_last_step_timestamp_seconds')})"
+
+
+def job_hangs(cfg: MonitoringConfig) -> str:
+    """The hang page: per job, the number of its ranks busy-stalled (one alert per job, whatever its size);
+    a job of one rank keeps that rank's and GPU's labels (one page either way)."""
+    one = f"{BUSY_STALL_RECORD}\nand on({peers(cfg)}) {ranks_of_job(cfg)} == 1"
+    by = f"{peers(cfg)}, instance, rank, local_rank"
+    several = (
+        f"count by ({peers(cfg)}) (group by ({by}) ({BUSY_STALL_RECORD}))\nand on({peers(cfg)}) {ranks_of_job(cfg)} > 1"
+    )
+    return unless_in_phase(cfg, f"{one}\nor\n{several}")
+
+
+_WHAT_TO_DO = (
+    " What to do: dump the stacks of the named rank first (`py-spy dump --pid` on that host, or PyTorch's "
+    "Flight Recorder); if no rank is behind, every rank is inside one collective: check the NCCL log and "
+    "the network links of the job's hosts. Then restart the job from its last checkpoint."
+)
+
+
+def hang_page(cfg: MonitoringConfig) -> dict:
+    job_bound = _why(cfg, cfg.busy_stall_min_seconds).replace("(bound: ", "(")
+    return alert(
+        "TrainingStalled",
+        job_hangs(cfg),
+        CRITICAL,
+        "A training job is hung: its ranks make no progress while their GPUs read busy at low power.",
+        "{{ if $labels.rank }}"
+        f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {_why(cfg, cfg.busy_stall_min_seconds)}, "
+        f"while its GPU {label('uuid')} reads"
+        "{{ else }}"
+        f"{VALUE_INT} rank(s) of job {label('job_id')} ({label('job')}) have not completed a step for longer "
+        f"than their stall bound {job_bound}, while their GPUs read"
+        "{{ end }}"
+        f" at least {percent(cfg.busy_utilization_ratio)} utilisation at no more than "
+        f"{percent(cfg.busy_power_ratio)} of the power limit: the hang signature. Work since the last "
+        "checkpoint is being lost." + culprit(cfg) + _WHAT_TO_DO,
+        cfg.busy_stall_for,
+    )
+
+
+def idle_stall(cfg: MonitoringConfig) -> dict:
+    return alert(
+        "TrainingStalled",
+        unless_in_phase(cfg, f"{stalled_ranks(cfg)}\nunless ignoring({_PER_GPU_ONLY}) {BUSY_STALL_RECORD}"),
+        WARNING,
+        "A rank stopped making progress.",
+        f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {_why(cfg, cfg.stall_min_seconds)}; "
+        "its GPU does not show the busy-at-low-power hang signature (idle, input pipeline, an undeclared "
+        "evaluation or checkpoint, or no NVML reading)." + first_stopped(cfg) + " Declared phases "
+        f"(`vramwatch.phase(...)`) keep this quiet for {cfg.phase_quiet_window}.",
+        cfg.stall_for,
+    )
+
+
+def own_work(cfg: MonitoringConfig) -> str:
+    """Per rank: its own work per step over ``straggler_window``: step time less the time it waited for its
+    peers in collectives (a rank that measures no waits: its step time)."""
+    w = duration(cfg.straggler_window)
+    h = "vramwatch_training_step_duration_seconds"
+    waits = metric(cfg, "vramwatch_training_wait_seconds_total", 'kind="collective"')
+    return (
+        f"(rate({metric(cfg, h + '_sum')}[{w}]) - sum without(kind) (rate({waits}[{w}])))\n"
+        f"/ rate({metric(cfg, h + '_count')}[{w}]) > 0\n"
+        f"or {STEP_MEAN_RECORD}"
+    )
+
+
+def input_wait(cfg: MonitoringConfig) -> str:
+    """Per rank: its data wait per step over the median of its job's ranks' (the straggler's co-signal)."""
+    w = duration(cfg.straggler_window)
+    data = metric(cfg, "vramwatch_training_wait_seconds_total", 'kind="data"')
+    count = metric(cfg, "vramwatch_training_step_duration_seconds_count")
+    per_step = f"(sum without(kind) (rate({data}[{w}])) / rate({count}[{w}]))"
+    return step_skew(cfg, per_step)
+
+
+def _gpu_of_rank(cfg: MonitoringConfig) -> str:
+    """Per rank: one GPU it uses (uuid), value 1."""
+    alloc = metric(cfg, "torch_cuda_memory_allocated_bytes")
+    return f"topk without(uuid) (1, group without(device) ({alloc}))"
+
+
+def _straggler_cause(cfg: MonitoringConfig) -> str:
+    reasons = regex(cfg.throttle_reasons)
+    throttle = f'gpu_clock_throttle{{uuid=%q, reason=~"{reasons}"}} == 1'
+    own_rank = "{instance=%q, rank=%q, job_id=%q}"
+    rank_args = "$labels.instance $labels.rank $labels.job_id"
+    return (
+        "{{ if $labels.uuid }}"
+        f"{{{{ with printf {_go_string(throttle)} $labels.uuid | query }}}} Cause: its GPU is throttled"
+        "{{ range . }} ({{ .Labels.reason }}){{ end }}: check its cooling and power (thermal, power brake, "
+        "hardware slowdown).{{ end }}"
+        f"{{{{ with printf {_go_string('gpu_sm_clock_hertz{uuid=%q}')} $labels.uuid | query }}}}"
+        "{{ with first . }} Its SM clock: {{ .Value | humanize }}Hz.{{ end }}{{ end }}"
+        "{{ end }}"
+        f"{{{{ with printf {_go_string(INPUT_WAIT_SKEW_RECORD + own_rank + ' > ' + num(cfg.straggler_ratio))} "
+        f'{rank_args} | query }}}}{{{{ with first . }}}} Cause: input wait: it waits {{{{ .Value | printf "%.1f" }}}}x '
+        "its job's median for its next batch (its data loader or storage).{{ end }}{{ end }}"
+    )
+
+
 def stragglers(cfg: MonitoringConfig) -> list[dict]:
-    """The recording rules of step-time skew and the warning on them."""
+    """The recording rules of step-time and own-work skew, and the straggler warning on them."""
     mean = step_mean(cfg, lambda name: metric(cfg, name))
+    skewed = f"{OWN_SKEW_RECORD} > {num(cfg.straggler_ratio)}"
+    gpu = _gpu_of_rank(cfg)
     return [
         {"record": STEP_MEAN_RECORD, "expr": mean},
         {"record": STEP_SKEW_RECORD, "expr": step_skew(cfg, STEP_MEAN_RECORD)},
+        {"record": OWN_MEAN_RECORD, "expr": own_work(cfg)},
+        {"record": OWN_SKEW_RECORD, "expr": step_skew(cfg, OWN_MEAN_RECORD)},
+        {"record": INPUT_WAIT_SKEW_RECORD, "expr": input_wait(cfg)},
         alert(
             "TrainingRankStraggler",
-            f"{STEP_SKEW_RECORD} > {num(cfg.straggler_ratio)}",
+            f"({skewed})\n* ignoring(uuid) group_left(uuid) {gpu}\nor ({skewed})\nunless ignoring(uuid) {gpu}",
             WARNING,
-            "One rank's steps are slower than its job's.",
-            f"{RANK_WHERE} takes {VALUE_RATIO}x the median step time of its job's ranks (mean over "
-            f"{cfg.straggler_window}; warns above {num(cfg.straggler_ratio)}x for {cfg.straggler_for}): a slow or "
-            "throttled GPU, a contended host, a slower input pipeline on that rank, or uneven work.",
+            "One rank is slower than the rest of its job.",
+            f"{RANK_WHERE}{{{{ if $labels.uuid }}}} (GPU {label('uuid')}){{{{ end }}}} does {VALUE_RATIO}x the "
+            "median own work per step of its job's ranks (its step time less its waits for peers in "
+            f"collectives, mean over {cfg.straggler_window}; warns above {num(cfg.straggler_ratio)}x for "
+            f"{cfg.straggler_for}). In a synchronous job every rank's step takes as long as this one's: the "
+            "others wait for it." + _straggler_cause(cfg) + " What to do: find why this rank is slow (its "
+            "GPU's clocks and temperature, its host's load, its input pipeline, uneven work); drain the node "
+            "if its hardware is at fault.",
             cfg.straggler_for,
         ),
     ]
 
 
+def job_rate(cfg: MonitoringConfig, window: str, offset: str = "") -> str:
+    """Per job: the median rank's step rate over ``window`` (ending ``offset`` ago)."""
+    steps = metric(cfg, "vramwatch_training_steps_total")
+    off = f" offset {duration(offset)}" if offset else ""
+    return f"quantile by ({peers(cfg)}) (0.5, rate({steps}[{duration(window)}]{off}))"
+
+
+def throughput_drop(cfg: MonitoringConfig) -> dict:
+    now = job_rate(cfg, cfg.throughput_window)
+    before = job_rate(cfg, cfg.throughput_baseline_window, cfg.throughput_window)
+    return alert(
+        "TrainingJobThroughputDrop",
+        unless_in_phase(cfg, f"({now} > 0)\n/ ({before} > 0)\n< {num(cfg.throughput_drop_ratio)}"),
+        WARNING,
+        "A training job runs slower than it did.",
+        f"Job {label('job_id')} ({label('job')}) makes {VALUE_PERCENT} of the steps per second it made over "
+        f"the {cfg.throughput_baseline_window} before (median rank, over {cfg.throughput_window}; warns below "
+        f"{percent(cfg.throughput_drop_ratio)} for {cfg.throughput_for}). No rank is slower than the others "
+        "(TrainingRankStraggler would name it): the whole job slowed. What to do: look for what the job's "
+        "ranks share: the network between its hosts (a degraded link or switch), shared storage, a change "
+        "in the job's work per step, or every GPU throttled.",
+        cfg.throughput_for,
+    )
+
+
 def rules(cfg: MonitoringConfig) -> list[dict]:
     return [
-        alert(
-            "TrainingStalled",
-            busy_stalls(cfg),
-            CRITICAL,
-            "A rank stopped making progress while its GPU reads busy at low power (a hang).",
-            f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} "
-            f"{_why(cfg, cfg.busy_stall_min_seconds)}, while its GPU "
-            f"{label('uuid')} reads at least {percent(cfg.busy_utilization_ratio)} utilisation at no more "
-            f"than {percent(cfg.busy_power_ratio)} of its power limit: the hang signature. "
-            "Checkpoint-less work is being lost." + first_stopped(cfg),
-            cfg.busy_stall_for,
-        ),
-        alert(
-            "TrainingStalled",
-            f"(\n{_indent(stalled_ranks(cfg))}\n)\nunless ignoring({_PER_GPU_ONLY})\n(\n{_indent(busy_stalls(cfg))}\n)",
-            WARNING,
-            "A rank stopped making progress.",
-            f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {_why(cfg, cfg.stall_min_seconds)}; "
-            "its GPU does not show the "
-            "busy-at-low-power hang signature (idle, input pipeline, evaluation, checkpointing, or no "
-            "NVML reading)." + first_stopped(cfg),
-            cfg.stall_for,
-        ),
+        {"record": BUSY_STALL_RECORD, "expr": busy_stalls(cfg)},
+        hang_page(cfg),
+        idle_stall(cfg),
         *stragglers(cfg),
+        throughput_drop(cfg),
     ]

@@ -58,4 +58,5 @@ _Dumper.add_representer(str, _str)
 
 
 def to_yaml(doc: dict[str, Any]) -> str:
-    return HEADER + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000, allow_unicode=True)
+    # no folding: the Helm chart finds the rules' config values in one line of each annotation
+    return HEADER + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1 << 20, allow_unicode=True)

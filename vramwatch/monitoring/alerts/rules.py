@@ -8,21 +8,22 @@ import dataclasses
 from typing import Any
 
 from vramwatch.errors import ConfigError
-from vramwatch.monitoring.alerts import allocator, contention, exporter, health, memory, progress
+from vramwatch.monitoring import dashboard_ids
+from vramwatch.monitoring.alerts import allocator, contention, exporter, health, incidents, memory, progress
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, shown
-from vramwatch.monitoring.dashboards import ids
 
 # (group name, module, the dashboard its alerts link to): the order of the rule file
 AREAS = (
-    ("vramwatch-memory", memory, ids.TRAINING_MEMORY_UID),
-    ("vramwatch-allocator", allocator, ids.TRAINING_MEMORY_UID),
-    ("vramwatch-progress", progress, ids.TRAINING_MEMORY_UID),
-    ("vramwatch-health", health, ids.GPU_HEALTH_UID),
-    ("vramwatch-contention", contention, ids.TRAINING_MEMORY_UID),
-    ("vramwatch-exporter", exporter, ids.FLEET_UID),
+    ("vramwatch-memory", memory, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-allocator", allocator, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-progress", progress, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-incidents", incidents, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-health", health, dashboard_ids.GPU_HEALTH_UID),
+    ("vramwatch-contention", contention, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-exporter", exporter, dashboard_ids.FLEET_UID),
 )
 # alerts whose dashboard is not their area's
-DASHBOARD_OF = {"GPUForeignProcess": ids.GPU_HEALTH_UID}
+DASHBOARD_OF = {"GPUForeignProcess": dashboard_ids.GPU_HEALTH_UID}
 
 
 def anchor(alertname: str) -> str:
@@ -34,7 +35,7 @@ def dashboard_link(cfg: MonitoringConfig, uid: str) -> str:
     """``<dashboard_url>/d/<uid>``, scoped by the alert's labels (each only where the alert has it)."""
     params = "".join(
         f"{{{{ if $labels.{label} }}}}&var-{var}={{{{ $labels.{label} }}}}{{{{ end }}}}"
-        for label, var in ids.LINK_VARIABLES
+        for label, var in dashboard_ids.LINK_VARIABLES
     )
     return f"{cfg.dashboard_url}/d/{uid}?orgId=1{params}"
 
@@ -47,8 +48,16 @@ def _annotate(rule: dict[str, Any], cfg: MonitoringConfig, uid: str) -> None:
     rule["labels"] = {**rule.get("labels", {}), **dict(cfg.extra_labels)}
 
 
+def _of_job(cfg: MonitoringConfig, rule: dict[str, Any]) -> dict[str, Any]:
+    """A GPU's cause alert carries the job identity of the GPU's ranks, so that Alertmanager groups it with
+    the job's pages and lets it mute the job's symptoms (incidents.with_job)."""
+    if rule.get("alert") in incidents.GPU_CAUSES:
+        return {**rule, "expr": incidents.with_job(cfg, rule["expr"])}
+    return rule
+
+
 def _raw(cfg: MonitoringConfig) -> list[tuple[str, list[dict[str, Any]], str]]:
-    return [(name, module.rules(cfg), uid) for name, module, uid in AREAS]
+    return [(name, [_of_job(cfg, r) for r in module.rules(cfg)], uid) for name, module, uid in AREAS]
 
 
 def all_alert_names() -> set[str]:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import warnings
 
-from vramwatch.monitoring import contract
-from vramwatch.monitoring.alerts import promql
+from vramwatch.monitoring import contract, promql
 from vramwatch.monitoring.config import MonitoringConfig
 
 with warnings.catch_warnings():

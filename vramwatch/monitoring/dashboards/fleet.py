@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from vramwatch.monitoring import dashboard_ids
 from vramwatch.monitoring.config import MonitoringConfig
-from vramwatch.monitoring.dashboards import ids
 from vramwatch.monitoring.dashboards.common import (
     Scope,
     bar_panel,
@@ -26,7 +26,7 @@ from vramwatch.monitoring.dashboards.common import (
 )
 from vramwatch.monitoring.mig import memory_ratio
 
-UID = ids.FLEET_UID
+UID = dashboard_ids.FLEET_UID
 TITLE = "vramwatch / Fleet overview"
 # Prometheus's own series of the alerts it evaluates (not a vramwatch family)
 ALERTS = "ALERTS"

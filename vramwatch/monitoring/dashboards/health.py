@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from vramwatch.monitoring import dashboard_ids
 from vramwatch.monitoring.config import MonitoringConfig
-from vramwatch.monitoring.dashboards import ids
 from vramwatch.monitoring.dashboards.common import (
     Scope,
     base_dashboard,
@@ -22,7 +22,7 @@ from vramwatch.monitoring.dashboards.common import (
     xid_annotation,
 )
 
-UID = ids.GPU_HEALTH_UID
+UID = dashboard_ids.GPU_HEALTH_UID
 TITLE = "vramwatch / GPU health"
 GPU = "gpu{{gpu}} {{instance}}"
 SINCE_FROM = "${__from:date:seconds}"

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from vramwatch.monitoring import contract
+from vramwatch.monitoring import contract, dashboard_ids
 from vramwatch.monitoring.config import MonitoringConfig
-from vramwatch.monitoring.dashboards import ids
 from vramwatch.monitoring.dashboards.common import (
     PROM,
     Scope,
@@ -30,7 +29,7 @@ from vramwatch.monitoring.dashboards.common import (
 from vramwatch.monitoring.dashboards.health import bound_panel
 from vramwatch.monitoring.mig import memory_ratio
 
-UID = ids.TRAINING_MEMORY_UID
+UID = dashboard_ids.TRAINING_MEMORY_UID
 TITLE = "vramwatch / Training memory"
 RANK = "rank {{rank}} ({{job_id}})"  # two jobs on one target have a rank 0 each
 RANK_DEVICE_ON = "job, instance, uuid, device, rank, local_rank"

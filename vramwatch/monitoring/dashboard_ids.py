@@ -1,7 +1,8 @@
 """The dashboards' uids and the variables a link may set, apart from the SDK.
 
-A leaf module: the alert rules link to the dashboards (their ``dashboard_url`` annotation) and must
-render without grafana-foundation-sdk installed.
+A leaf module beside the contract: the alert rules link to the dashboards (their ``dashboard_url``
+annotation) and must render without grafana-foundation-sdk installed, and neither the rules nor the
+dashboards import each other.
 """
 
 from __future__ import annotations
