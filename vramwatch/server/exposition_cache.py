@@ -224,7 +224,7 @@ class CachedExposition:
                 return False  # a scrape rendered meanwhile
             snapshots = self._snapshots()
             key = self._sources(snapshots)
-            if key is not None and key == r.key and not expired and time.monotonic() - r.built_at < self.min_gap:
+            if key is not None and key == r.key and not expired and time.monotonic() - r.built_at < self.age_gap:
                 return False  # unchanged, and its ages are younger than a gap
             t0 = time.thread_time()
             new = self._build(snapshots, key)
@@ -233,6 +233,11 @@ class CachedExposition:
             self._render = new
             self.render_cost = time.thread_time() - t0
             return True
+
+    @property
+    def age_gap(self) -> float:
+        """An unchanged render older than this is rendered again, for its ages (the gap; AGE_GAP without one)."""
+        return self.min_gap or AGE_GAP
 
     @property
     def refreshing(self) -> bool:
@@ -282,7 +287,7 @@ class CachedExposition:
             r = self._render
             snapshots = self._snapshots()
             key = self._sources(snapshots)
-            stale = r is not None and time.monotonic() - r.built_at >= (self.min_gap or AGE_GAP)  # its ages
+            stale = r is not None and time.monotonic() - r.built_at >= self.age_gap  # its ages too old
             if r is None or r.expired(self._clock()) or key is None or key != r.key or stale:
                 r = self._render = self._build(snapshots, key)
         return self._serve(r)

@@ -166,7 +166,14 @@ class ExporterHTTPServer:
         max_pending: int = MAX_PENDING,
     ) -> None:
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.socket = socket.create_server(address, family=family, backlog=128)  # OSError names a busy port
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        try:  # not socket.create_server: its OSError's strerror carries the address, which the caller names
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(address)
+            self.socket.listen(128)
+        except BaseException:
+            self.socket.close()
+            raise
         self.socket.setblocking(False)
         self.server_address = self.socket.getsockname()
         # what answers /metrics: the server's cache, or a plain registry rendered per request
