@@ -480,7 +480,6 @@ _NINE = ", ".join(["*{p}"] * 9)
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{c}: &{c} [{_NINE.format(p=p)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
 )
-)
 
 
 def test_an_alias_bomb_is_refused_at_once_with_a_clear_error(tmp_path):
