@@ -38,18 +38,9 @@ FORBIDDEN = (
     "vramwatch.monitoring.helm",
     "vramwatch.monitoring.config_file",
     "vramwatch.integrations",
-    # prometheus_client.exposition's own servers and push gateway (vramwatch.server.promtext has its
-    # encoders), and TLS only when a web config asks for it: about 10 MB resident between them
-    "prometheus_client.exposition",
-    "ssl",
-    "http.server",
-    "http.client",
-    "wsgiref",
-    "urllib.request",
-    "email",
-    "hashlib",  # loads libcrypto; with hmac and secrets, only for basic auth
+    # hmac, only for basic auth (prometheus_client.exposition, whose encoders the server uses, brings
+    # http.server, wsgiref, urllib.request and ssl; asyncio brings ssl too)
     "hmac",
-    "secrets",
 )
 
 # The server's command line in the main thread (it installs signal handlers); a second thread scrapes

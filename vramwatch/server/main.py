@@ -169,6 +169,8 @@ def serve(settings: Settings, exit_when_idle: bool = False, node_daemon: bool = 
         log.error("vramwatch: serve --node needs node_dir (the node spool's root)")
         return 1
     process.tune()  # before any thread of the server starts
+    if blocked := process.unblock_signals():
+        log.info("vramwatch: %s were blocked (inherited); unblocked them", ", ".join(sorted(s.name for s in blocked)))
     server = Server(settings, node_daemon)
     try:
         server.guard.ensure_dir()
