@@ -308,8 +308,16 @@ class ExporterHTTPServer:
         reader = asyncio.StreamReader(limit=MAX_REQUEST_HEAD)
         protocol = asyncio.StreamReaderProtocol(reader)
         try:
-            tls = {"ssl": ctx, "ssl_handshake_timeout": self.conn_timeout + 1, "ssl_shutdown_timeout": LINGER}
-            transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, **(tls if ctx else {}))
+            if ctx is None:
+                transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
+            else:  # the handshake: our own deadline (conn_timeout) comes first, asyncio's is a backstop
+                transport, _ = await loop.connect_accepted_socket(
+                    lambda: protocol,
+                    sock,
+                    ssl=ctx,
+                    ssl_handshake_timeout=self.conn_timeout + 1,
+                    ssl_shutdown_timeout=LINGER,
+                )
         except ssl.SSLError as e:
             self._note("tls", "%s failed the TLS handshake: %s", conn.peer, e.reason or e)
             return None
@@ -319,8 +327,13 @@ class ExporterHTTPServer:
     async def _plain_to_tls(self, sock: socket.socket, conn: _Conn) -> bool:
         """Answer plain HTTP sent to the TLS port with a hint (as Go's servers do); whether it was that."""
         loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        loop.add_reader(sock, lambda: readable.done() or readable.set_result(None))
+        readable: asyncio.Future[None] = loop.create_future()
+
+        def ready() -> None:
+            if not readable.done():
+                readable.set_result(None)
+
+        loop.add_reader(sock, ready)
         try:
             await readable
         finally:
