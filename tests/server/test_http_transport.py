@@ -140,6 +140,7 @@ def test_pipelined_requests_beyond_16_kib_are_answered_in_order(serve, kept):
 
 
 # --- TLS ---
+@pytest.mark.timing
 def test_a_stalled_tls_handshake_is_cut_at_the_deadline_and_holds_up_no_other(serve, tmp_path, caplog):
     pki = make_pki(tmp_path / "pki")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -235,6 +236,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.timing
 def test_out_of_descriptors_accept_waits_instead_of_spinning(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", EMFILE_SERVER],
