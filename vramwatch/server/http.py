@@ -191,6 +191,7 @@ class ExporterHTTPServer:
         self._auth_waiting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._date_at, self._date_text = 0, ""  # the Date field, formatted once a second
         self._shutdown = threading.Event()
         self._stopped = threading.Event()
         self._stopped.set()
@@ -355,48 +356,33 @@ class ExporterHTTPServer:
         """The connection's next request: it may idle until its first byte, then has a head's deadline."""
         self._rooms.enter(conn, self._rooms.idle, self.max_pending)
         try:
-            async with asyncio.timeout(KEEPALIVE_IDLE):
+            async with asyncio.timeout(KEEPALIVE_IDLE) as deadline:
                 first = await reader.read(1)
-        except TimeoutError:
-            return None  # nobody used it again: closed quietly
-        if not first:
-            return None
-        self._rooms.enter(conn, self._rooms.head, self.max_pending)
-        try:
-            async with asyncio.timeout(self.conn_timeout):
+                if not first:
+                    return None
+                self._rooms.enter(conn, self._rooms.head, self.max_pending)
+                deadline.reschedule(asyncio.get_running_loop().time() + self.conn_timeout)
                 return await self._read_request(conn, reader, first)
         except TimeoutError:
-            self._slow(conn, "request head")
-            return None
+            if conn.room is self._rooms.head:
+                self._slow(conn, "request head")
+            return None  # else nobody used it again: closed quietly
 
     async def _read_request(self, conn: _Conn, reader: asyncio.StreamReader, first: bytes) -> Request | None:
         """One request: its head, parsed, and its body read and dropped. None: the client sent nothing."""
-        lines: list[bytes] = []
-        size = 0
-        conn.first = b""
-        while True:
-            try:
-                line = await reader.readline()
-            except ValueError:  # a line over the limit (the reader dropped it)
-                raise Refusal(431, "too-large", f"request head over {MAX_REQUEST_HEAD} bytes") from None
-            if first:
-                line, first = first + line, b""
-            size += len(line)
-            if size > MAX_REQUEST_HEAD:
-                raise Refusal(431, "too-large", f"request head over {MAX_REQUEST_HEAD} bytes")
-            if not lines:
-                conn.first = line.rstrip(b"\r\n")[:80]
-            if not line.endswith(b"\n"):  # the client stopped sending: answer what came, if anything
-                if not line and not lines:
-                    return None
-                lines.append(line)
-                break
-            if line in (b"\r\n", b"\n"):
-                break
-            lines.append(line)
-            if len(lines) > MAX_HEADER_LINES + 1:
-                raise Refusal(431, "too-many-headers", f"more than {MAX_HEADER_LINES} header lines")
-        req = parse_head(lines or [b""])
+        try:
+            head = first + await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            raise Refusal(431, "too-large", f"request head over {MAX_REQUEST_HEAD} bytes") from None
+        except asyncio.IncompleteReadError as e:  # the client stopped sending: answer what came, if anything
+            head = first + e.partial
+            if not head:
+                return None
+        if len(head) > MAX_REQUEST_HEAD:
+            raise Refusal(431, "too-large", f"request head over {MAX_REQUEST_HEAD} bytes")
+        lines = head.rstrip(b"\r\n").split(b"\r\n")
+        conn.first = lines[0][:80]
+        req = parse_head(lines)
         if req.body_length:
             await reader.readexactly(req.body_length)  # dropped: no answer depends on it
         return req
@@ -519,11 +505,17 @@ class ExporterHTTPServer:
             self._busy("no thread could be started")
         return fut
 
+    def _date(self) -> str:
+        now = int(time.time())
+        if now != self._date_at:
+            self._date_at, self._date_text = now, email.utils.formatdate(now, usegmt=True)
+        return self._date_text
+
     def _response(
         self, code: int, body: bytes, ctype: str, req: Request, served: Served, extra: dict[str, str] | None = None
     ) -> bytes:
         version = "HTTP/1.1" if req.keep_alive else "HTTP/1.0"
-        fields = {"Server": "vramwatch", "Date": email.utils.formatdate(usegmt=True), "Content-Type": ctype}
+        fields = {"Server": "vramwatch", "Date": self._date(), "Content-Type": ctype}
         fields |= {"Content-Length": str(len(body)), **(extra or {}), **served.headers}
         head = f"{version} {code} {_REASONS[code]}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
         return head.encode("latin-1") + b"\r\n" + (b"" if req.method == "HEAD" else body)

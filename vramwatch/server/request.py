@@ -9,6 +9,7 @@ given twice or not a plain number, obsolete line folding, whitespace before a fi
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ MAX_HEADER_LINES = 64  # Prometheus sends about six
 MAX_BODY = 64 * 1024  # a declared body up to this is read and dropped; a larger one is refused (413)
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")  # RFC 9110 5.6.2: a field name
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a field value: no CR, LF, NUL (RFC 9110 5.5)
 _DIGITS = re.compile(r"[0-9]{1,18}\Z")
 
 
@@ -65,8 +67,10 @@ class Request:
 
 
 def parse_head(lines: list[bytes]) -> Request:
-    """The request in ``lines`` (the request line, then the field lines, without the blank line)."""
-    words = lines[0].rstrip(b"\r\n").split(b" ")
+    """The request in ``lines`` (the request line, then the field lines, without CRLFs or the blank line).
+
+    A bare LF is no line end (RFC 9112 lets a recipient choose): a line holding one is malformed."""
+    words = lines[0].split(b" ")
     if len(words) != 3 or words[2] not in (b"HTTP/1.0", b"HTTP/1.1") or not words[0] or not words[1]:
         raise Refusal(400, "bad-request", "bad request line")
     if len(lines) - 1 > MAX_HEADER_LINES:
@@ -74,9 +78,9 @@ def parse_head(lines: list[bytes]) -> Request:
     headers: dict[str, str] = {}
     lengths: list[str] = []
     for raw in lines[1:]:
-        line = raw.rstrip(b"\r\n").decode("latin-1")
+        line = raw.decode("latin-1")
         name, colon, value = line.partition(":")
-        if not colon or not _TOKEN.match(name):  # also a fold (leading space) and space before the colon
+        if not colon or not _TOKEN.match(name) or _CONTROL.search(value):  # also a fold, space before the colon
             raise Refusal(400, "bad-request", "malformed header field")
         key = name.lower()
         value = value.strip(" \t")
@@ -102,6 +106,7 @@ def _tokens(value: str) -> list[str]:
     return [t.strip().lower() for t in value.split(",")]
 
 
+@functools.lru_cache(maxsize=64)  # a node's scrapers send one or two of these, every scrape
 def accepts_gzip(accept_encoding: str) -> bool:
     """Whether an ``Accept-Encoding`` field (RFC 9110, 12.5.3) allows gzip: ``gzip`` or ``*`` with q > 0.
 
