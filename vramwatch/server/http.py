@@ -40,6 +40,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from vramwatch.server.admission import Admission, Decision, is_scrape, scrape_wait
 from vramwatch.server.auth import BasicAuth, Check, FailureBudget
+from vramwatch.server.connections import AbuseLog, Conn, Rooms
 from vramwatch.server.exposition_cache import Exposition, RegistryExposition, Reply
 from vramwatch.server.request import MAX_HEADER_LINES, MAX_REQUEST_HEAD, Refusal, Request, accepts_gzip, parse_head
 from vramwatch.server.webconfig import Served, WebConfigFile
@@ -69,76 +70,6 @@ ACCEPT_RETRY = 0.5  # s between accepts while the process is out of descriptors 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}
 _REASONS |= {413: "Content Too Large", 429: "Too Many Requests", 431: "Request Header Fields Too Large"}
 _REASONS |= {500: "Internal Server Error", 503: "Service Unavailable"}
-
-
-class _AbuseLog:
-    """One WARNING per kind of refusal a minute; the ones in between are counted into the next line."""
-
-    WINDOW = 60.0
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._quiet: Counter[str] = Counter()
-
-    def __call__(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.WINDOW:
-            self._quiet[kind] += 1
-            return
-        self._last[kind] = now
-        more = self._quiet.pop(kind, 0)
-        suffix = f" ({more} more like it in the last {self.WINDOW:.0f} s)" if more else ""
-        log.warning("vramwatch http: " + msg + suffix, *args)
-
-
-class _Conn:
-    """One client connection: who, which room it is in, and its task (closing a room's oldest cancels it)."""
-
-    def __init__(self, addr: Any, task: asyncio.Task[None]) -> None:
-        self.addr, self.task = addr, task
-        self.room: dict[_Conn, None] | None = None
-        self.first = b""  # the request line of the request in hand, for log lines
-
-    @property
-    def source(self) -> str:
-        return str(self.addr[0]) if isinstance(self.addr, tuple) and self.addr else "?"
-
-    @property
-    def peer(self) -> str:
-        return f"{self.addr[0]}:{self.addr[1]}" if isinstance(self.addr, tuple) and len(self.addr) >= 2 else "?"
-
-
-class _Rooms:
-    """Connections by what they wait for, oldest first; a full room closes its oldest for a newer one."""
-
-    def __init__(self, note: Callable[..., None]) -> None:
-        self.head: dict[_Conn, None] = {}  # handshake or request head
-        self.write: dict[_Conn, None] = {}  # an answer the client is not taking yet
-        self.idle: dict[_Conn, None] = {}  # kept alive between requests
-        self._note = note
-
-    def enter(self, conn: _Conn, room: dict[_Conn, None] | None, limit: int) -> None:
-        self.leave(conn)
-        if room is None:
-            return
-        if len(room) >= limit:
-            oldest = next(iter(room))
-            self.leave(oldest)
-            oldest.task.cancel()
-            if room is self.head:
-                what = "were still sending their request heads; closed the oldest, from %s (a flood of slow clients?)"
-                self._note("evicted", "%d connections " + what, limit, oldest.peer)
-            elif room is self.write:
-                self._note("slow-reader", "%d connections were not reading their answers; closed the oldest, from %s",
-                           limit, oldest.peer)  # fmt: skip
-        room[conn] = None
-        conn.room = room
-
-    def leave(self, conn: _Conn) -> None:
-        if conn.room is not None:
-            conn.room.pop(conn, None)
-            conn.room = None
 
 
 class _Fixed:
@@ -185,8 +116,8 @@ class ExporterHTTPServer:
         self.failure_budget = FailureBudget()
         self.rejected = 0  # 503s for want of a worker
         self.refused: Counter[str] = Counter()  # every refusal, by kind
-        self._abuse = _AbuseLog()
-        self._rooms = _Rooms(self._note)
+        self._abuse = AbuseLog()
+        self._rooms = Rooms(self._note)
         self._auth_pool: ThreadPoolExecutor | None = None
         self._auth_waiting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -265,7 +196,7 @@ class ExporterHTTPServer:
     async def _connection(self, sock: socket.socket, addr: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
-        conn = _Conn(addr, task)
+        conn = Conn(addr, task)
         reader: asyncio.StreamReader | None = None
         writer: asyncio.StreamWriter | None = None
         try:
@@ -300,7 +231,7 @@ class ExporterHTTPServer:
             else:
                 writer.close()
 
-    async def _open(self, sock: socket.socket, conn: _Conn) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    async def _open(self, sock: socket.socket, conn: Conn) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """Streams over the connection, after its TLS handshake if the web config asks for TLS."""
         loop = asyncio.get_running_loop()
         ctx = self.web.current().ssl_context  # read on use: rotated certificates take the next connection
@@ -325,7 +256,7 @@ class ExporterHTTPServer:
         transport.set_write_buffer_limits(high=0)  # drain() waits for the whole answer: written within a deadline
         return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
 
-    async def _plain_to_tls(self, sock: socket.socket, conn: _Conn) -> bool:
+    async def _plain_to_tls(self, sock: socket.socket, conn: Conn) -> bool:
         """Answer plain HTTP sent to the TLS port with a hint (as Go's servers do); whether it was that."""
         loop = asyncio.get_running_loop()
         readable: asyncio.Future[None] = loop.create_future()
@@ -352,7 +283,7 @@ class ExporterHTTPServer:
             pass
         return True
 
-    async def _next_request(self, conn: _Conn, reader: asyncio.StreamReader) -> Request | None:
+    async def _next_request(self, conn: Conn, reader: asyncio.StreamReader) -> Request | None:
         """The connection's next request: it may idle until its first byte, then has a head's deadline."""
         self._rooms.enter(conn, self._rooms.idle, self.max_pending)
         try:
@@ -368,7 +299,7 @@ class ExporterHTTPServer:
                 self._slow(conn, "request head")
             return None  # else nobody used it again: closed quietly
 
-    async def _read_request(self, conn: _Conn, reader: asyncio.StreamReader, first: bytes) -> Request | None:
+    async def _read_request(self, conn: Conn, reader: asyncio.StreamReader, first: bytes) -> Request | None:
         """One request: its head, parsed, and its body read and dropped. None: the client sent nothing."""
         try:
             head = first + await reader.readuntil(b"\r\n\r\n")
@@ -387,12 +318,12 @@ class ExporterHTTPServer:
             await reader.readexactly(req.body_length)  # dropped: no answer depends on it
         return req
 
-    def _slow(self, conn: _Conn, what: str) -> None:
+    def _slow(self, conn: Conn, what: str) -> None:
         self._note("slow", "%s sent no complete %s within %g s; closed it (a slow or stalled client)", conn.peer, what,
                    self.conn_timeout)  # fmt: skip
 
     # --- deciding and answering ---
-    async def _answer(self, conn: _Conn, req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def _answer(self, conn: Conn, req: Request, writer: asyncio.StreamWriter) -> bool:
         """Answer ``req``; whether the connection serves another request."""
         self._rooms.leave(conn)
         if req.method not in ("GET", "HEAD"):
@@ -411,7 +342,7 @@ class ExporterHTTPServer:
         await self._write(conn, writer, data)
         return req.keep_alive
 
-    async def _authenticate(self, conn: _Conn, req: Request, auth: BasicAuth) -> None:
+    async def _authenticate(self, conn: Conn, req: Request, auth: BasicAuth) -> None:
         result, creds = auth.check(req.headers.get("authorization"))
         if result is Check.VERIFIED:
             return
@@ -520,7 +451,7 @@ class ExporterHTTPServer:
         head = f"{version} {code} {_REASONS[code]}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
         return head.encode("latin-1") + b"\r\n" + (b"" if req.method == "HEAD" else body)
 
-    async def _write(self, conn: _Conn, writer: asyncio.StreamWriter, data: bytes) -> None:
+    async def _write(self, conn: Conn, writer: asyncio.StreamWriter, data: bytes) -> None:
         writer.write(data)
         if writer.transport.get_write_buffer_size():  # the client is not taking it all at once
             self._rooms.enter(conn, self._rooms.write, self.max_pending)
@@ -528,9 +459,7 @@ class ExporterHTTPServer:
                 await writer.drain()
             self._rooms.leave(conn)
 
-    async def _refuse(
-        self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, r: Refusal
-    ) -> None:
+    async def _refuse(self, conn: Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, r: Refusal) -> None:
         """Answer ``r``, then read what the client still sends (briefly) before closing, so it gets no RST."""
         why = f"{r.body}: {conn.first!r}" if conn.first else r.body
         self._note(r.kind, "%s: answered %d (%s)", conn.peer, r.code, why)
