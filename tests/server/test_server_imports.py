@@ -1,8 +1,8 @@
 """``vramwatch serve`` holds only what serving needs: no torch, no dashboards SDK, no other command's modules.
 
-Every module a process imports stays resident (the server's RSS budget is 40 MB), and torch in the
-server could create a CUDA context. The server runs as ``vramwatch serve`` does (the command line, at
-default settings, NVML on), answers a scrape, and then reports what it has imported.
+Every module a process imports stays resident (the server's RSS budget: a process that only initialises NVML,
+plus 15 MB), and torch in the server could create a CUDA context. The server runs as ``vramwatch serve`` does
+(the command line, at default settings, NVML on), answers a scrape, and then reports what it has imported.
 """
 
 from __future__ import annotations
