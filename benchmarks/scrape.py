@@ -557,12 +557,13 @@ def measure_concurrent(port: int, pid: int, clients: int, seconds: float) -> dic
     }
 
 
-# Issue 19's targets for the server, and which figure of a run each is judged on.
-TARGETS = {"p99_1": 1.0, "p99_8": 3.0, "cpu_ms": 0.2, "concurrent_p99_ms": 5.0, "rss_mb": 40.0}
+# Issue 43's budgets for the server, and which figure of a run each is judged on. RSS is judged against a
+# process that only initialises NVML plus 15 MB (rss_floor.py's figure): here the RSS is shown, not judged.
+TARGETS = {"p99_1": 5.0, "p99_8": 15.0, "cpu_ms": 1.0, "concurrent_p99_ms": 50.0, "rss_over_nvml_mb": 15.0}
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    """(target, the run's figures, met) for each of issue 19's server targets, from ``results["vramwatch"]``."""
+    """(target, the run's figures, met) for each of issue 43's server budgets, from ``results["vramwatch"]``."""
     rows: list[tuple[str, str, bool | None]] = []
     by_n = {int(k): v for k, v in results.items()}
     if not by_n:
@@ -571,7 +572,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     def f(x: float | None, scale: float = 1.0) -> str:
         return "n/a" if x is None else f"{x * scale:.2f}"
 
-    # p99: <= 1 ms at 1 rank, <= 3 ms at the largest count (8 on the GPU run)
+    # p99: <= 5 ms at 1 rank, <= 15 ms at the largest count (8 on the GPU run)
     for n in sorted({1, max(by_n)} & set(by_n)):
         v, limit = by_n[n], TARGETS["p99_1"] if n == 1 else TARGETS["p99_8"]
         pr = v.get("paced_raw") or {}
@@ -634,9 +635,9 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     rss = v.get("rss_mb")
     rows.append(
         (
-            f"RSS <= {TARGETS['rss_mb']:g} MB ({n} rank(s))",
+            f"RSS <= an NVML-only process + {TARGETS['rss_over_nvml_mb']:g} MB ({n} rank(s); see rss_floor.json)",
             f"{f(rss)} MB (peak {f(v.get('hwm_mb'))}); by mapping: {_largest(v.get('rss_by_mapping_mb') or {}, 8)}",
-            None if rss is None else rss <= TARGETS["rss_mb"],
+            None,
         )
     )
     return rows

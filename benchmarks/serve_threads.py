@@ -122,6 +122,8 @@ def _tail_overlap(lat: list[float], starts: list[float]) -> dict[str, Any]:
 def _count_wakes() -> None:
     from vramwatch.server.http import ExporterHTTPServer
 
+    if not hasattr(ExporterHTTPServer, "_next_timeout"):
+        return  # the asyncio transport has no poll of its own to count: loop_wakes stays 0
     inner = ExporterHTTPServer._next_timeout
 
     def counted(self: ExporterHTTPServer, poll_interval: float) -> float:

@@ -34,7 +34,7 @@ unverified certificate for anything, so access is the same).
 
 Pure checking, apart from reading the files it names: ``vramwatch.config``
 uses it to validate ``web_config_file``; :mod:`vramwatch.server.webconfig`
-serves what it returns.
+serves what it returns, and reads the file again when it changes.
 """
 
 from __future__ import annotations
@@ -307,17 +307,14 @@ def _parse_users(raw: Any) -> tuple[tuple[str, str], ...]:
 
 def parse_web_config(path: str) -> WebConfig:
     """Read and check the file's shape and values (certificate files are checked by :func:`build`)."""
-    import yaml  # lazily: only with a web config
+    from vramwatch.yaml_bounded import UnsafeYaml, load_bounded_yaml  # lazily: only with a web config
 
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+        data = load_bounded_yaml(path)  # as the settings file: no aliases (a few bytes can expand to GBs)
     except OSError as e:
         raise _error(path, "", None, f"cannot read the file: {e.strerror or e}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise _error(path, "", None, f"not YAML: {e}") from None
-    except RecursionError:
-        raise _error(path, "", None, "not YAML: nested too deeply") from None
+    except UnsafeYaml as e:
+        raise _error(path, "", None, f"refused: {e}") from None
     try:
         top = _mapping(data, "")
         _keys(top, _TOP_KEYS, "")

@@ -1,4 +1,4 @@
-"""The exposition cache's edges: the gzip member byte by byte, the bounds on what a client may make it keep,
+"""The exposition cache's edges: the bounds on what a client may make it keep,
 the refresher's clock boundaries (on a fake clock), its thread and its failures, and reply_now's refusals."""
 
 from __future__ import annotations
@@ -7,23 +7,21 @@ import dataclasses
 import gzip
 import logging
 import re
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
-from test_exposition_cache import GRACE, Clock, Refresher, _dead, same_but_spool_time, sample, two_ranks
+from prometheus_client.exposition import choose_encoder
+from test_exposition_cache import GRACE, Clock, Refresher, _dead, sample, two_ranks
 
 from vramwatch import spool
 from vramwatch.server import exposition_cache
-from vramwatch.server.collectors import Runner, ScrapeContext
-from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition, Reply, _stored_blocks, zlib_gzip
-from vramwatch.server.promtext import choose_encoder
+from vramwatch.server.collectors import Runner
+from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition, Reply, gzipped
 from vramwatch.server.registry import ExporterCollector
 
 GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # RFC 1952: deflate, no flags, mtime 0, OS unknown
@@ -65,56 +63,7 @@ def _gauge(name: str, n: int) -> GaugeMetricFamily:
     return g
 
 
-def families_after_the_age(exp: ExporterCollector, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two families after the age family (the exporter yields none), so the part after it is real text."""
-    real = exp.families
-
-    def families(ctx: ScrapeContext) -> Iterator[Metric]:
-        yield from real(ctx)
-        yield _gauge("zz_after_a", 300)
-        yield _gauge("zz_after_b", 3)
-
-    monkeypatch.setattr(exp, "families", families)
-
-
-def deflate(data: bytes, level: int = 1, flush: int = zlib.Z_FINISH) -> bytes:
-    c = zlib.compressobj(level, zlib.DEFLATED, -zlib.MAX_WBITS)
-    return c.compress(data) + c.flush(flush)
-
-
-def stored(data: bytes) -> bytes:
-    """RFC 1951 stored blocks, not final: BTYPE 00, then LEN and its complement, at most 65535 bytes each."""
-    chunks = [data[i : i + 65535] for i in range(0, len(data), 65535)] or [b""]
-    return b"".join(b"\x00" + len(c).to_bytes(2, "little") + (65535 - len(c)).to_bytes(2, "little") + c for c in chunks)
-
-
-def inflate_raw(stream: bytes) -> bytes:
-    d = zlib.decompressobj(-zlib.MAX_WBITS)
-    out = d.decompress(stream)
-    assert d.eof and not d.unused_data
-    return out
-
-
 # --- the gzip pieces ---
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        b"",
-        b"vramwatch 0\n",  # its CRC32 is over 2**31: packed unsigned
-        b"".join(b'gpu_bytes{gpu="%d",rank="%d"} %d\n' % (i % 8, i, 3 * 10**9 + i * 7919) for i in range(400)),
-    ],
-)
-def test_zlib_gzip_is_one_member_of_level_1_raw_deflate_with_crc_and_size(body):
-    want = GZIP_HEADER + deflate(body) + struct.pack("<II", zlib.crc32(body), len(body))
-    assert zlib_gzip(body) == want
-    assert gzip.decompress(want) == body
-    if len(body) > 1000:  # what tells the level and the raw stream apart on this text
-        assert deflate(body, 2) != deflate(body)
-        assert zlib.compress(body, 1) != deflate(body)
-    if body == b"vramwatch 0\n":
-        assert zlib.crc32(body) >= 2**31
 
 
 def test_registry_exposition_renders_every_request_with_the_asked_type_and_encoding():
@@ -129,106 +78,7 @@ def test_registry_exposition_renders_every_request_with_the_asked_type_and_encod
         body = choose_encoder(accept)[0](reg)
         assert b"static_value" in body
         assert whole.reply(accept, False) == Reply(body, ctype, None)
-        assert whole.reply(accept, True) == Reply(zlib_gzip(body), ctype, "gzip")
-
-
-class Sliced(bytes):
-    """Bytes that fail a slice past the blocks' count: a split that went wrong stops at once rather than
-    copying gigabytes (a step of 1 over 128 KiB would)."""
-
-    def __getitem__(self, key):  # type: ignore[no-untyped-def,override]
-        if isinstance(key, slice):
-            self.slices = getattr(self, "slices", 0) + 1
-            assert self.slices <= -(-len(self) // 65535), "more slices than blocks"
-        return super().__getitem__(key)
-
-
-@pytest.mark.parametrize("n", [0, 1, 65535, 65536, 2 * 65535 + 3])
-def test_stored_blocks_split_at_65535_bytes_each_with_its_length_and_complement(n):
-    data = Sliced(i % 251 for i in range(n))
-    blocks = _stored_blocks(data)
-    assert blocks == stored(bytes(data))
-    assert len(blocks) == n + 5 * max(1, -(-n // 65535))
-    assert inflate_raw(blocks + deflate(b"")) == data  # then a final empty block: the stream is whole
-
-
-def _split(text: bytes, tail_marker: bytes | None) -> tuple[bytes, bytes, bytes]:
-    """A scrape's text as the part before the age family, the age family, and the part after it."""
-    start = text.index(AGE_HELP)
-    if tail_marker is not None:
-        end = text.index(tail_marker)
-    else:
-        end = len(text) - len(b"# EOF\n") if text.endswith(b"# EOF\n") else len(text)
-    return text[:start], text[start:end], text[end:]
-
-
-@pytest.mark.parametrize("accept", ["", OM])
-def test_a_gzip_scrape_is_byte_for_byte_the_spliced_member(node, monkeypatch, accept):
-    families_after_the_age(node.exp, monkeypatch)
-    plain = node.cached.reply(accept, False).body
-    assert same_but_spool_time(plain, node.whole.reply(accept, False).body)  # both families after the age
-    head, age, tail = _split(plain, b"# HELP zz_after_a ")
-    assert age.count(b"\nvramwatch_sample_age_seconds{") == 2 and tail.count(b"# HELP zz_after_") == 2
-    # level 1, the head flushed to a byte boundary with no history, the age lines stored, the tail deflated
-    assert deflate(head, 2, zlib.Z_FULL_FLUSH) != deflate(head, 1, zlib.Z_FULL_FLUSH)
-    assert deflate(tail, 2) != deflate(tail, 1)
-    want = (
-        GZIP_HEADER
-        + deflate(head, 1, zlib.Z_FULL_FLUSH)
-        + stored(age)
-        + deflate(tail)
-        + struct.pack("<II", zlib.crc32(plain), len(plain))
-    )
-    for _ in range(2):  # built at the first gzip scrape, reused at the second
-        gz = node.cached.reply(accept, True)
-        assert gz == Reply(want, node.whole.reply(accept, False).content_type, "gzip")
-    (fmt,) = node.cached.current().formats.values()
-    assert fmt.gz == (deflate(head, 1, zlib.Z_FULL_FLUSH), deflate(tail), zlib.crc32(head))
-    assert fmt.gz_head == fmt.gz[0] and (fmt.head, fmt.tail) == (head, tail)
-
-
-def test_age_lines_over_64_kib_go_as_several_stored_blocks(node, monkeypatch):
-    real = node.exp.context
-
-    def context() -> ScrapeContext:  # 300 ranks with long job ids: age lines of ~80 KB
-        ctx = real()
-        base = ctx.samples[0]
-        many = tuple(dataclasses.replace(base, rank=i, local_rank=i, job_id="j" * 200) for i in range(300))
-        return dataclasses.replace(ctx, samples=many)
-
-    monkeypatch.setattr(node.exp, "context", context)
-    plain = node.cached.reply("", False).body
-    head, age, tail = _split(plain, None)
-    assert len(age) > 65535 and tail == b""
-    gz = node.cached.reply("", True).body
-    assert gz == GZIP_HEADER + deflate(head, 1, zlib.Z_FULL_FLUSH) + stored(age) + deflate(b"") + struct.pack(
-        "<II", zlib.crc32(plain), len(plain)
-    )
-    assert gzip.decompress(gz) == plain
-
-
-def test_an_age_line_is_cut_at_its_last_space_so_label_values_with_spaces_stay_whole(node, monkeypatch):
-    real = node.exp.context
-
-    def context() -> ScrapeContext:  # a label value may hold spaces (the spool's job ids do not)
-        ctx = real()
-        return dataclasses.replace(ctx, samples=tuple(dataclasses.replace(s, job_id="job a b") for s in ctx.samples))
-
-    monkeypatch.setattr(node.exp, "context", context)
-    node.clock.now += 2.0
-    body = node.cached.reply("", False).body
-    assert b'vramwatch_sample_age_seconds{job_id="job a b",local_rank="1",rank="1"} 2.5\n' in body
-    assert same_but_spool_time(body, node.whole.reply("", False).body)
-
-
-def test_the_ages_are_of_the_caches_clock(node):
-    # not the wall clock's (which the fixture's clock is): the cache's own, at the scrape
-    t = node.clock.now
-    cached = CachedExposition(node.exp, clock=lambda: t + 12.0)
-    body = cached.reply("", False).body
-    for r in range(2):
-        line = b'vramwatch_sample_age_seconds{job_id="",local_rank="%d",rank="%d"} 12.5\n' % (r, r)
-        assert line in body
+        assert whole.reply(accept, True) == Reply(gzipped(body), ctype, "gzip")
 
 
 # --- what a client can make it keep ---

@@ -220,32 +220,6 @@ def authed(tmp_path_factory):
     srv.server_close()
 
 
-def test_a_head_with_credentials_is_reused_only_once_verified_and_checked_every_time(tmp_path_factory, monkeypatch):
-    srv, _ = _serve(tmp_path_factory, tls=False, auth=True)
-    t = Target(srv, None, True)
-    checks: list[str | None] = []
-    real = srv.auth.check
-    monkeypatch.setattr(srv.auth, "check", lambda header: checks.append(header) or real(header))
-    try:
-        wrong = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + basic("prometheus", "nope") + b"\r\n"
-        for _ in range(2):
-            assert check_response(t.exchange(wrong)) == 401
-        assert wrong not in srv._heads, "a refused pair is never kept"
-        right = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + basic("prometheus", PASSWORD) + b"\r\n"
-        assert check_response(t.exchange(right)) == 200  # a bcrypt on the auth thread: not kept either
-        assert right not in srv._heads
-        assert check_response(t.exchange(right)) == 200  # the verified pair, recognised on the loop: kept
-        assert right in srv._heads
-        n = len(checks)
-        monkeypatch.setattr(srv.auth, "check", lambda header: checks.append(header) or real(None))
-        assert check_response(t.exchange(right)) == 401, "a kept head is still checked: the parse is all it skips"
-        assert len(checks) == n + 1
-    finally:
-        srv.gate.open.set()
-        srv.shutdown()
-        srv.server_close()
-
-
 def test_a_password_flood_never_takes_the_slots_an_authenticated_scraper_needs(authed):
     assert authed.get(prometheus=True) == 200  # Prometheus authenticated once: its pair is verified
     calls = []

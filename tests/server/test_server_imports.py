@@ -1,8 +1,8 @@
 """``vramwatch serve`` holds only what serving needs: no torch, no dashboards SDK, no other command's modules.
 
-Every module a process imports stays resident (the server's RSS budget is 40 MB), and torch in the
-server could create a CUDA context. The server runs as ``vramwatch serve`` does (the command line, at
-default settings, NVML on), answers a scrape, and then reports what it has imported.
+Every module a process imports stays resident (the server's RSS budget: a process that only initialises NVML,
+plus 15 MB), and torch in the server could create a CUDA context. The server runs as ``vramwatch serve`` does
+(the command line, at default settings, NVML on), answers a scrape, and then reports what it has imported.
 """
 
 from __future__ import annotations
@@ -38,18 +38,9 @@ FORBIDDEN = (
     "vramwatch.monitoring.helm",
     "vramwatch.monitoring.config_file",
     "vramwatch.integrations",
-    # prometheus_client.exposition's own servers and push gateway (vramwatch.server.promtext has its
-    # encoders), and TLS only when a web config asks for it: about 10 MB resident between them
-    "prometheus_client.exposition",
-    "ssl",
-    "http.server",
-    "http.client",
-    "wsgiref",
-    "urllib.request",
-    "email",
-    "hashlib",  # loads libcrypto; with hmac and secrets, only for basic auth
+    # hmac, only for basic auth (prometheus_client.exposition, whose encoders the server uses, brings
+    # http.server, wsgiref, urllib.request and ssl; asyncio brings ssl too)
     "hmac",
-    "secrets",
 )
 
 # The server's command line in the main thread (it installs signal handlers); a second thread scrapes

@@ -164,3 +164,36 @@ def test_naming_a_thread_off_linux_or_without_prctl_answers_false(monkeypatch, c
         assert process.name_thread("x") is False
     [record] = caplog.records
     assert record.getMessage() == "vramwatch: prctl unavailable"
+
+
+# A rank's launcher or library may block SIGTERM; a server it spawns inherits the mask across fork and exec.
+BLOCKED_LAUNCH = r"""
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+os.execv(sys.executable, [sys.executable, "-m", "vramwatch", "serve"])
+"""
+
+
+def test_a_server_started_with_sigterm_blocked_still_stops_on_sigterm(tmp_path):
+    import signal
+    import time
+
+    from harness import free_port, vramwatch_env, wait_until
+
+    port = free_port()
+    env = vramwatch_env(str(tmp_path / "spool"), port, simulate=True)
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_LAUNCH], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (tmp_path / "spool" / "server.json").exists(), 30, "the server to start")
+        with open(f"/proc/{proc.pid}/status") as fh:
+            blocked = int(next(line.split()[1] for line in fh if line.startswith("SigBlk:")), 16)
+        assert not blocked & (1 << (signal.SIGTERM - 1)), "SIGTERM still blocked in the server's main thread"
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert proc.wait(timeout=15) == 0
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "SIGINT, SIGTERM were blocked (inherited); unblocked them" in proc.stderr.read()

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from tlsutil import make_pki
 
 from harness import ROOT, tool
-from vramwatch import config, webconfig_schema
+from vramwatch import config
 from vramwatch.config import ConfigError
-from vramwatch.server import webconfig
-from vramwatch.server.webconfig import BasicAuth, TLSServer, load_web_config
+from vramwatch.server.auth import BasicAuth
+from vramwatch.server.webconfig import Served, load_web_config
 from vramwatch.webconfig_schema import parse_web_config
 
 HASH4 = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()  # cost 4: fast tests
@@ -50,8 +50,8 @@ def basic(user: str, password: str) -> str:
 
 # --- what parses ---
 def test_empty_file_is_plain_http(tmp_path):
-    assert load_web_config(write(tmp_path, "")) == (None, None, None)
-    assert load_web_config(write(tmp_path, "tls_server_config: {}\n")) == (None, None, None)
+    assert load_web_config(write(tmp_path, "")).current() == Served(None, None, {})
+    assert load_web_config(write(tmp_path, "tls_server_config: {}\n")).current() == Served(None, None, {})
 
 
 def test_full_config_parses(tmp_path, pki):
@@ -75,8 +75,8 @@ basic_auth_users:
   "1234": {HASH4}
 """,
     )
-    tls, auth, headers = load_web_config(write(tmp_path, text))
-    ctx = tls.context
+    served = load_web_config(write(tmp_path, text)).current()
+    ctx, auth, headers = served.ssl_context, served.auth, served.headers
     assert ctx.verify_mode == ssl.CERT_REQUIRED
     assert ctx.minimum_version == ssl.TLSVersion.TLSv1_2 and ctx.maximum_version == ssl.TLSVersion.TLSv1_3
     assert not ctx.options & ssl.OP_CIPHER_SERVER_PREFERENCE
@@ -93,8 +93,7 @@ basic_auth_users:
 def test_relative_paths_are_relative_to_the_file(tmp_path, pki):
     d = pki.dir
     path = write(d, "tls_server_config: {cert_file: server.crt, key_file: server.key}\n", "rel.yml")
-    tls, _, _ = load_web_config(path)
-    assert tls is not None
+    assert load_web_config(path).current().ssl_context is not None
 
 
 def test_client_auth_types_map_to_verify_modes(tmp_path, pki):
@@ -107,13 +106,13 @@ def test_client_auth_types_map_to_verify_modes(tmp_path, pki):
     }
     for name, mode in modes.items():
         ca = f"  client_ca_file: {pki.client_ca}\n" if name != "NoClientCert" else ""
-        tls, _, _ = load_web_config(write(tmp_path, tls_block(pki, f"  client_auth_type: {name}\n{ca}")))
-        assert tls.context.verify_mode == mode, name
+        served = load_web_config(write(tmp_path, tls_block(pki, f"  client_auth_type: {name}\n{ca}"))).current()
+        assert served.ssl_context.verify_mode == mode, name
 
 
 def test_only_tls13_suites_means_tls13_only(tmp_path, pki):
-    tls, _, _ = load_web_config(write(tmp_path, tls_block(pki, "  cipher_suites: [TLS_AES_256_GCM_SHA384]\n")))
-    assert tls.context.minimum_version == ssl.TLSVersion.TLSv1_3
+    served = load_web_config(write(tmp_path, tls_block(pki, "  cipher_suites: [TLS_AES_256_GCM_SHA384]\n"))).current()
+    assert served.ssl_context.minimum_version == ssl.TLSVersion.TLSv1_3
 
 
 # --- every error names its field, on one line ---
@@ -380,24 +379,7 @@ def test_any_authorization_header_is_a_bool(header):
 _FUZZ_AUTH = BasicAuth((("alice", HASH4),))
 
 
-# --- certificate rotation ---
-def test_changed_certificates_are_reloaded_and_broken_ones_are_not(tmp_path, pki, monkeypatch):
-    monkeypatch.setattr(TLSServer, "CHECK_EVERY", 0.0)
-    cert, key = tmp_path / "s.crt", tmp_path / "s.key"
-    cert.write_bytes(pki.cert.read_bytes())
-    key.write_bytes(pki.key.read_bytes())
-    tls, _, _ = load_web_config(write(tmp_path, f"tls_server_config: {{cert_file: {cert}, key_file: {key}}}\n"))
-    first = tls.current()
-    assert tls.current() is first  # unchanged files: same context
-    other = make_pki(tmp_path / "other")
-    cert.write_bytes(other.cert.read_bytes())  # half-way through a rotation: cert and key do not match
-    assert tls.current() is first
-    key.write_bytes(other.key.read_bytes())
-    second = tls.current()
-    assert second is not first
-    assert webconfig_schema.build_ssl_context(tls.cfg) is not None
-
-
+# --- read again on use ---
 def _rotating(tmp_path, pki):
     cert, key = tmp_path / "s.crt", tmp_path / "s.key"
     cert.write_bytes(pki.cert.read_bytes())
@@ -405,83 +387,38 @@ def _rotating(tmp_path, pki):
     return cert, key, write(tmp_path, f"tls_server_config: {{cert_file: {cert}, key_file: {key}}}\n")
 
 
-class _Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def monotonic(self) -> float:
-        return self.t
-
-
-RELOADED = "vramwatch: TLS certificate files changed; reloaded them"
-
-
-def test_certificates_are_read_again_at_most_once_a_second(tmp_path, pki, monkeypatch, caplog):
+def test_changed_certificates_are_reloaded_and_broken_ones_are_not(tmp_path, pki, caplog):
     caplog.set_level(logging.INFO, logger="vramwatch")
-    clock = _Clock(100.0)
-    monkeypatch.setattr(webconfig, "time", clock)
     cert, key, path = _rotating(tmp_path, pki)
-    tls, _, _ = load_web_config(path)
-    first = tls.context
+    web = load_web_config(path)
+    first = web.current().ssl_context
+    assert web.current().ssl_context is first and caplog.messages == []  # unchanged files: same context
     other = make_pki(tmp_path / "other")
-    cert.write_bytes(other.cert.read_bytes())
-    key.write_bytes(other.key.read_bytes())
-    clock.t = 100.5
-    assert tls.current() is first  # within the first second: not looked at yet
-    clock.t = 101.0
-    second = tls.current()
-    assert second is not first
-    cert.write_bytes(pki.cert.read_bytes())  # rotated back at once
-    key.write_bytes(pki.key.read_bytes())
-    clock.t = 101.5
-    assert tls.current() is second
-    clock.t = 102.0
-    third = tls.current()
-    assert third is not second
-    for clock.t in (103.0, 104.0, 105.0):  # unchanged since: the same context, nothing logged
-        assert tls.current() is third
-    assert caplog.messages == [RELOADED, RELOADED]
-
-
-def test_unchanged_certificates_keep_the_first_context(tmp_path, pki, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="vramwatch")
-    monkeypatch.setattr(TLSServer, "CHECK_EVERY", 0.0)
-    _, _, path = _rotating(tmp_path, pki)
-    tls, _, _ = load_web_config(path)
-    first = tls.context
-    assert tls.current() is first and tls.current() is first
-    assert caplog.messages == []
-
-
-def test_a_broken_pair_is_logged_once_until_the_files_change_again(tmp_path, pki, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="vramwatch")
-    monkeypatch.setattr(TLSServer, "CHECK_EVERY", 0.0)
-    cert, key, path = _rotating(tmp_path, pki)
-    tls, _, _ = load_web_config(path)
-    first = tls.context
-    other = make_pki(tmp_path / "other")
-    cert.write_bytes(other.cert.read_bytes())  # the key not yet: the pair does not match
+    cert.write_bytes(other.cert.read_bytes())  # half-way through a rotation: cert and key do not match
     for _ in range(3):
-        assert tls.current() is first
-    [line] = caplog.messages
-    assert line.startswith("vramwatch: keeping the old TLS certificate: invalid web config tls_server_config"), line
+        assert web.current().ssl_context is first
+    [line] = caplog.messages  # once, until the files change again
+    assert line.startswith(f"vramwatch: web config {path} changed but is not used; keeping the last good one: ")
     key.write_bytes(other.key.read_bytes())
-    assert tls.current() is not first and caplog.messages[1:] == [RELOADED]
+    second = web.current().ssl_context
+    assert second is not first and web.current().ssl_context is second
+    assert caplog.messages[1:] == [
+        f"vramwatch: web config {path} changed; reloaded it (TLS client_auth_type NoClientCert, 0 basic-auth users)"
+    ]
 
 
-def _handshake(server: TLSServer, ca: Path) -> bytes:
-    """One connection through the server's wrap_socket; the certificate the client was shown (DER)."""
+def _handshake(ctx: ssl.SSLContext, ca: Path) -> bytes:
+    """One connection with the server context; the certificate the client was shown (DER)."""
     a, b = socket.socketpair()
     client_ctx = ssl.create_default_context(cafile=str(ca))
     with a, b:
-        done: list[BaseException] = []
 
         def serve() -> None:
             try:
-                with server.wrap_socket(a, server_side=True, do_handshake_on_connect=True):
+                with ctx.wrap_socket(a, server_side=True):
                     pass
-            except (OSError, ssl.SSLError) as e:  # the client hangs up first
-                done.append(e)
+            except (OSError, ssl.SSLError):  # the client hangs up first
+                pass
 
         t = threading.Thread(target=serve)
         t.start()
@@ -492,15 +429,76 @@ def _handshake(server: TLSServer, ca: Path) -> bytes:
     return der
 
 
-def test_new_connections_get_the_rotated_certificate(tmp_path, pki, monkeypatch):
-    monkeypatch.setattr(TLSServer, "CHECK_EVERY", 0.0)
+def test_new_connections_get_the_rotated_certificate(tmp_path, pki):
     cert, key, path = _rotating(tmp_path, pki)
-    tls, _, _ = load_web_config(path)
-    assert _handshake(tls, pki.ca) == ssl.PEM_cert_to_DER_cert(pki.cert.read_text())
+    web = load_web_config(path)
+    assert _handshake(web.current().ssl_context, pki.ca) == ssl.PEM_cert_to_DER_cert(pki.cert.read_text())
     other = make_pki(tmp_path / "other")
     cert.write_bytes(other.cert.read_bytes())
     key.write_bytes(other.key.read_bytes())
-    assert _handshake(tls, other.ca) == ssl.PEM_cert_to_DER_cert(other.cert.read_text())
+    assert _handshake(web.current().ssl_context, other.ca) == ssl.PEM_cert_to_DER_cert(other.cert.read_text())
+
+
+def test_a_rotated_password_and_a_removed_user_apply_at_once_with_a_new_cache(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="vramwatch")
+    new_hash = bcrypt.hashpw(b"n3w", bcrypt.gensalt(4)).decode()
+    path = write(tmp_path, f"basic_auth_users: {{alice: {HASH4}, bob: {HASH4}}}\n")
+    web = load_web_config(path)
+    auth = web.current().auth
+    assert auth(basic("alice", "s3cret")) and auth(basic("bob", "s3cret"))  # both verified: cached
+    write(tmp_path, f"basic_auth_users: {{alice: {new_hash}, bob: {HASH4}}}\n")  # same size: a new mtime
+    auth = web.current().auth
+    assert not auth(basic("alice", "s3cret")) and auth(basic("alice", "n3w"))
+    write(tmp_path, f"basic_auth_users: {{alice: {new_hash}}}\n")
+    assert not web.current().auth(basic("bob", "s3cret"))
+    assert [m for m in caplog.messages if "reloaded" in m] == [
+        f"vramwatch: web config {path} changed; reloaded it (no TLS, 2 basic-auth users)",
+        f"vramwatch: web config {path} changed; reloaded it (no TLS, 1 basic-auth users)",
+    ]
+
+
+def test_an_unchanged_user_list_keeps_its_verified_pairs(tmp_path):
+    path = write(tmp_path, f"basic_auth_users: {{alice: {HASH4}}}\n")
+    web = load_web_config(path)
+    auth = web.current().auth
+    write(
+        tmp_path, f"basic_auth_users: {{alice: {HASH4}}}\nhttp_server_config: {{headers: {{X-Frame-Options: deny}}}}\n"
+    )
+    assert web.current().auth is auth and web.current().headers == {"X-Frame-Options": "deny"}
+
+
+def test_tls_is_not_turned_off_by_an_edit(tmp_path, pki, caplog):
+    _, _, path = _rotating(tmp_path, pki)
+    web = load_web_config(path)
+    first = web.current().ssl_context
+    write(tmp_path, "")
+    assert web.current().ssl_context is first
+    assert "TLS is turned off only by a restart" in caplog.text
+
+
+_NINE = ", ".join(["*{p}"] * 9)
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{_NINE.format(p=p)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+
+def test_an_alias_bomb_is_refused_at_once_with_a_clear_error(tmp_path):
+    path = write(tmp_path, "basic_auth_users:\n" + "".join("  " + line + "\n" for line in BOMB.splitlines()))
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"refused: YAML aliases \(\*name\) are not allowed \(line 3\)"):
+        load_web_config(path)
+    with pytest.raises(ConfigError, match="aliases"):
+        config.load({"web_config_file": path}, env={})  # what vramwatch.start() raises: never MemoryError
+    assert time.monotonic() - t0 < 2
+
+
+def test_an_alias_bomb_edited_in_while_serving_keeps_the_last_good_config(tmp_path, caplog):
+    path = write(tmp_path, f"basic_auth_users: {{alice: {HASH4}}}\n")
+    web = load_web_config(path)
+    auth = web.current().auth
+    write(tmp_path, BOMB)
+    assert web.current().auth is auth
+    assert "aliases (*name) are not allowed" in caplog.text
 
 
 def test_what_loading_the_web_config_logs(tmp_path, pki, caplog):
@@ -519,15 +517,3 @@ def test_what_loading_the_web_config_logs(tmp_path, pki, caplog):
         caplog.clear()
         load_web_config(write(tmp_path, text))
         assert caplog.messages == logged, text
-
-
-def test_wrapping_as_the_event_loop_does_never_waits_for_the_client(tmp_path, pki):
-    """http.py wraps a non-blocking socket before the client's hello came and handshakes later, on readiness."""
-    tls, _, _ = load_web_config(write(tmp_path, tls_block(pki)))
-    a, b = socket.socketpair()
-    with a, b:
-        a.setblocking(False)
-        wrapped = tls.wrap_socket(a, server_side=True, do_handshake_on_connect=False)  # no hello yet: no wait
-        with pytest.raises(ssl.SSLWantReadError):
-            wrapped.do_handshake()
-        assert wrapped.server_side

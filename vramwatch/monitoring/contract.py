@@ -388,7 +388,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "seconds",
         RANK,
-        "Age of the rank's newest published sample: grows while the rank is wedged.",
+        "Age of the rank's newest published sample: grows while the rank is wedged. As of the server's last "
+        "render, which may be one render gap (the shorter of interval and nvml_interval) older than the scrape.",
         "heartbeat",
     ),
     _m(

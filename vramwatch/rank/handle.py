@@ -108,10 +108,9 @@ class Handle:
         if not self.settings.web_config_file:
             return False
         try:
-            import yaml
+            from vramwatch.webconfig_schema import parse_web_config
 
-            with open(self.settings.web_config_file, encoding="utf-8") as fh:
-                return bool((yaml.safe_load(fh) or {}).get("tls_server_config"))
+            return parse_web_config(self.settings.web_config_file).tls is not None
         except Exception:  # noqa: BLE001 - only for the URL we print
             return False
 

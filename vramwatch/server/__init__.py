@@ -2,5 +2,3 @@
 the ranks' samples) and the registry. It never imports torch nor ``vramwatch.rank``: what it knows
 of the ranks comes through ``vramwatch.spool``.
 """
-
-from vramwatch.server import promtext as _promtext  # noqa: F401 - first: prometheus_client without its __init__

@@ -58,6 +58,7 @@ class BasicAuth:
         self._compare = hmac.compare_digest
         self._hmac = hmac.new
         self._sha256 = hashlib.sha256
+        self.users = users  # as the web config gave them: a reload with the same users keeps this cache
         self._users = [(name.encode("utf-8"), hashed.encode("ascii")) for name, hashed in users]
         costs = sorted({_cost(h) for _, h in self._users})
         if len(costs) > 1:

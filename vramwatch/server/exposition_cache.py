@@ -11,20 +11,11 @@ so a scrape never waits on it. Without the refresher (it is not started, or died
 the sources itself and renders when they changed, once for concurrent scrapes.
 
 Freshness: a scrape serves the newest render, at most one render gap plus one look behind the spool
-(about 1.25 s at the defaults, up to a few seconds on a node whose render takes tens of ms;
-Prometheus scrapes every 15 s or more); for a rank that appeared or died, one look (0.25 s at the
-defaults): the refresher looks at which ranks live at every look, within the gap too, and a scrape
-itself touches no file. ``vramwatch_sample_age_seconds`` is the one family that moves with the clock
-rather than with the samples, so it is not cached: each format's bytes are kept as the part before
-that family and the part after it, and every scrape formats the age of the samples it serves, at the
-scrape's own time, between them: the age stays true for what the scrape shows. The gzip form is one
-gzip member whose deflate stream is spliced the same way: the parts before and after are compressed
-once (the first ends on a byte boundary with no back-reference across it) and the age lines go
-between them as a stored block; only the CRC32 over the whole text is computed per scrape. The
-exporter yields the age family last, so the part after it is empty (or OpenMetrics' ``# EOF``) and
-that CRC32 runs over the age lines only, on from the head's. For the same inputs each format is
-byte-identical to rendering it whole; a format (and its gzip form) is rendered once a scrape asks
-for it, and from then on by the refresher.
+(about 1.25 s at the defaults; Prometheus scrapes every 15 s or more); for a rank that appeared or
+died, one look (0.25 s at the defaults). ``vramwatch_sample_age_seconds`` moves with the clock rather
+than with the samples: a render older than the gap is rendered again even when nothing changed, so the
+ages served are at most one render old (the contract says so). Each content type asked for is encoded
+by prometheus_client's own encoder once per render, and gzipped once per render when asked.
 
 Dead ranks: a rank's death (its lock freed) changes the sources, so it is rendered at the next look;
 its final sample then stays for ``dead_rank_grace_seconds`` without changing anything on disk, so a
@@ -34,36 +25,32 @@ at the next look.
 
 Serving: :meth:`CachedExposition.reply_now` is the part of a scrape that needs neither a render nor a
 lock (the render is current and has the asked format built), so the HTTP server's event loop answers
-such a scrape itself; anything else goes to a worker through :meth:`CachedExposition.reply`.
+such a scrape itself; anything else goes to a worker thread through :meth:`CachedExposition.reply`.
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
-from prometheus_client.utils import floatToGoString
 
 from vramwatch import spool
-from vramwatch.server.collectors import ScrapeContext, ranks
-from vramwatch.server.promtext import choose_encoder
+from vramwatch.server.collectors import ScrapeContext
 from vramwatch.server.registry import ExporterCollector
 
 log = logging.getLogger("vramwatch")
 
 Encoder = Callable[..., bytes]
-_OM_EOF = b"# EOF\n"
 _MAX_FORMATS = 8  # content types kept per render: the Accept header picks one, and a client may send any
 _MAX_ACCEPTS = 32  # Accept headers whose encoder is remembered (Prometheus and curl send one each)
-_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, mtime 0, OS unknown
 
 
 @dataclass(frozen=True)
@@ -91,6 +78,15 @@ class _Families:
         return self.fams
 
 
+def gzipped(body: bytes) -> bytes:
+    """``body`` as one gzip member at level 1 (a scrape is small and served often), mtime 0."""
+    return gzip.compress(body, compresslevel=1, mtime=0)
+
+
+def _reply(body: bytes, ctype: str, gzip_ok: bool) -> Reply:
+    return Reply(gzipped(body), ctype, "gzip") if gzip_ok else Reply(body, ctype)
+
+
 class RegistryExposition:
     """No cache: every request renders the registry (for a registry handed straight to the HTTP server)."""
 
@@ -99,57 +95,15 @@ class RegistryExposition:
 
     def reply(self, accept: str, gzip_ok: bool) -> Reply:
         encoder, ctype = choose_encoder(accept)
-        body = encoder(self.registry)
-        if gzip_ok:
-            return Reply(zlib_gzip(body), ctype, "gzip")
-        return Reply(body, ctype)
-
-
-def zlib_gzip(body: bytes) -> bytes:
-    """``body`` as one gzip member, compressed at level 1 (a scrape is small and served often)."""
-    c = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
-    return _GZIP_HEADER + c.compress(body) + c.flush() + struct.pack("<II", zlib.crc32(body), len(body) & 0xFFFFFFFF)
-
-
-def _stored_blocks(data: bytes) -> bytes:
-    """``data`` as non-final stored deflate blocks, starting on a byte boundary."""
-    if len(data) <= 0xFFFF:  # the age lines of any node under ~1000 ranks: one block
-        return struct.pack("<BHH", 0, len(data), len(data) ^ 0xFFFF) + data
-    out = []
-    for i in range(0, len(data), 0xFFFF):
-        chunk = data[i : i + 0xFFFF]
-        out.append(struct.pack("<BHH", 0, len(chunk), len(chunk) ^ 0xFFFF) + chunk)
-    return b"".join(out)
+        return _reply(encoder(self.registry), ctype, gzip_ok)
 
 
 @dataclass
 class _Format:
-    """One content type's bytes around the age family, and their deflate forms once gzip was asked for.
+    """One content type's bytes of a render, and their gzip form once it was asked for."""
 
-    The age family itself is kept as its comment lines and, per rank, its sample line up to the value:
-    a scrape only formats the values (as prometheus_client does) between them.
-    """
-
-    encoder: Encoder
-    head: bytes
-    tail: bytes
-    age_meta: bytes
-    age_lines: list[bytes]
-    # (deflated head, deflated tail, CRC32 of the head): one attribute, set once whole, so that the
-    # event loop, which reads it without the render's lock, never sees half of it
-    gz: tuple[bytes, bytes, int] | None = None
-
-    @property
-    def gz_head(self) -> bytes | None:
-        return None if self.gz is None else self.gz[0]
-
-    def gzip_parts(self) -> tuple[bytes, bytes, int]:
-        if self.gz is None:
-            c = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
-            gz_head = c.compress(self.head) + c.flush(zlib.Z_FULL_FLUSH)  # byte-aligned, no history after
-            c = zlib.compressobj(1, zlib.DEFLATED, -zlib.MAX_WBITS)
-            self.gz = (gz_head, c.compress(self.tail) + c.flush(), zlib.crc32(self.head))
-        return self.gz
+    body: bytes
+    gz: bytes | None = None  # one attribute, set whole: the event loop reads it without the render's lock
 
 
 @dataclass(eq=False)
@@ -157,8 +111,7 @@ class _Render:
     """One render's families and, per content type asked for so far, its bytes."""
 
     ctx: ScrapeContext
-    before: list[Metric]
-    after: list[Metric]
+    fams: list[Metric]
     key: tuple[object, ...] | None  # the sources it was rendered from; None: compare unequal to anything
     expires: float | None  # wall time the first dead rank's final sample in it leaves (None: never)
     snapshots: list[object]  # held, so no new snapshot can take an id() in the key
@@ -181,28 +134,18 @@ class _Render:
         with self.lock:
             f = self.formats.get(ctype)
             if f is None:
-                age = _strip_eof(encoder(_Families([ranks.age_family(self.ctx.samples, self.ctx.now)])))
-                lines = age.splitlines(keepends=True)
-                meta = b"".join(x for x in lines if x.startswith(b"#"))
-                # a sample line is "name{labels} value\n": the value is its last field
-                samples = [x.rsplit(b" ", 1)[0] + b" " for x in lines if not x.startswith(b"#")]
-                head, tail = _strip_eof(encoder(_Families(self.before))), encoder(_Families(self.after))
-                f = _Format(encoder, head, tail, meta, samples)
+                f = _Format(encoder(_Families(self.fams)))
                 if len(self.formats) < _MAX_FORMATS:
                     self.formats[ctype] = f
-            if gzip_ok:
-                f.gzip_parts()
+            if gzip_ok and f.gz is None:
+                f.gz = gzipped(f.body)
             return f
 
     def expired(self, now: float) -> bool:
         return self.expires is not None and now >= self.expires
 
 
-def _strip_eof(text: bytes) -> bytes:
-    # OpenMetrics ends the exposition with "# EOF": a part before the end must not carry it
-    return text[: -len(_OM_EOF)] if text.endswith(_OM_EOF) else text
-
-
+AGE_GAP = 1.0  # without a refresher, a render's ages are served at most this old
 IDLE_S = 300.0  # no scrape this long: the refresher stops rendering until the next one
 # Most of one core the refresher's renders may use: a render that takes longer than this share of
 # its gap (a large node: 64 ranks render in tens of ms) spaces the next one out instead.
@@ -281,8 +224,8 @@ class CachedExposition:
                 return False  # a scrape rendered meanwhile
             snapshots = self._snapshots()
             key = self._sources(snapshots)
-            if key is not None and key == r.key and not expired:
-                return False
+            if key is not None and key == r.key and not expired and time.monotonic() - r.built_at < self.age_gap:
+                return False  # unchanged, and its ages are younger than a gap
             t0 = time.thread_time()
             new = self._build(snapshots, key)
             for ctype, (encoder, gzip_ok) in list(self._asked.items()):
@@ -290,6 +233,11 @@ class CachedExposition:
             self._render = new
             self.render_cost = time.thread_time() - t0
             return True
+
+    @property
+    def age_gap(self) -> float:
+        """An unchanged render older than this is rendered again, for its ages (the gap; AGE_GAP without one)."""
+        return self.min_gap or AGE_GAP
 
     @property
     def refreshing(self) -> bool:
@@ -316,13 +264,11 @@ class CachedExposition:
         # only makes the next look render again
         ctx = self.exporter.context()
         fams = list(self.exporter.families(ctx))
-        cut = next(i for i, f in enumerate(fams) if f.name == ranks.AGE_FAMILY)
         exp = self.exporter
         self.renders += 1
         return _Render(
             ctx,
-            fams[:cut],
-            fams[cut + 1 :],
+            fams,
             key if exp.last_read_ok else None,
             exp.last_read_expires,
             snapshots,
@@ -341,7 +287,8 @@ class CachedExposition:
             r = self._render
             snapshots = self._snapshots()
             key = self._sources(snapshots)
-            if r is None or r.expired(self._clock()) or key is None or key != r.key:
+            stale = r is not None and time.monotonic() - r.built_at >= self.age_gap  # its ages too old
+            if r is None or r.expired(self._clock()) or key is None or key != r.key or stale:
                 r = self._render = self._build(snapshots, key)
         return self._serve(r)
 
@@ -368,8 +315,8 @@ class CachedExposition:
             self._asked[ctype] = (encoder, gzip_ok)
         elif gzip_ok and ctype in self._asked and not self._asked[ctype][1]:
             self._asked[ctype] = (encoder, True)
-        render = self.current()
-        return self._splice(render, render.format(ctype, encoder, gzip_ok), ctype, gzip_ok)
+        f = self.current().format(ctype, encoder, gzip_ok)
+        return Reply(f.gz, ctype, "gzip") if gzip_ok and f.gz is not None else Reply(f.body, ctype)
 
     def reply_now(self, accept: str, gzip_ok: bool) -> Reply | None:
         """The answer :meth:`reply` would give, if it needs no render and no lock; else None.
@@ -391,17 +338,5 @@ class CachedExposition:
         if r.key is None:
             return None  # the last read failed: a worker reads again
         self._scraped_at = time.monotonic()
-        return self._splice(self._serve(r), f, ctype, gzip_ok)
-
-    def _splice(self, render: _Render, fmt: _Format, ctype: str, gzip_ok: bool) -> Reply:
-        """The render's bytes with the age family formatted at this moment between its parts."""
-        now = self._clock()
-        lines = zip(fmt.age_lines, render.ctx.samples, strict=True)
-        age = fmt.age_meta + b"".join(p + floatToGoString(spool.sample_age(s, now)).encode() + b"\n" for p, s in lines)
-        if not gzip_ok:
-            return Reply(fmt.head + age + fmt.tail, ctype)
-        gz_head, gz_tail, head_crc = fmt.gzip_parts()
-        crc = zlib.crc32(fmt.tail, zlib.crc32(age, head_crc))
-        size = len(fmt.head) + len(age) + len(fmt.tail)
-        gz = (_GZIP_HEADER, gz_head, _stored_blocks(age), gz_tail, struct.pack("<II", crc, size & 0xFFFFFFFF))
-        return Reply(b"".join(gz), ctype, "gzip")
+        self._serve(r)
+        return Reply(f.gz, ctype, "gzip") if gzip_ok and f.gz is not None else Reply(f.body, ctype)

@@ -64,11 +64,11 @@ class Server:
         releases what was taken."""
         if not self.guard.take():
             return False
-        ssl_context = authorize = headers = None
+        web_config = None
         if self.settings.web_config_file:
             from vramwatch.server.webconfig import load_web_config
 
-            ssl_context, authorize, headers = load_web_config(self.settings.web_config_file)
+            web_config = load_web_config(self.settings.web_config_file)  # read again on use
         self.collectors = enabled_collectors(self.settings)
         self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors, self.mode)
         self.exposition = CachedExposition(self.exporter)
@@ -77,9 +77,7 @@ class Server:
                 (self.settings.host, self.settings.port),
                 self.exposition,
                 max_connections=self.settings.max_connections,
-                ssl_context=ssl_context,
-                authorize=authorize,
-                headers=headers,
+                web_config=web_config,
             )
         except OSError as e:
             why = f"cannot listen on {self.settings.host}:{self.settings.port}: {_cause(e)}"
@@ -116,12 +114,10 @@ class Server:
     def _serve_forever(self) -> None:
         assert self.http is not None
         process.name_thread(HTTP_THREAD)  # what `top -H` shows, and how a benchmark finds the loop's CPU
-        self.http.serve_forever(poll_interval=1.0)
+        self.http.serve_forever()
 
     def run(self, exit_when_idle: bool = False) -> None:
         assert self.http is not None and self.exporter is not None
-        # the loop wakes for its sockets, its deadlines and shutdown()'s wake-up on their own: the poll
-        # is only a backstop, and each idle wake-up costs CPU (5 a second at 0.2 s: 0.5-0.9 ms/s measured)
         self._serving = threading.Thread(target=self._serve_forever, name=HTTP_THREAD, daemon=True)
         self._serving.start()
         started = time.monotonic()
@@ -173,6 +169,8 @@ def serve(settings: Settings, exit_when_idle: bool = False, node_daemon: bool = 
         log.error("vramwatch: serve --node needs node_dir (the node spool's root)")
         return 1
     process.tune()  # before any thread of the server starts
+    if blocked := process.unblock_signals():
+        log.info("vramwatch: %s were blocked (inherited); unblocked them", ", ".join(sorted(s.name for s in blocked)))
     server = Server(settings, node_daemon)
     try:
         server.guard.ensure_dir()

@@ -8,6 +8,7 @@ it may tune what is process-wide:
   ``sys.getswitchinterval()`` (5 ms by default), which is the tail of a scrape's latency;
 - glibc's malloc arenas: each thread that mallocs gets an arena of its own (up to 8 per core), and
   every arena's touched pages stay resident; the server's threads mostly wait, so two arenas are plenty;
+- the signal mask: SIGTERM and SIGINT unblocked, whatever the rank that spawned the server blocked;
 - the cyclic collector's view: once the server has started, what it holds (modules, settings, collectors,
   the event loop) lives as long as the process, so ``freeze`` moves it out of every generation; a full
   collection (the renders allocate, so one comes every few minutes) then scans only what came after,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import signal
 import sys
 
 log = logging.getLogger("vramwatch")
@@ -39,6 +41,16 @@ def tune(switch_interval: float = SWITCH_INTERVAL, arena_max: int = ARENA_MAX) -
         pass
     done["arena_max"] = _set_arena_max(arena_max)
     return done
+
+
+def unblock_signals() -> set[signal.Signals]:
+    """Unblock SIGTERM and SIGINT in the calling thread (before the server's threads start: they inherit
+    its mask). A server spawned by a rank inherits the rank's signal mask across fork and exec, and a
+    training job's launcher or library may block them; blocked, they would never reach the handlers
+    that stop the server. Returns the ones that were blocked."""
+    stop = {signal.SIGTERM, signal.SIGINT}
+    was = signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)
+    return stop & set(was)
 
 
 def name_thread(name: str) -> bool:
