@@ -82,7 +82,8 @@ def regenerate(check: bool = False, root: str | None = None) -> int:
     readme = os.path.join(root, "README.md")
     try:
         with open(readme, encoding="utf-8") as fh:
-            marked = all(m in fh.read() for m in (BEGIN, END, CONFIG_BEGIN, CONFIG_END))
+            text = fh.read()
+        marked = all(m in text for m in (BEGIN, END, CONFIG_BEGIN, CONFIG_END))
     except OSError:
         marked = False
     if not marked:
