@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from vramwatch.config import Settings
 from vramwatch.sim.state import SimNode, edit, state_path
+from vramwatch.spool.files import NODE_READINGS, remove_quietly
 
 
 def _has_cuda() -> bool:
@@ -88,6 +89,7 @@ def _simulated(settings: Settings, ranks: int, end: float, url: str, cycle: floa
     spool_dir = settings.resolved_spool_dir()
     os.makedirs(spool_dir, mode=0o700, exist_ok=True)
     node = SimNode.default(ranks)
+    node.drive_by(os.getpid())  # a server started after this demo reads it as stale, not as current
     node.save(state_path(spool_dir))
     t0 = time.time()
     env = dict(os.environ)
@@ -127,5 +129,25 @@ def _simulated(settings: Settings, ranks: int, end: float, url: str, cycle: floa
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        _leave_nothing(spool_dir, settings)
     print("vramwatch demo: done", flush=True)
     return 0
+
+
+def _leave_nothing(spool_dir: str, settings: Settings) -> None:
+    """The demo's end frees its port at once (the server its ranks started would stay for its grace and
+    linger, ~100 s) and removes its simulated node's state; a server that serves other ranks stays."""
+    from vramwatch.rank.server_spawn import stop_idle_server
+
+    stopped = stop_idle_server(spool_dir, settings)
+    if not stopped:
+        print(f"vramwatch demo: the server of {spool_dir} serves other ranks and stays", flush=True)
+    path = state_path(spool_dir)
+    try:
+        if SimNode.read(path).driver.get("pid") != os.getpid():
+            return  # another driver's now
+        os.remove(path)
+    except (OSError, ValueError, TypeError, KeyError):
+        return
+    if stopped:  # the simulated GPUs' readings and identities, which a later real server would take up
+        remove_quietly(os.path.join(spool_dir, NODE_READINGS))
