@@ -19,6 +19,9 @@ from vramwatch.sim.state import SimNode, edit, state_path
 from vramwatch.spool.files import NODE_READINGS, remove_quietly
 
 
+_RANK_START_SECONDS = 3.0
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -91,7 +94,9 @@ def _simulated(settings: Settings, ranks: int, end: float, url: str, cycle: floa
     node = SimNode.default(ranks)
     node.drive_by(os.getpid())  # a server started after this demo reads it as stale, not as current
     node.save(state_path(spool_dir))
-    t0 = time.time()
+    # the story's clock starts once the ranks are up (importing takes a second or two), so that the first
+    # cycle is whole; until then the ranks idle as at the end of a cycle
+    t0 = time.time() + _RANK_START_SECONDS
     env = dict(os.environ)
     env.update(settings.to_env())
     env["VRAMWATCH_SIMULATE"] = "true"
