@@ -18,7 +18,6 @@ from vramwatch.config import Settings
 from vramwatch.sim.state import SimNode, edit, state_path
 from vramwatch.spool.files import NODE_READINGS, remove_quietly
 
-
 _RANK_START_SECONDS = 3.0
 
 

@@ -104,7 +104,7 @@ def test_two_short_cycles_of_the_demo_count_one_oom_per_rank_and_cycle(tmp_path)
     ooms = [{lab["rank"]: v for lab, v in m.get("torch_cuda_memory_ooms_total", [])} for _, m in scrapes if m]
     final = next(o for o in reversed(ooms) if len(o) == 2)
     assert final == {"0": 2.0, "1": 2.0}, (final, out[-2000:])
-    for (ta, a), (tb, b) in zip(scrapes, scrapes[1:], strict=False):  # never more than one in one cycle's time
+    for (_, a), (_, b) in zip(scrapes, scrapes[1:], strict=False):  # never more than one in one cycle's time
         for lab, v in b.get("torch_cuda_memory_ooms_total", []):
             was = next((x for la, x in a.get("torch_cuda_memory_ooms_total", []) if la == lab), 0.0)
             assert v - was <= 1, (lab, was, v)
