@@ -5,7 +5,7 @@ it. A server that exits is restarted with a doubling backoff (at most ``SPAWN_BA
 
 A server that runs with other settings than this rank's (``server.json``; a rank-started server outlives
 its job by its grace and linger, and the next run would meet it) is named in one line with the
-difference. A rank-started one that serves no other job's live ranks is asked to leave (SIGTERM) and
+difference (under ``serve: external`` the server's settings are its operator's: nothing is compared). A rank-started one that serves no other job's live ranks is asked to leave (SIGTERM) and
 this rank starts its own; one that serves another job is replaced once that job is gone.
 """
 
@@ -42,7 +42,7 @@ class ServerSpawner:
 
     def ensure(self) -> None:
         """Called on each tick: start a server if none runs and it is this rank's turn."""
-        if self.settings.serve == "off" or self.node_daemon:
+        if self.settings.serve != "auto" or self.node_daemon:
             return
         now = time.monotonic()
         if now < self._next_check:
@@ -56,9 +56,6 @@ class ServerSpawner:
             self.release()
             self._backoff = 2.0
             self._next_check = now + (0.5 if self._check_settings() else 5.0)
-            return
-        if self.settings.serve != "auto":
-            self._next_check = now + 5.0
             return
         if proc is not None:  # ours exited and no server runs: back off before the next try
             log_path = os.path.join(self.spool_dir, spool.SERVER_LOG)
@@ -91,9 +88,10 @@ class ServerSpawner:
             return False
         pid = info.get("pid")
         where = f"the server of {self.spool_dir} (pid {pid}) runs with other settings ({'; '.join(diff)})"
-        if self.settings.serve != "auto" or info.get("exit_when_idle") is not True or not _is_server(pid):
-            why = "serve is external here" if self.settings.serve != "auto" else "no rank started it"
-            self.log_once(("server-settings", pid), "vramwatch: %s; %s: restart it to change them", where, why)
+        if info.get("exit_when_idle") is not True or not _is_server(pid):
+            self.log_once(
+                ("server-settings", pid), "vramwatch: %s; no rank started it: restart it to change them", where
+            )
             return False
         other = live_jobs(self.spool_dir, self.settings) - {self.job_id}
         if other:
