@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from vramwatch.config import Settings
 from vramwatch.sim.state import SimNode, edit, state_path
-from vramwatch.spool.files import NODE_READINGS, remove_quietly
+from vramwatch.spool.files import NODE_READINGS, RANK_FILE, lock_path_of, remove_quietly
 
 _RANK_START_SECONDS = 3.0
 
@@ -133,19 +133,25 @@ def _simulated(settings: Settings, ranks: int, end: float, url: str, cycle: floa
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        _leave_nothing(spool_dir, settings)
+        _leave_nothing(spool_dir, settings, {p.pid for p in procs})
     print("vramwatch demo: done", flush=True)
     return 0
 
 
-def _leave_nothing(spool_dir: str, settings: Settings) -> None:
+def _leave_nothing(spool_dir: str, settings: Settings, rank_pids: set[int]) -> None:
     """The demo's end frees its port at once (the server its ranks started would stay for its grace and
-    linger, ~100 s) and removes its simulated node's state; a server that serves other ranks stays."""
+    linger, ~100 s) and removes what a later run would read: its ranks' final samples (served for their
+    grace), its simulated node's state and readings. A server that serves other ranks stays."""
     from vramwatch.rank.server_spawn import stop_idle_server
 
     stopped = stop_idle_server(spool_dir, settings)
     if not stopped:
         print(f"vramwatch demo: the server of {spool_dir} serves other ranks and stays", flush=True)
+    for name in os.listdir(spool_dir):
+        m = RANK_FILE.match(name)
+        if stopped and m and int(m.group(2)) in rank_pids:
+            sample = os.path.join(spool_dir, name)
+            remove_quietly(sample, lock_path_of(sample))
     path = state_path(spool_dir)
     try:
         if SimNode.read(path).driver.get("pid") != os.getpid():
