@@ -1,12 +1,13 @@
 """Starting the node's server from a rank when none runs (``serve="auto"``).
 
-Eight local ranks finding no server at once: only the one holding the spool's spawn lock starts
-it. A server that exits is restarted with a doubling backoff (at most ``SPAWN_BACKOFF_MAX``).
+Eight local ranks finding no server at once: only the one holding the spool's spawn lock starts it. A
+server that exits is restarted with a doubling backoff (at most ``SPAWN_BACKOFF_MAX``).
 
 A server that runs with other settings than this rank's (``server.json``; a rank-started server outlives
 its job by its grace and linger, and the next run would meet it) is named in one line with the
-difference (under ``serve: external`` the server's settings are its operator's: nothing is compared). A rank-started one that serves no other job's live ranks is asked to leave (SIGTERM) and
-this rank starts its own; one that serves another job is replaced once that job is gone.
+difference (under ``serve: external`` the server's settings are its operator's: nothing is compared). A
+rank-started one that serves no other job's live ranks is asked to leave (SIGTERM) and this rank starts
+its own; one that serves another job is replaced once that job is gone.
 """
 
 from __future__ import annotations

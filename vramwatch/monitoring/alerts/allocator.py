@@ -30,7 +30,8 @@ def _time_to_limit(cfg: MonitoringConfig) -> str:
     peak = metric(bare, "torch_cuda_memory_step_peak_allocated_bytes", *where)
     limit = metric(bare, "torch_cuda_memory_limit_bytes", *where)
     query = f"({limit} - {peak}) / deriv({peak}[{duration(cfg.leak_window)}]) > 0"
-    args = " ".join(f"$labels.{n}" for n in names * 3)  # the selector appears three times
+    one = " ".join(f"$labels.{n}" for n in names)
+    args = " ".join([one] * (query.count("%q") // len(names)))  # the labels of each use of the selector
     return (
         f"{{{{ with printf {go_string(query)} {args} | query }}}}{{{{ with first . }}}}"
         " At that rate it meets the budget in about {{ .Value | humanizeDuration }}.{{ end }}{{ end }}"
