@@ -1,4 +1,6 @@
-# The two commands of the README: `make demo` and `make test`. Everything they need is installed here.
+# The two commands of the README: `make demo` and `make test`. Everything they need is installed here, and
+# each installs only what it uses: the demo the package and Debian's Prometheus and Alertmanager; the tests
+# those and CPU torch, the test extras, Chromium, systemd-analyze, nodejs/npm, kubectl and helm.
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -8,7 +10,7 @@ PROMETHEUS   := $(TOOLS)/usr/bin/prometheus
 ALERTMANAGER := $(TOOLS)/usr/bin/prometheus-alertmanager
 export TEST_TOOLS_DIR := $(abspath $(TOOLS))/usr/bin
 
-.PHONY: demo test venv tools lint typecheck collect docs generate check-generated gpu-test mutation clean
+.PHONY: demo test venv demo-venv tools demo-tools lint typecheck collect docs generate check-generated gpu-test mutation clean
 
 # Python writes bytecode here whatever the environment says (some images set PYTHONDONTWRITEBYTECODE): the
 # venv is installed without it (--no-compile) and each module is compiled once, when first imported, under
@@ -21,6 +23,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile torch==2.13.0 -e '.[test,dashboards,report,integrations]'
+	touch $@
+
+# The demo's: the package alone (its three small dependencies; no torch: without CUDA the demo runs on the
+# simulated GPU). A venv the tests installed, newer than pyproject.toml, already holds it.
+demo-venv: $(VENV)/.demo-installed
+$(VENV)/.demo-installed: pyproject.toml
+	if [ ! $(VENV)/.installed -nt pyproject.toml ]; then \
+		$(PY) -m venv $(VENV) && $(BIN)/pip install -q --upgrade pip && $(BIN)/pip install -q -e .; fi
 	touch $@
 
 # Debian's alertmanager reads its default notification templates from this fixed path (no flag moves it).
@@ -45,9 +55,16 @@ SYSTEMD_ANALYZE := $(TOOLS)/.systemd-installed
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 apt_install = { $(APT_INSTALL) $(1) || { apt-get update -qq && $(APT_INSTALL) $(1); }; }
 
+# What needs root, and why: `apt-get update` (the package lists, before the prometheus download),
+# Alertmanager's templates at the fixed path above (/usr/share), and, for the tests only, `apt-get install`
+# of chromium, systemd and nodejs/npm when missing. The prometheus packages are unpacked under .cache, never
+# installed (installing would start their services).
+# The demo's tools: Prometheus and Alertmanager with its templates.
+demo-tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES)
+
 # `make test` builds these beside the venv (make -j): the steps that run apt-get go one after another (apt's
 # locks), each after the package lists are fresh; the venv's pip runs meanwhile.
-tools: $(PROMETHEUS) $(ALERTMANAGER) $(AM_TEMPLATES) $(CHROMIUM) $(KUBECTL) $(SYSTEMD_ANALYZE)
+tools: demo-tools $(CHROMIUM) $(KUBECTL) $(SYSTEMD_ANALYZE)
 $(SYSTEMD_ANALYZE): | $(CHROMIUM)
 	command -v systemd-analyze >/dev/null || $(call apt_install,systemd)
 	mkdir -p $(dir $@) && touch $@
@@ -74,7 +91,7 @@ $(PROMETHEUS) $(ALERTMANAGER) &:
 	for f in $(TOOLS)/debs/*.deb; do dpkg-deb -x $$f $(TOOLS); done
 	touch $(PROMETHEUS) $(ALERTMANAGER)
 
-demo: venv tools
+demo: demo-venv demo-tools
 	$(BIN)/python scripts/demo_stack.py $(DEMO_ARGS)
 
 # The gates, in order of cost: lint and format, types, generated docs, then the tests in two runs. First all

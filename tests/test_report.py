@@ -242,10 +242,9 @@ def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
             fig = charts.draw(res, tc)
             if p.type == "timeseries":
                 drawn = _lines(fig)
-                for r in res.results:
-                    for s in r.series:
-                        assert s.values in drawn[legend(r.target, s.labels)], (p.title, r.target.ref)
-                        assert len(s.values) == 11
+                for r, s, shown in _drawn_values(p, res):
+                    assert shown in drawn[legend(r.target, s.labels)], (p.title, r.target.ref)
+                    assert len(s.values) == 11
             elif p.type in ("stat", "bargauge"):
                 texts = {t.get_text().strip() for ax in fig.axes for t in ax.texts}
                 v = res.results[0].series[0].values[-1]
@@ -261,6 +260,34 @@ def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
     assert any('job=~".*"' in e for e in ran) and any("[75s]" in e for e in ran)  # rate interval 60 + 15
 
 
+def _drawn_values(p, res):
+    """(result, series, the values drawn): a series' own, or on a stacked panel its running sum over the
+    series before it (the left axis; forecasts are never stacked)."""
+    stack: dict[float, float] = {}
+    out = []
+    for r in res.results:
+        for s in r.series:
+            shown = s.values
+            if p.stacked and r.target.ref not in p.right and not r.target.projection:
+                shown = [stack.get(t, 0.0) + v for t, v in zip(s.times, s.values, strict=True)]
+                stack.update(zip(s.times, shown, strict=True))
+            out.append((r, s, shown))
+    return out
+
+
+def test_memory_by_role_is_drawn_stacked_as_its_caption_says(fake_prom):
+    client = PromClient(fake_prom)
+    tc = TimeContext(start=1_800_000_000, end=1_800_000_600, step=60, scrape_interval=15)
+    (d,) = [x for x in SPECS if x.uid == "vramwatch-training-memory"]
+    (p,) = [x for x in d.panels if x.title == "Memory by role"]
+    assert p.stacked and "stacked" in p.description
+    res = run_panel(client, p, variable_values(d, {}), tc)
+    drawn = _lines(charts.draw(res, tc))
+    (*_, (r, s, top)) = _drawn_values(p, res)
+    assert top in drawn[legend(r.target, s.labels)] and top != s.values, "the last series is not on top of the rest"
+    assert [x for x in SPECS for q in x.panels if q.stacked and q is not p] == [], "another panel stacks: test it"
+
+
 def _axes_data(fig, res, p):
     """(axes, the values drawn on it that are data, not forecasts, its Axis spec) for each y-axis."""
 
@@ -270,10 +297,9 @@ def _axes_data(fig, res, p):
         refs = set(p.right) if ax is not main else {r.target.ref for r in res.results} - set(p.right)
         values = [
             v
-            for r in res.results
+            for r, _, shown in _drawn_values(p, res)
             if r.target.ref in refs and not r.target.projection
-            for s in r.series
-            for v in s.values
+            for v in shown
         ]
         out.append((ax, values, axis))
     return out
@@ -440,7 +466,7 @@ def test_without_matplotlib_it_names_the_extra_before_asking_prometheus(fake_pro
     args = ["report", "--prometheus", fake_prom, "--out", str(tmp_path / "x.html")]
     r = subprocess.run([sys.executable, "-c", hide, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "needs grafana-foundation-sdk" in r.stderr, r.stderr
-    assert "vramwatch[dashboards,report]" in r.stderr
+    assert "vramwatch[report]" in r.stderr
     assert "matplotlib" in r.stderr and len(FakeProm.seen) == seen and not (tmp_path / "x.html").exists()
     # an error found before any chart is drawn does not pay for matplotlib's import
     probe = "import sys; from vramwatch.cli import main; rc = main(); "

@@ -233,6 +233,33 @@ class Settings:
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Settings)}
+
+# What a node server does with the settings it was started with: a rank that meets a server started with
+# others is not served as it asked (server.json carries them; rank/server_spawn.py compares)
+SERVER_SETTINGS = (
+    "port",
+    "host",
+    "simulate",
+    "nvml",
+    "nvml_interval",
+    "nvml_slow_interval",
+    "gpus",
+    "xid",
+    "processes",
+    "gpm",
+    "nvlink",
+    "max_ranks",
+    "dead_rank_grace_seconds",
+    "max_connections",
+    "web_config_file",
+)
+
+
+def server_settings(settings: Settings) -> dict[str, str]:
+    """The settings a server serves by, as text (what ``server.json`` records)."""
+    return {name: _to_text(getattr(settings, name)) for name in SERVER_SETTINGS}
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 

@@ -16,6 +16,9 @@ from typing import NoReturn
 
 from vramwatch.config import Settings
 from vramwatch.sim.state import SimNode, edit, state_path
+from vramwatch.spool.files import NODE_READINGS, RANK_FILE, lock_path_of, remove_quietly
+
+_RANK_START_SECONDS = 3.0
 
 
 def _has_cuda() -> bool:
@@ -88,8 +91,11 @@ def _simulated(settings: Settings, ranks: int, end: float, url: str, cycle: floa
     spool_dir = settings.resolved_spool_dir()
     os.makedirs(spool_dir, mode=0o700, exist_ok=True)
     node = SimNode.default(ranks)
+    node.drive_by(os.getpid())  # a server started after this demo reads it as stale, not as current
     node.save(state_path(spool_dir))
-    t0 = time.time()
+    # the story's clock starts once the ranks are up (importing takes a second or two), so that the first
+    # cycle is whole; until then the ranks idle as at the end of a cycle
+    t0 = time.time() + _RANK_START_SECONDS
     env = dict(os.environ)
     env.update(settings.to_env())
     env["VRAMWATCH_SIMULATE"] = "true"
@@ -127,5 +133,31 @@ def _simulated(settings: Settings, ranks: int, end: float, url: str, cycle: floa
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        _leave_nothing(spool_dir, settings, {p.pid for p in procs})
     print("vramwatch demo: done", flush=True)
     return 0
+
+
+def _leave_nothing(spool_dir: str, settings: Settings, rank_pids: set[int]) -> None:
+    """The demo's end frees its port at once (the server its ranks started would stay for its grace and
+    linger, ~100 s) and removes what a later run would read: its ranks' final samples (served for their
+    grace), its simulated node's state and readings. A server that serves other ranks stays."""
+    from vramwatch.rank.server_spawn import stop_idle_server
+
+    stopped = stop_idle_server(spool_dir, settings)
+    if not stopped:
+        print(f"vramwatch demo: the server of {spool_dir} serves other ranks and stays", flush=True)
+    for name in os.listdir(spool_dir):
+        m = RANK_FILE.match(name)
+        if stopped and m and int(m.group(2)) in rank_pids:
+            sample = os.path.join(spool_dir, name)
+            remove_quietly(sample, lock_path_of(sample))
+    path = state_path(spool_dir)
+    try:
+        if SimNode.read(path).driver.get("pid") != os.getpid():
+            return  # another driver's now
+        os.remove(path)
+    except (OSError, ValueError, TypeError, KeyError):
+        return
+    if stopped:  # the simulated GPUs' readings and identities, which a later real server would take up
+        remove_quietly(os.path.join(spool_dir, NODE_READINGS))

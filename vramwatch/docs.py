@@ -76,7 +76,23 @@ def _readme(old: str) -> str:
 
 
 def regenerate(check: bool = False, root: str | None = None) -> int:
+    """Rewrite (or ``check``) the generated tables of a vramwatch checkout at ``root`` (the working directory);
+    2 and one line, writing nothing, where ``root`` is not one (the tables live in the checkout's README)."""
     root = root or os.getcwd()
+    readme = os.path.join(root, "README.md")
+    try:
+        with open(readme, encoding="utf-8") as fh:
+            text = fh.read()
+        marked = all(m in text for m in (BEGIN, END, CONFIG_BEGIN, CONFIG_END))
+    except OSError:
+        marked = False
+    if not marked:
+        print(
+            f"vramwatch docs: {root} is not a vramwatch checkout (no README.md with the generated tables); "
+            "run it at the root of one, where it rewrites README.md and docs/METRICS.md",
+            file=sys.stderr,
+        )
+        return 2
     targets = {
         os.path.join(root, "README.md"): _readme,
         os.path.join(root, "docs", "METRICS.md"): lambda old: metrics_doc(),

@@ -50,8 +50,6 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
             "1s",
             "--ranks",
             "1",
-            "--linger",
-            "1",
             "--spool-dir",
             str(tmp_path / "spool"),
         ],
@@ -59,11 +57,8 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
-        # the rank's final sample is served for this window before the rank-started server leaves
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")},
-            "VRAMWATCH_DEAD_RANK_GRACE_SECONDS": "1",
-        },
+        # the default grace (90 s) and linger (10 s): Ctrl-C must not leave the exporter's port bound for them
+        env={k: v for k, v in os.environ.items() if not k.startswith("VRAMWATCH_")},
     )
     prom = f"http://127.0.0.1:{prom_port}"
 
@@ -97,7 +92,9 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
         assert _processes_mentioning(work), "Prometheus and Alertmanager run with the stack's directory"
         time.sleep(2.5)  # the rank-started server polls its ranks each second: let it see one before Ctrl-C
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, as a terminal sends it to the foreground group
+        interrupted = time.monotonic()
         assert proc.wait(timeout=60) == 130
+        stopped_in = time.monotonic() - interrupted
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -109,8 +106,12 @@ def test_demo_stack_scrapes_the_demo_and_cleans_up(tmp_path):
     assert not Path(work).exists(), "the stack's directory is left behind"
     assert not _processes_mentioning(work), "a server outlived the stack"
     assert not _processes_mentioning(f"--port {exp_port}"), "the demo outlived the stack"
+    left = {p.name for p in (tmp_path / "spool").iterdir()}
+    leftovers = {"nvml.json", "sim-node.json", "server.json"} & left | {n for n in left if n.startswith("rank-")}
+    assert not leftovers, f"the demo left state a later run would read: {leftovers}"
+    assert stopped_in < 15, f"the stack took {stopped_in:.1f}s to stop"
     try:
-        wait_port_closed(exp_port, 20)  # the rank-started exporter leaves after its grace and linger (1 s each)
+        wait_port_closed(exp_port, 3)  # the demo stopped the server its rank started: not after grace and linger
     except AssertionError:
         spool = tmp_path / "spool"
         raise AssertionError(

@@ -113,6 +113,12 @@ def test_the_wheel_carries_every_deploy_file_and_the_license(wheel):
     required = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
     assert sorted(r.split(">")[0] for r in required) == ["nvidia-ml-py", "prometheus-client", "pyyaml"]
     assert not any("torch" in r for r in meta.get_all("Requires-Dist"))
+    report = [r for r in meta.get_all("Requires-Dist") if 'extra == "report"' in r]
+    assert any("vramwatch[dashboards]" in r or "grafana-foundation-sdk" in r for r in report), report
+    pythons = {
+        c.rsplit(" ", 1)[1] for c in meta.get_all("Classifier") if c.startswith("Programming Language :: Python :: 3.")
+    }
+    assert {"3.11", "3.12", "3.13"} <= pythons, pythons
 
 
 def test_installed_without_torch_every_artefact_works(venv, tmp_path):
@@ -221,3 +227,52 @@ def test_installed_server_serves_without_torch_or_nvml(venv, tmp_path):
         proc.terminate()
         proc.wait(timeout=20)
         log.close()
+
+
+def _one_line(r: subprocess.CompletedProcess) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_installed_without_the_extras_every_command_says_what_it_needs(venv, tmp_path):
+    """What a plain `pip install` meets: a setting it cannot honour is refused with the extra named, in one
+    line; nothing ends in a traceback."""
+    cfg = tmp_path / "monitoring.yaml"
+    cfg.write_text("memory_warning_ratio: 0.8\n")
+    out = tmp_path / "dash"
+    r = vw(venv, "dashboards", "--config", str(cfg), "--write", str(out), cwd=tmp_path)
+    assert r.returncode == 2 and "grafana-foundation-sdk" in _one_line(r) and "--config" in r.stderr, r.stderr
+    assert not out.exists(), "the default dashboards were written although --config asked for others"
+    r = vw(venv, "alerts", "--config", str(cfg), cwd=tmp_path)
+    assert r.returncode == 0 and "0.8" in r.stdout, r.stderr  # the rules honour it without the SDK
+
+    r = vw(venv, "report", "--prometheus", "http://127.0.0.1:9", "--out", str(tmp_path / "r.html"), cwd=tmp_path)
+    line = _one_line(r)
+    assert r.returncode == 2 and "grafana-foundation-sdk" in line and "vramwatch[report]" in line, r.stderr
+
+    r = vw(venv, "docs", cwd=tmp_path)  # outside a checkout: nothing to regenerate, nothing written
+    assert r.returncode == 2 and "not a vramwatch checkout" in _one_line(r), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["monitoring.yaml"], "docs wrote into a non-checkout"
+
+    head = subprocess.run(  # the reader is gone before the first write (`| head` when it left): a quiet stop
+        f"'{venv}/bin/vramwatch' config | true",
+        shell=True,
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert not head.stderr, head.stderr
+
+    r = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import vramwatch; vramwatch.start(serve='off'); vramwatch.stop()"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    line = _one_line(r)
+    assert r.returncode == 0 and "torch is not installed" in line and "only the heartbeat" in line, r.stderr

@@ -321,3 +321,22 @@ def test_torch_source_asks_only_about_devices_without_a_context(monkeypatch):
     assert src.devices() == [0, 1] and asked() == ["hasctx1"]
     now[0] += 100
     assert src.devices() == [0, 1] and asked() == []  # all found: never asked again
+
+
+def test_the_largest_free_block_carries_the_time_of_its_snapshot(monkeypatch):
+    """Between snapshots (spaced by cost) the figure repeats; its timestamp says how old it is."""
+    sim = SimAllocator(SimNode.default(1), visible="0")
+    sim.init(0)
+    sim.allocate(2 * GIB)
+    sim.fragment(1 * GIB)
+    clock = [1_800_000_000.0]
+    monkeypatch.setattr("vramwatch.rank.allocator.time.time", lambda: clock[0])
+    sampler = AllocatorSampler(sim, largest_block_interval=30)
+    v = sampler.read(now=100.0)[0].values
+    assert v["torch_cuda_memory_largest_free_block_timestamp_seconds"] == 1_800_000_000.0
+    clock[0] += 20
+    v = sampler.read(now=120.0)[0].values  # no snapshot yet: the same figure, the same (older) time
+    assert v["torch_cuda_memory_largest_free_block_timestamp_seconds"] == 1_800_000_000.0
+    clock[0] += 20
+    v = sampler.read(now=140.0)[0].values  # due: a new snapshot, a new time
+    assert v["torch_cuda_memory_largest_free_block_timestamp_seconds"] == 1_800_000_040.0

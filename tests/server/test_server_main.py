@@ -40,7 +40,7 @@ import pytest
 from harness.exporter import parse_metrics
 from harness.net import http_get, port_open, wait_until
 from vramwatch import spool
-from vramwatch.config import Settings
+from vramwatch.config import Settings, server_settings
 from vramwatch.server import main
 from vramwatch.server.main import Server, _cause, serve
 from vramwatch.server.port_owner import describe_port_owner
@@ -345,7 +345,13 @@ def test_open_binds_says_where_in_server_json_and_close_without_run_releases_it_
         assert server.open() is True
         port = server.port
         assert port != 0 and port == server.http.socket.getsockname()[1]
-        assert _server_info(settings.spool_dir) == {"pid": os.getpid(), "host": "127.0.0.1", "port": port}
+        assert _server_info(settings.spool_dir) == {
+            "pid": os.getpid(),
+            "host": "127.0.0.1",
+            "port": port,
+            "settings": server_settings(server.settings),  # what a rank compares with its own
+            "exit_when_idle": False,
+        }
         assert spool.server_running(settings.spool_dir)
         assert server.http.admission.total == 3  # max_connections reaches the listener
         assert server.exposition.refreshing
@@ -493,7 +499,12 @@ def test_serve_runs_until_sigterm_and_leaves_nothing_behind(tmp_path, monkeypatc
     assert served.rc == 0 and not served.stuck, "SIGTERM did not stop serve()"
     got = served.looked
     port = got["port"]
-    assert got["info"] == {"pid": os.getpid(), "host": "127.0.0.1", "port": port}
+    assert {k: got["info"][k] for k in ("pid", "host", "port", "exit_when_idle")} == {
+        "pid": os.getpid(),
+        "host": "127.0.0.1",
+        "port": port,
+        "exit_when_idle": False,
+    }
     assert got["metrics"]["vramwatch_server_mode"] == [({"mode": "job"}, 1.0)]
     assert [v for labels, v in got["metrics"]["gpu_up"]] == [1.0]  # the simulated NVML, read by the server
     assert got["metrics"]["vramwatch_ranks"] == [({}, 0.0)]
@@ -529,7 +540,12 @@ def test_serve_node_runs_until_sigint_over_the_node_root(tmp_path, monkeypatch, 
     assert served.rc == 0 and not served.stuck, "SIGINT did not stop serve()"
     got = served.looked
     port = got["port"]
-    assert got["info"] == {"pid": os.getpid(), "host": "127.0.0.1", "port": port}
+    assert {k: got["info"][k] for k in ("pid", "host", "port", "exit_when_idle")} == {
+        "pid": os.getpid(),
+        "host": "127.0.0.1",
+        "port": port,
+        "exit_when_idle": False,
+    }
     assert got["metrics"]["vramwatch_server_mode"] == [({"mode": "node"}, 1.0)]
     # the root as systemd makes it, and a lock every user's ranks can open to ask whether the daemon runs
     assert got["modes"] == (node.ROOT_MODE, node.SHARED_MODE)

@@ -153,6 +153,16 @@ METRICS: tuple[MetricSpec, ...] = (
         _NOT_INIT + "; the backend is cudaMallocAsync (no snapshot); before the first slow sample",
     ),
     _m(
+        "torch_cuda_memory_largest_free_block_timestamp_seconds",
+        "gauge",
+        "seconds",
+        RANK_DEVICE,
+        "When the snapshot behind the largest free block was taken (Unix time): snapshots are spaced by their "
+        "cost, so on a job of many blocks the figure can be minutes old.",
+        "allocator",
+        _NOT_INIT + "; the backend is cudaMallocAsync (no snapshot); before the first slow sample",
+    ),
+    _m(
         "torch_cuda_memory_peak_allocated_bytes",
         "gauge",
         "bytes",

@@ -169,6 +169,7 @@ class AllocatorSampler:
         self._uuids: dict[int, str] = {}
         self._segments: dict[int, dict[str, int]] = {}
         self._next_snapshot = 0.0
+        self._snapshot_at = 0.0  # wall-clock time of the newest snapshot (its figure's age)
         self._backend: str | None = None
         self._info: AllocatorInfo | None = None
 
@@ -183,6 +184,7 @@ class AllocatorSampler:
         if native and self.largest_block_interval > 0 and now >= self._next_snapshot:
             t0 = time.perf_counter()
             self._segments = segment_summary(self.source.snapshot())
+            self._snapshot_at = time.time()
             cost = time.perf_counter() - t0
             # the snapshot walks every block under the allocator's lock: however many blocks the
             # job has, keep its share of a core at or below SNAPSHOT_MAX_SHARE by spacing them out
@@ -205,6 +207,7 @@ class AllocatorSampler:
             seg = self._segments.get(dev)
             if seg is not None:
                 values["torch_cuda_memory_largest_free_block_bytes"] = float(seg["largest_free"])
+                values["torch_cuda_memory_largest_free_block_timestamp_seconds"] = self._snapshot_at
                 if values.get("torch_cuda_memory_segments", 0) == 0 and seg["segments"]:
                     values["torch_cuda_memory_segments"] = float(seg["segments"])  # expandable segments
             # read every time: set_per_process_memory_fraction may change it mid-run (a cheap C getter)

@@ -71,7 +71,9 @@ class Handle:
             self.identity, self.hostname, self.sampler, self.heartbeat, self.plugins, self._log_once
         )
         self._thread = SamplerThread(settings.interval, self.tick)
-        self._spawner = ServerSpawner(settings, self.spool_dir, self._log_once, self.node_root is not None)
+        self._spawner = ServerSpawner(
+            settings, self.spool_dir, self._log_once, self.node_root is not None, self.identity.job_id
+        )
         self._publisher: spool.RankPublisher | None = None
         self._pid = os.getpid()
         # one sample assembled and published at a time: the sampler thread's ticks and an OOM's

@@ -1,26 +1,38 @@
 """Starting the node's server from a rank when none runs (``serve="auto"``).
 
-Eight local ranks finding no server at once: only the one holding the spool's spawn lock starts
-it. A server that exits is restarted with a doubling backoff (at most ``SPAWN_BACKOFF_MAX``).
+Eight local ranks finding no server at once: only the one holding the spool's spawn lock starts it. A
+server that exits is restarted with a doubling backoff (at most ``SPAWN_BACKOFF_MAX``).
+
+A server that runs with other settings than this rank's (``server.json``; a rank-started server outlives
+its job by its grace and linger, and the next run would meet it) is named in one line with the
+difference (under ``serve: external`` the server's settings are its operator's: nothing is compared). A
+rank-started one that serves no other job's live ranks is asked to leave (SIGTERM) and this rank starts
+its own; one that serves another job is replaced once that job is gone.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 from vramwatch import spool
 from vramwatch._once import OnceLog
-from vramwatch.config import Settings
+from vramwatch.config import Settings, server_settings
 
 SPAWN_BACKOFF_MAX = 60.0
 
 
 class ServerSpawner:
-    def __init__(self, settings: Settings, spool_dir: str, log_once: OnceLog, node_daemon: bool = False) -> None:
+    def __init__(
+        self, settings: Settings, spool_dir: str, log_once: OnceLog, node_daemon: bool = False, job_id: str = ""
+    ) -> None:
         self.settings = settings
+        self.job_id = job_id  # this rank's job: a server serving only it (and dead ranks) may be replaced
         self.node_daemon = node_daemon  # the node's daemon serves this rank: never start one
         self.spool_dir = spool_dir
         self.log_once = log_once
@@ -44,7 +56,7 @@ class ServerSpawner:
             self._proc = None
             self.release()
             self._backoff = 2.0
-            self._next_check = now + 5.0
+            self._next_check = now + (0.5 if self._check_settings() else 5.0)
             return
         if proc is not None:  # ours exited and no server runs: back off before the next try
             log_path = os.path.join(self.spool_dir, spool.SERVER_LOG)
@@ -63,6 +75,38 @@ class ServerSpawner:
                 return
         self._proc = spawn_server(self.settings, self.spool_dir)
         self._next_check = now + self._backoff
+
+    def _check_settings(self) -> bool:
+        """Say in one line how the running server's settings differ from this rank's; True when it was asked
+        to leave (a rank-started server serving no other job), so that this rank starts its own."""
+        info = read_server_info(self.spool_dir)
+        theirs = info.get("settings")
+        if not isinstance(theirs, dict):
+            return False  # a server of a version that does not say: nothing to compare
+        ours = server_settings(self.settings)
+        diff = [f"{k} {theirs.get(k)!r}, here {v!r}" for k, v in ours.items() if theirs.get(k) != v]
+        if not diff:
+            return False
+        pid = info.get("pid")
+        where = f"the server of {self.spool_dir} (pid {pid}) runs with other settings ({'; '.join(diff)})"
+        if info.get("exit_when_idle") is not True or not _is_server(pid):
+            self.log_once(
+                ("server-settings", pid), "vramwatch: %s; no rank started it: restart it to change them", where
+            )
+            return False
+        other = live_jobs(self.spool_dir, self.settings) - {self.job_id}
+        if other:
+            self.log_once(
+                ("server-settings", pid),
+                "vramwatch: %s; it serves job(s) %s, and is replaced once they are gone",
+                where,
+                ", ".join(sorted(other)),
+            )
+            return False
+        self.log_once(("server-replaced", pid), "vramwatch: %s; it serves no other job: replacing it", where)
+        assert isinstance(pid, int)
+        _terminate(pid)
+        return True
 
     def release(self) -> None:
         if self._spawn_lock_fd is not None:
@@ -104,3 +148,57 @@ def spawn_server(settings: Settings, spool_dir: str) -> subprocess.Popen:
         )
     finally:
         logf.close()
+
+
+def read_server_info(spool_dir: str) -> dict[str, Any]:
+    """``server.json`` of the server holding the spool ({} when absent or unreadable)."""
+    try:
+        with open(os.path.join(spool_dir, spool.SERVER_INFO), encoding="utf-8") as fh:
+            info = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def live_jobs(spool_dir: str, settings: Settings) -> set[str]:
+    """The jobs of the ranks alive in the spool (dead ranks' final samples are no job to serve)."""
+    read = spool.read_spool(spool_dir, settings.max_ranks, settings.dead_rank_grace_seconds, reap=False)
+    return {s.job_id for s in read.live}
+
+
+def _is_server(pid: object) -> bool:
+    """Whether ``pid`` is a `vramwatch serve` now (server.json may name a pid reused since its server died)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return b"vramwatch" in argv and b"serve" in argv
+
+
+def _terminate(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)  # the server closes its port and drops its lock (serve()'s handler)
+    except OSError:
+        pass  # gone already
+
+
+def stop_idle_server(spool_dir: str, settings: Settings, wait: float = 5.0) -> bool:
+    """Stop the rank-started server of ``spool_dir`` when no rank is alive there (the demo's end: its grace
+    and linger would keep the port bound for ~100 s); True once no server holds the spool."""
+    info = read_server_info(spool_dir)
+    pid = info.get("pid")
+    if not spool.server_running(spool_dir):
+        return True
+    if info.get("exit_when_idle") is not True or not _is_server(pid) or live_jobs(spool_dir, settings):
+        return False
+    assert isinstance(pid, int)
+    _terminate(pid)
+    end = time.monotonic() + wait
+    while spool.server_running(spool_dir):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True

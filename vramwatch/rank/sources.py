@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 from vramwatch.config import Settings
@@ -12,6 +13,10 @@ log = logging.getLogger("vramwatch")
 
 def allocator_source(settings: Settings, spool_dir: str) -> AllocatorSource:
     if not settings.simulate:
+        if importlib.util.find_spec("torch") is None:  # finds it without importing it
+            log.warning(
+                "vramwatch: torch is not installed: only the heartbeat (steps) will be exported, no allocator series"
+            )
         return TorchSource()
     from vramwatch.sim.allocator import SimAllocator
     from vramwatch.sim.state import SimNode, load_or_create

@@ -7,7 +7,7 @@
 It walks the same dashboard models the Grafana JSON is generated from, runs each panel's
 queries through Prometheus's HTTP API (``query_range`` for time series, ``query`` at the end of
 the range for tables and stats), and draws one PNG per panel with matplotlib, embedded in the
-page. Needs the ``dashboards`` and ``report`` extras; imports them only when it runs.
+page. Needs the ``report`` extra (it brings the ``dashboards`` one); imports them only when it runs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from datetime import UTC, datetime
 
-NEEDS = "grafana-foundation-sdk==0.0.21 and matplotlib (pip install 'vramwatch[dashboards,report]')"
+NEEDS = "grafana-foundation-sdk==0.0.21 and matplotlib (pip install 'vramwatch[report]')"
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
@@ -138,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
         from vramwatch.report.httpconfig import http_config, redact_url
         from vramwatch.report.prom import PromClient, PromError
 
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ImportError("No module named 'matplotlib'")
+        for module in ("grafana_foundation_sdk", "matplotlib"):  # build_all() and the charts import them late
+            if importlib.util.find_spec(module) is None:
+                raise ImportError(f"No module named {module!r}")
     except ImportError as e:
         return _needs_extras(e)
 

@@ -208,6 +208,7 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: Sequence[Annotati
     forecasts: list[tuple[Artist | BarContainer, bool, list[float]]] = []
     n = 0
     bar_series = sum(len(r.series) for r in res.results) if p.bars else 0
+    stack: dict[float, float] = {}  # time -> the top of the stack so far (a stacked panel's left axis)
     for r in res.results:
         target_ax = right if (right is not None and r.target.ref in p.right) else ax
         for s in r.series:
@@ -216,6 +217,12 @@ def timeseries(res: PanelResult, tc: TimeContext, annotations: Sequence[Annotati
             x, y = _dt(s.times), s.values
             name = legend(r.target, s.labels)
             style = "--" if r.target.ref in p.dashed else "-"
+            if p.stacked and target_ax is ax and not r.target.projection and not p.bars:
+                # on top of the series before, as the caption says: the line is the running sum, filled down
+                lower = [stack.get(t, 0.0) for t in s.times]
+                y = [lo + v if math.isfinite(v) else math.nan for lo, v in zip(lower, s.values, strict=True)]
+                stack.update((t, top) for t, top in zip(s.times, y, strict=True) if math.isfinite(top))
+                ax.fill_between(x, lower, y, color=col, alpha=0.35, linewidth=0, step="post" if p.stepped else None)
             if p.bars:  # side by side within each step (matplotlib dates are days)
                 width = tc.step / 86400.0 * 0.9 / bar_series
                 h: Artist | BarContainer = target_ax.bar(

@@ -16,7 +16,7 @@ import threading
 import time
 
 from vramwatch import spool
-from vramwatch.config import ConfigError, Settings
+from vramwatch.config import ConfigError, Settings, server_settings
 from vramwatch.server import process
 from vramwatch.server.collectors import Runner, enabled_collectors
 from vramwatch.server.exposition_cache import CachedExposition
@@ -49,6 +49,7 @@ class Server:
             settings = dataclasses.replace(settings, spool_dir=settings.node_dir)
         self.settings = settings
         self.mode = "node" if node_daemon else "job"
+        self.exit_when_idle = False  # started by a rank (serve --exit-when-idle): serve() sets it
         self.spool_dir = settings.resolved_spool_dir()
         self.collectors: list[Runner] = []
         self.exporter: ExporterCollector | None = None
@@ -104,7 +105,14 @@ class Server:
 
     def _server_info(self) -> dict[str, object]:
         assert self.http is not None
-        return {"pid": os.getpid(), "host": self.settings.host, "port": self.http.server_address[1]}
+        return {
+            "pid": os.getpid(),
+            "host": self.settings.host,
+            "port": self.http.server_address[1],
+            # what a rank compares with its own; a rank-started server may be replaced once idle
+            "settings": server_settings(self.settings),
+            "exit_when_idle": self.exit_when_idle,
+        }
 
     @property
     def port(self) -> int:
@@ -172,6 +180,7 @@ def serve(settings: Settings, exit_when_idle: bool = False, node_daemon: bool = 
     if blocked := process.unblock_signals():
         log.info("vramwatch: %s were blocked (inherited); unblocked them", ", ".join(sorted(s.name for s in blocked)))
     server = Server(settings, node_daemon)
+    server.exit_when_idle = exit_when_idle
     try:
         server.guard.ensure_dir()
     except OSError as e:

@@ -292,6 +292,14 @@ class SimAllocator:
         d.stats["inactive_split_bytes"].add(nbytes)
         d.stats["inactive_split"].add(1)
 
+    def coalesce(self, device: int = 0) -> None:
+        """The tensors beside the split pieces were freed: the pieces merge into whole free blocks, which a
+        request can use and empty_cache() can release (the real allocator merges a freed block with its free
+        neighbours)."""
+        d = self._dev(device)
+        d.stats["inactive_split_bytes"].add(-d.v("inactive_split_bytes"))
+        d.stats["inactive_split"].add(-d.v("inactive_split"))
+
     def empty_cache(self, device: int = 0) -> None:
         self._release_cache(self._dev(device))
 

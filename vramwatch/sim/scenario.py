@@ -1,13 +1,16 @@
 """The demo's story, on the simulated GPU: a fine-tuning job running short of memory, then hanging, in two minutes.
 
-One cycle of ``CYCLE`` seconds (``cycle`` compresses it: every time scales), the same clock for
-every rank and the node. The ranks' allocators: warm-up fills memory; fine-tuning fragments the
-cache (reserved climbs above allocated); pressure near the budget brings cudaMalloc retries and a
-caught OOM; then the last rank stalls with utilisation pinned and power falling (the busy-looking
-hang); then it recovers. The node's devices (``EVENTS``): the first GPU runs hot and throttles its
-clocks during fine-tuning; an inference server starts on the last GPU before the pressure and leaves
-after the stall (a second process on the card has caused such stalls); the stalled GPU reports an
-Xid. So every dashboard moves: memory, GPU health (throttling, Xid, foreign process), fleet.
+One cycle of ``CYCLE`` seconds (``cycle`` compresses it: every time scales), the same clock for every
+rank and the node. The ranks' allocators: warm-up fills memory; fine-tuning fragments the cache
+(reserved climbs above allocated); pressure near the budget brings cudaMalloc retries and a caught OOM;
+then the last rank stalls with utilisation pinned and power falling (the busy-looking hang); then it
+recovers (the fragments are given back with the tensors beside them, and the cache emptied), and the
+next cycle starts as a restart from a checkpoint would: memory given back and filled again, so every
+cycle is the first one again (one OOM per rank and cycle). The node's devices (``EVENTS``): the first
+GPU runs hot and throttles its clocks during fine-tuning; an inference server starts on the last GPU
+before the pressure and leaves after the stall (a second process on the card has caused such stalls);
+the stalled GPU reports an Xid. So every dashboard moves: memory, GPU health (throttling, Xid, foreign
+process), fleet.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import time
 import vramwatch
 from vramwatch.sim.allocator import SimAllocator, SimOutOfMemoryError
 from vramwatch.sim.model import SimAdam, SimModel
-from vramwatch.sim.state import SimNode
+from vramwatch.sim.state import SimGpu, SimNode
 
 GIB = 1 << 30
 CYCLE = 120.0
-SAMPLES_PER_STEP = 8  # sequences of 2048 tokens per step and rank
+# one sequence of 2048 tokens per step and rank: with the model below (3.2e9 parameters, 6 FLOPs per parameter
+# and token) at ~10 steps/s that is ~3.9e14 FLOP/s, about 40% of an H200's dense BF16 peak (989e12): an MFU
+# a good fine-tuning run reaches
+SAMPLES_PER_STEP = 1
 TOKENS_PER_STEP = SAMPLES_PER_STEP * 2048
 BUDGET_FRACTION = 0.5  # of the simulated card: 60 GiB held leaves room for fragmentation, not for much more
 PHASES = ((0.0, "warmup"), (20.0, "finetune"), (70.0, "pressure"), (80.0, "stall"), (95.0, "recover"))
@@ -88,6 +94,7 @@ def drive_node(
             g.power_w = 540.0 + 60.0 * wobble
             g.sm_clock_mhz = 1980.0
         g.memory_utilization = 0.6 * g.utilization
+        _gpm(g, stalled=g.index in stalled_gpus and p == "stall")
         g.temperature_c = min(78.0, g.temperature_c + 0.2) if g.utilization > 0.5 else max(35.0, g.temperature_c - 0.5)
         g.energy_mj += g.power_w * 1000.0  # one second of draw
         g.throttle_mask = SW_POWER_CAP if g.power_w > 590 else 0
@@ -106,6 +113,22 @@ def drive_node(
             node.inject_xid(i, XID)
 
 
+def _gpm(g: SimGpu, stalled: bool) -> None:
+    """GPM's view of the same work: a bf16 fine-tuning step keeps the SMs busy and the tensor cores at about
+    the MFU (40%), reads HBM hard and all-reduces over NVLink; a hung collective spins on a few SMs with
+    no tensor work or traffic, which is how GPM tells the hang from work while utilisation reads 100%."""
+    if stalled:
+        g.sm_activity, g.sm_occupancy, g.tensor_activity, g.dram_bandwidth_utilization = 0.04, 0.02, 0.0, 0.01
+        g.nvlink_rx_bytes_per_second = g.nvlink_tx_bytes_per_second = 0.0
+        g.pcie_rx_bytes_per_second = g.pcie_tx_bytes_per_second = 0.0
+        return
+    busy = g.utilization * g.sm_clock_mhz / 1980.0  # throttled clocks do less
+    g.sm_activity, g.sm_occupancy = 0.85 * busy, 0.45 * busy
+    g.tensor_activity, g.dram_bandwidth_utilization = 0.42 * busy, 0.55 * busy
+    g.nvlink_rx_bytes_per_second = g.nvlink_tx_bytes_per_second = 60e9 * busy  # the gradients' all-reduce
+    g.pcie_rx_bytes_per_second, g.pcie_tx_bytes_per_second = 1.5e9 * busy, 0.2e9 * busy  # batches in, logs out
+
+
 class RankStory:
     """One rank's allocator through the cycle; ``step(t)`` is one training step at scenario time t."""
 
@@ -121,9 +144,18 @@ class RankStory:
         self.held = 0
         self.steps = 0
         self._oom_cycle = -1
+        self._cycle = 0  # the cycle of the last step
+        self._coalesced = -1  # the cycle whose recovery gave the fragments back
 
     def step(self, t: float) -> None:
         sim, p, cycle = self.sim, phase(t, self.cycle), self.cycle
+        n = int(t // cycle)
+        if n != self._cycle:  # a new cycle: restarted from its checkpoint, the job refills in the warm-up
+            self._cycle = n
+            sim.free(sim.allocated())
+            sim.coalesce()
+            sim.empty_cache()
+            self.held = 0
         if p == "warmup" and self.held < self.fill:
             sim.allocate(self.chunk)
             self.held += self.chunk
@@ -143,6 +175,10 @@ class RankStory:
             sim.fragment(int(0.05 * GIB))  # scattered pieces left in split segments
             sim.allocate(int(0.05 * GIB))  # ... and the allocator grows the cache for the next request
             self.held = sim.allocated()
+        if p == "recover" and self._coalesced != n:  # the tensors beside the fragments are freed: they merge
+            self._coalesced = n
+            sim.coalesce()
+            sim.empty_cache()
         if p == "recover" and self.steps % 50 == 0:
             sim.empty_cache()
         self.steps += 1

@@ -144,6 +144,9 @@ class SimNode:
     nvml_absent: str = ""
     context_bytes: int = 527 * MIB  # what a CUDA context costs a rank (measured on an H200)
     xid_seq: int = 0  # sequence number of the newest injected Xid (survives the queue's trimming)
+    # the process driving the state (the demo: {"pid", "start"}); once it is gone the state is stale, and
+    # loading it gives a fresh node: a later simulated run never reads a finished demo's readings as current
+    driver: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def default(cls, count: int = 1) -> SimNode:
@@ -158,12 +161,29 @@ class SimNode:
 
     @classmethod
     def load(cls, path: str) -> SimNode:
+        """The state in ``path``; a fresh node of as many GPUs when the process that drove it is gone."""
+        node = cls.read(path)
+        return cls.default(len(node.gpus)) if node.stale() else node
+
+    @classmethod
+    def read(cls, path: str) -> SimNode:
+        """The state in ``path`` as it was saved, stale or not."""
         with open(path, encoding="utf-8") as fh:
             raw = json.load(fh)
         raw["gpus"] = [SimGpu(**g) for g in raw["gpus"]]
         for g in raw["gpus"]:
             g.mig_instances = [SimMig(**m) for m in g.mig_instances]
         return cls(**raw)
+
+    def drive_by(self, pid: int) -> None:
+        """Mark the state as driven by process ``pid``: it is stale once that process is gone."""
+        self.driver = {"pid": int(pid), "start": _start_time(pid)}
+
+    def stale(self) -> bool:
+        if not self.driver:
+            return False  # a state nobody drives (a test's edit) holds until changed
+        pid = int(self.driver.get("pid", 0))
+        return pid <= 0 or _start_time(pid) != self.driver.get("start")
 
     # --- driving ---
     def gpu(self, index: int) -> SimGpu:
@@ -221,6 +241,16 @@ def _profile_bytes(profile: str) -> int:
         return 1 << 30
 
 
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+    except OSError:
+        return ""
+    return fields[19] if len(fields) > 19 else ""
+
+
 def state_path(spool_dir: str) -> str:
     return os.path.join(spool_dir, STATE_FILE)
 
@@ -228,7 +258,11 @@ def state_path(spool_dir: str) -> str:
 def load_or_create(spool_dir: str, count: int = 1) -> SimNode:
     path = state_path(spool_dir)
     try:
-        return SimNode.load(path)
+        node = SimNode.read(path)
+        if node.stale():  # a finished driver's (the demo's) readings: start afresh, for every reader
+            node = SimNode.default(len(node.gpus))
+            node.save(path)
+        return node
     except (OSError, ValueError, TypeError, KeyError):
         node = SimNode.default(count)
         os.makedirs(spool_dir, mode=0o700, exist_ok=True)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from vramwatch.monitoring import contract
+from vramwatch.monitoring.alerts.progress import _go_string as go_string  # one escaping for Go templates
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
     DEVICE_WHERE,
@@ -15,6 +19,23 @@ from vramwatch.monitoring.promql import (
     num,
     percent,
 )
+
+
+def _time_to_limit(cfg: MonitoringConfig) -> str:
+    """A sentence of the leak's description: when the peak meets the budget at its rate over the leak window
+    (the rule's value is the peak at the horizon, which says how much, not when). Empty when not rising."""
+    names = ("instance", "uuid", "device", "rank", contract.JOB_ID)  # one rank's device on one target
+    where = [f"{n}=%q" for n in names]
+    bare = dataclasses.replace(cfg, selector="")  # the labels pin the one series: no selector in the Go string
+    peak = metric(bare, "torch_cuda_memory_step_peak_allocated_bytes", *where)
+    limit = metric(bare, "torch_cuda_memory_limit_bytes", *where)
+    query = f"({limit} - {peak}) / deriv({peak}[{duration(cfg.leak_window)}]) > 0"
+    one = " ".join(f"$labels.{n}" for n in names)
+    args = " ".join([one] * (query.count("%q") // len(names)))  # the labels of each use of the selector
+    return (
+        f"{{{{ with printf {go_string(query)} {args} | query }}}}{{{{ with first . }}}}"
+        " At that rate it meets the budget in about {{ .Value | humanizeDuration }}.{{ end }}{{ end }}"
+    )
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
@@ -64,7 +85,7 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             f"{cfg.leak_horizon_hours:g} hours.",
             f"{DEVICE_WHERE}: the per-step high-water mark of allocated bytes is rising; extrapolated over "
             f"the last {cfg.leak_window} it reaches {VALUE_BYTES} in {cfg.leak_horizon_hours:g} hours, "
-            "beyond the rank's budget (torch_cuda_memory_limit_bytes).",
+            "beyond the rank's budget (torch_cuda_memory_limit_bytes)." + _time_to_limit(cfg),
             cfg.leak_for,
         ),
     ]

@@ -3,7 +3,7 @@
 The SDK is imported only when the command runs: every ``vramwatch`` command line (the
 scrape server's too) builds this parser, and the server needs neither the SDK nor its import time.
 Without the SDK the command lists, prints and writes the dashboards the package ships
-(:mod:`vramwatch.shipped`); only ``--check`` (rebuilding them) needs it.
+(:mod:`vramwatch.shipped`); ``--check`` and ``--config`` (rebuilding them) need it, and say so.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         if args.check:
             print(f"vramwatch dashboards: --check rebuilds the dashboards and needs {NEEDS}: {e}", file=sys.stderr)
+            return 2
+        if args.config:  # the shipped JSON holds the default thresholds: writing it would ignore the file
+            print(f"vramwatch dashboards: --config rebuilds the dashboards and needs {NEEDS}", file=sys.stderr)
             return 2
         return run_shipped(args)
     if args.write:

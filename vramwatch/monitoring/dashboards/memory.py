@@ -18,6 +18,7 @@ from vramwatch.monitoring.dashboards.common import (
     q,
     qt,
     rank_mfu,
+    right_axis,
     stall_bound,
     step_skew,
     table_panel,
@@ -175,19 +176,21 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             limits=thresholds((cfg.fragmentation_ratio, "orange")),
         )
     )
-    d = d.with_panel(
-        ts(
-            "Largest free block and split leftovers",
-            "Largest free cached block (the biggest request the cache can serve without cudaMalloc; sampled on a "
-            "slower cadence) and the free pieces of split segments that empty_cache() cannot release.",
-            units.BytesIEC,
-            [
-                q(f"{m('torch_cuda_memory_largest_free_block_bytes')}{s.device}", f"largest free block {RANK}", "A"),
-                q(f"{m('torch_cuda_memory_inactive_split_bytes')}{s.device}", f"inactive split {RANK}", "B"),
-            ],
-            min_=0,
-        )
+    block_age = f"time() - {m('torch_cuda_memory_largest_free_block_timestamp_seconds')}{s.device}"
+    blocks = ts(
+        "Largest free block and split leftovers",
+        "Largest free cached block (the biggest request the cache can serve without cudaMalloc; from an allocator "
+        "snapshot, taken every largest_block_interval seconds or less often when a snapshot is costly: its age "
+        "is on the right axis, dashed) and the free pieces of split segments that empty_cache() cannot release.",
+        units.BytesIEC,
+        [
+            q(f"{m('torch_cuda_memory_largest_free_block_bytes')}{s.device}", f"largest free block {RANK}", "A"),
+            q(f"{m('torch_cuda_memory_inactive_split_bytes')}{s.device}", f"inactive split {RANK}", "B"),
+            q(block_age, f"age of the largest free block {RANK}", "C"),
+        ],
+        min_=0,
     )
+    d = d.with_panel(right_axis(blocks, "C", units.Seconds, min_=0, dashed=True))
     d = d.with_panel(
         table_panel(
             "Allocator settings in force",

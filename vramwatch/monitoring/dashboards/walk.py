@@ -48,6 +48,7 @@ class PanelSpec:
     colors: dict[str, str] = field(default_factory=dict)  # refId -> fixed colour
     bars: bool = False
     stepped: bool = False
+    stacked: bool = False  # series drawn on top of one another (Grafana's stacking mode "normal")
     columns: dict[str, str] = field(default_factory=dict)  # refId -> column title (tables)
     hidden: set[str] = field(default_factory=set)  # label columns left out (tables)
     column_units: dict[str, str] = field(default_factory=dict)  # column title -> unit (tables)
@@ -124,6 +125,7 @@ def _panel(p: Any) -> PanelSpec:
         ),
         bars=_val(getattr(custom, "draw_style", None)) == "bars",
         stepped=str(_val(getattr(custom, "line_interpolation", None)) or "").startswith("step"),
+        stacked=_val(getattr(getattr(custom, "stacking", None), "mode", None)) == "normal",
         no_value=(getattr(d, "no_value", None) or ""),
     )
     for o in (fc.overrides or []) if fc is not None else []:
