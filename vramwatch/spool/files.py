@@ -18,6 +18,7 @@ Every file in the spool is named here and nowhere else:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -75,14 +76,38 @@ def write_server_info(spool_dir: str, info: dict[str, object]) -> None:
     """Replace ``server.json`` whole (a reader never sees half of it). Raises OSError naming the file: on a
     full tmpfs the write fails with ENOSPC, and a server that cannot say where it listens must say so."""
     path = os.path.join(spool_dir, SERVER_INFO)
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(info, fh)
-        os.replace(tmp, path)
+        replace_file(path, json.dumps(info).encode())
     except OSError as e:
-        remove_quietly(tmp)
         raise OSError(e.errno, e.strerror or str(e), path) from None
+
+
+def replace_file(path: str, data: bytes, mode: int = 0o666) -> None:
+    """Write ``data`` to a new file and rename it over ``path``: whole or not at all.
+
+    The new file is opened ``O_EXCL | O_NOFOLLOW`` under a name nobody can guess: in a node daemon's root
+    any local user may create entries, and a symlink planted at a predictable temporary name would have
+    the daemon write through it where ``fs.protected_symlinks`` is 0. ``mode`` is taken less the umask."""
+    for _ in range(3):
+        tmp = f"{path}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        except FileExistsError:
+            continue
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            remove_quietly(tmp)
+            raise
+        return
+    raise FileExistsError(errno.EEXIST, "no free temporary name", path)
 
 
 def lock_is_free(path: str) -> bool:
