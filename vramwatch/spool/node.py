@@ -94,6 +94,7 @@ class JobDir:
 
     def __init__(self, path: str, names: list[str] | None = None) -> None:
         self.path = path
+        self.ctime: dict[str, float] = {}  # one user's spool: no job id is ever another's to claim
         self._names = names  # the listing open_dirs took: one listdir per read, as before
 
     def names(self) -> list[str]:
@@ -133,6 +134,9 @@ class UserDir:
     def __init__(self, fd: int, uid: int, path: str, refused: list[Refused], root_fd: int = -1) -> None:
         self.fd, self.uid, self.path, self._refused = fd, uid, path, refused
         self._root_fd = root_fd
+        # the kernel's change time of each file opened: a lock's is when its rank started (nobody can set it
+        # back), which settles which of two users publishing one job id came first
+        self.ctime: dict[str, float] = {}
 
     def names(self) -> list[str]:
         return os.listdir(self.fd)
@@ -160,6 +164,7 @@ class UserDir:
             os.close(fd)
             self._refused.append(Refused(f"{self.path}/{name}", why))
             return None
+        self.ctime[name] = st.st_ctime
         return fd
 
     def lock_free(self, name: str) -> bool:
