@@ -5,7 +5,9 @@ Every file in the spool is named here and nowhere else:
 - ``rank-<rank>-<pid>-<job_id>.json``: one rank's newest sample, rewritten in place on every publish
   (a length + CRC header lets a reader detect a write in progress). The job id
   (:mod:`vramwatch.rank.identity`, letters, digits and ``_.-`` only) keeps the same rank of two jobs
-  on one node apart; ``rank-<rank>-<pid>.json``, without it, is a rank of a version before job ids;
+  on one node apart; ``rank-<rank>-<pid>.json``, without it, is a rank of a version before job ids. The
+  ``<pid>`` is ``pid + n * PID_SPAN`` when a dead process of the same pid, rank and job left its files (a
+  container restarted beside a surviving spool is PID 1 again): its final sample is never written over;
 - ``rank-<rank>-<pid>[-<job_id>].lock``: held with ``flock`` by the rank for its whole life. The kernel drops
   the lock when the process dies, however it dies (SIGKILL included), so a reader can tell a
   wedged rank (lock held, sample ageing) from a dead one (lock free: its files are reaped);
@@ -36,6 +38,8 @@ NODE_READINGS = "nvml.json"
 
 # rank, pid, job id (absent before job ids); the digits end at the first "-", so a job id may hold any
 RANK_FILE = re.compile(rf"^rank-(\d+)-(\d+)(?:-({JOB_ID.pattern}))?\.json$")
+# no pid reaches it (the kernel's PID_MAX_LIMIT): a process whose pid's name is a dead one's takes pid + n * this
+PID_SPAN = 1 << 22
 
 _MAGIC = b"VWS1"
 _HEADER = struct.Struct("<4sII")  # magic, payload length, CRC32 of the payload

@@ -1,0 +1,157 @@
+"""The OOM that kills a rank is never lost: a restarted rank of the same pid, a full spool tmpfs, a rank out of
+file descriptors, a step of the wall clock. Real processes and a real vramwatch.start() on the simulated GPU;
+the container restart is a real PID namespace (PID 1 twice), the full tmpfs a real one of 1 MiB."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.procs import child_env
+from vramwatch import spool
+from vramwatch.config import Settings
+from vramwatch.server import registry as registry_module
+from vramwatch.server.collectors.rank_view import RankView
+from vramwatch.server.registry import ExporterCollector
+
+OOMS = "torch_cuda_memory_ooms_total"
+
+# a rank that publishes its device, then OOMs: after ``setup`` (argv[2]) has run (fill the tmpfs, spend the
+# descriptors), the OOM's publish must still land; "live" publishes and waits instead
+RANK = r"""
+import os, sys
+import vramwatch
+mode = sys.argv[1]
+h = vramwatch.start(simulate=True, serve="external", interval=30, spool_dir=sys.argv[2], job_id="job-7")
+sim = h.sim
+sim.init(0)
+sim.set_memory_fraction(0.1)
+sim.allocate(1 << 30)
+h.tick()  # the device is in the spool, its OOM counter at 0
+if mode == "live":
+    print("published", flush=True)
+    sys.stdin.read()
+    os._exit(0)
+if mode == "fill":  # the tmpfs full: no new file can take a byte
+    with open(os.path.join(os.path.dirname(sys.argv[2]), "filler"), "wb") as fh:
+        try:
+            while True:
+                fh.write(b"x" * 65536)
+                fh.flush()
+        except OSError as e:
+            assert e.errno == 28, e
+if mode == "fds":  # every descriptor spent: no new file can be opened
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError as e:
+        assert e.errno == 24, e
+try:
+    sim.allocate(1 << 50)
+except Exception:
+    os._exit(3)  # dies at once: only what is in the spool is left
+"""
+
+
+def _run(mode: str, spool_dir: Path, *prefix: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", RANK, mode, str(spool_dir)],
+        env=child_env(VRAMWATCH_LOG_LEVEL="ERROR"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _ooms(spool_dir: Path, now: float | None = None) -> list[float]:
+    read, carried = RankView(str(spool_dir), 64, 3600.0).read(now)
+    values = [d.values[OOMS] for s in read.live for d in s.devices]
+    if not values:  # only final samples: their counts
+        values = [sum(d.values[OOMS] for s in read.final for d in s.devices)]
+    return values
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_the_oom_lands_on_a_full_spool_tmpfs(small_tmpfs: Path) -> None:
+    d = small_tmpfs / "spool"
+    out = _run("fill", d)
+    assert out.returncode == 3, out.stderr
+    assert _ooms(d) == [1.0], "the OOM's publish fell back to the in-place write"
+
+
+def test_the_oom_lands_from_a_rank_out_of_file_descriptors(tmp_path: Path) -> None:
+    d = tmp_path / "spool"
+    out = _run("fds", d)
+    assert out.returncode == 3, out.stderr
+    assert _ooms(d) == [1.0], "the OOM's publish fell back to the in-place write"
+
+
+def test_a_restarted_rank_of_the_same_pid_does_not_write_over_the_dead_ones_oom(tmp_path: Path) -> None:
+    """A container restarted beside a surviving spool: PID 1 again, the same rank and job id."""
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or unshare is None:
+        pytest.skip("needs root and unshare for a PID namespace")
+    ns = (unshare, "--pid", "--fork")
+    d = tmp_path / "spool"
+    first = _run("oom", d, *ns)
+    assert first.returncode == 3, first.stderr
+    assert "rank-0-1-job-7.json" in os.listdir(d)  # PID 1 indeed
+    view = RankView(str(d), 64, 3600.0)
+    restarted = subprocess.Popen(
+        [*ns, sys.executable, "-c", RANK, "live", str(d)],
+        env=child_env(VRAMWATCH_LOG_LEVEL="ERROR"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert restarted.stdout is not None and restarted.stdout.readline().strip() == "published"
+        assert len([n for n in os.listdir(d) if n.endswith(".json") and n.startswith("rank-")]) == 2, "both stay"
+        read, carried = view.read()
+        assert [s.pid for s in read.final] == [1] and len(read.live) == 1 and read.live[0].pid != 1
+        ((key, values),) = carried.items()
+        assert values[OOMS] == 1.0, "the restarted rank's series goes on from the dead one's OOM"
+    finally:
+        assert restarted.stdin is not None
+        restarted.stdin.close()
+        restarted.wait(timeout=20)
+
+
+def test_a_wall_clock_step_beyond_the_grace_does_not_drop_the_final_samples(tmp_path, monkeypatch) -> None:
+    d = str(tmp_path)
+    wall, mono = [1000.0], [50.0]
+    monkeypatch.setattr(registry_module.time, "time", lambda: wall[0])
+    exp = ExporterCollector(Settings(spool_dir=d, dead_rank_grace_seconds=30.0), d, [])
+    exp.monotonic = lambda: mono[0]
+    dev = (spool.DeviceSample(0, "GPU-0", {OOMS: 1.0}),)
+    for rank, t in ((0, 999.0), (1, 1000.5)):
+        pub = spool.RankPublisher(d, rank)
+        pub.publish(spool.RankSample(rank, rank, 2, "h", os.getpid(), t, devices=dev))
+        pub.close()  # dead: its final sample stays
+        if rank == 0:
+            assert [s.rank for s in exp.context().final] == [0]  # seen before the step
+    wall[0], mono[0] = 1000.0 + 3600.0, 51.0  # NTP steps the clock an hour forward; one second passed
+    assert sorted(s.rank for s in exp.context().final) == [0, 1], "neither window ended with the step"
+    mono[0], wall[0] = 75.0, 3600.0 + 1025.0
+    assert sorted(s.rank for s in exp.context().final) == [0, 1]
+    mono[0], wall[0] = 81.0, 3600.0 + 1031.0  # 30 s after each was taken, on the monotonic clock
+    assert exp.context().final == ()
