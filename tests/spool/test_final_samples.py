@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,30 @@ def test_a_wall_clock_step_beyond_the_grace_does_not_drop_the_final_samples(tmp_
     assert sorted(s.rank for s in exp.context().final) == [0, 1]
     mono[0], wall[0] = 81.0, 3600.0 + 1031.0  # 30 s after each was taken, on the monotonic clock
     assert exp.context().final == ()
+
+
+def test_vramwatch_ranks_counts_live_ranks_and_its_help_says_so_during_a_grace_window(tmp_path) -> None:
+    """vramwatch_ranks counts live ranks (a rank-started server's end is told by it reading 0 after the dead
+    ranks' windows: VramwatchTargetDown); during a window count(vramwatch_rank_info) is larger, and the help
+    says exactly that instead of claiming they are equal."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from harness import parse_metrics
+    from vramwatch.monitoring import contract
+
+    d = str(tmp_path)
+    exp = ExporterCollector(Settings(spool_dir=d), d, [])
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(exp)
+    pubs = [spool.RankPublisher(d, r) for r in range(3)]
+    for r, p in enumerate(pubs):
+        p.publish(spool.RankSample(r, r, 3, "h", os.getpid(), time.time()))
+    pubs[2].close()  # rank 2 died: its final sample is served for its window
+    m = parse_metrics(generate_latest(reg).decode())
+    assert len(m["vramwatch_rank_info"]) == 3 and len(m["vramwatch_sample_age_seconds"]) == 2
+    assert m["vramwatch_ranks"] == [({}, 2.0)]
+    help_text = contract.BY_NAME["vramwatch_ranks"].help
+    assert "Live ranks" in help_text and "vramwatch_sample_age_seconds" in help_text
+    assert "not counted" in help_text and "dead_rank_grace_seconds" in help_text
+    for p in pubs[:2]:
+        p.close()
