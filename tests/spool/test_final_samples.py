@@ -183,3 +183,17 @@ def test_vramwatch_ranks_counts_live_ranks_and_its_help_says_so_during_a_grace_w
     assert "not counted" in help_text and "dead_rank_grace_seconds" in help_text
     for p in pubs[:2]:
         p.close()
+
+
+def test_the_idle_loops_reads_keep_the_windows_across_a_wall_step(tmp_path, monkeypatch) -> None:
+    """A rank-started server's idle loop reads the spool every second (read_spool at the clock's time): a final
+    sample it saw is still there after a forward step of the wall clock, so the server does not leave early."""
+    d = str(tmp_path)
+    pub = spool.RankPublisher(d, 0)
+    pub.publish(spool.RankSample(0, 0, 1, "h", os.getpid(), time.time()))
+    pub.close()
+    assert [s.rank for s in spool.read_spool(d, 64, 30.0, reap=False).final] == [0]
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600.0)
+    assert [s.rank for s in spool.read_spool(d, 64, 30.0, reap=False).final] == [0]
+    assert [s.rank for s in spool.read_spool(d, 64, 30.0, now=real() + 3600.0, reap=False).final] == []  # a fresh one

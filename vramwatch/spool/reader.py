@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -245,9 +246,24 @@ def _fair(wanted: dict[Owner, list[_Entry]], max_ranks: int) -> tuple[list[_Entr
     return kept, cut
 
 
+_READERS: dict[tuple[str, int, float], SpoolReader] = {}  # the process's readers of the clock's time
+_READERS_LOCK = threading.Lock()
+
+
 def read_spool(spool_dir: str, max_ranks: int, grace: float, now: float | None = None, reap: bool = True) -> SpoolRead:
-    """One read of the spool by a reader that has seen nothing before (:class:`SpoolReader`)."""
-    return SpoolReader(spool_dir, max_ranks, grace).read(now, reap=reap)
+    """One read of the spool. At a given ``now``, by a reader that has seen nothing before; at the clock's
+    time, by this process's reader of that spool, which remembers the final samples' windows on the monotonic
+    clock (a rank-started server's idle loop reads every second: a wall step must not end its windows)."""
+    if now is not None:
+        return SpoolReader(spool_dir, max_ranks, grace).read(now, reap=reap)
+    key = (spool_dir, max_ranks, grace)
+    with _READERS_LOCK:
+        reader = _READERS.get(key)
+        if reader is None:
+            if len(_READERS) >= 8:  # a process reads one spool or two: bounded all the same
+                _READERS.pop(next(iter(_READERS)))
+            reader = _READERS[key] = SpoolReader(spool_dir, max_ranks, grace)
+        return reader.read(reap=reap)
 
 
 def _evict(spool_dir: str, victims: set[str]) -> None:
