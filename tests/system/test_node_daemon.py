@@ -465,6 +465,27 @@ def test_one_user_flooding_the_daemon_does_not_blind_another(daemon: Daemon) -> 
         alice.stop()
 
 
+JUNK = """
+import os, sys
+for i in range(int(sys.argv[2])):
+    open(os.path.join(sys.argv[1], f"junk-{i}"), "wb").close()
+"""
+
+
+def test_junk_names_in_the_root_give_a_bounded_log(daemon: Daemon) -> None:
+    """Every junk name is a refusal; the daemon logs a bounded burst of them (tests/spool/test_once_log.py: then
+    one line every 10 s, the first saying how many were left out), never one line per name."""
+    run_as(BOB, JUNK, str(daemon.root), "3000")
+    for _ in range(3):  # several reads of 3,000 refusals each
+        http_get(daemon.url)
+        time.sleep(0.3)
+    m = daemon.metrics()
+    refused = [v for labels, v in m["vramwatch_spool_dropped_total"] if labels["reason"] == "refused"]
+    assert refused and refused[0] >= 3000
+    log = daemon.log()
+    assert 10 <= log.count("vramwatch: refused ") <= 64, log.count("vramwatch: refused ")
+
+
 def _servers_of(uid: int) -> list[str]:
     """Command lines of ``vramwatch serve`` processes running as ``uid``."""
     out = []
