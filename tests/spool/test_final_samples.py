@@ -197,3 +197,18 @@ def test_the_idle_loops_reads_keep_the_windows_across_a_wall_step(tmp_path, monk
     monkeypatch.setattr(time, "time", lambda: real() + 3600.0)
     assert [s.rank for s in spool.read_spool(d, 64, 30.0, reap=False).final] == [0]
     assert [s.rank for s in spool.read_spool(d, 64, 30.0, now=real() + 3600.0, reap=False).final] == []  # a fresh one
+
+
+def test_a_process_numbered_past_a_dead_ones_files_is_still_its_pid_to_nvml(tmp_path) -> None:
+    from vramwatch.spool import files, publisher
+
+    d = str(tmp_path)
+    dead = spool.RankPublisher(d, 0, job_id="j")
+    dead.publish(spool.RankSample(0, 0, 1, "h", os.getpid(), 1.0, job_id="j"))
+    os.close(dead._lock_fd)  # dies without stop(): its lock file stays, free
+    dead._lock_fd = None
+    publisher._LEFT_BEHIND.discard(dead.path)
+    again = spool.RankPublisher(d, 0, job_id="j")  # the same pid, rank and job: another process to the server
+    assert again.instance == os.getpid() + files.PID_SPAN != dead.instance
+    assert files.process_id(again.instance) == os.getpid()
+    again.close()

@@ -41,6 +41,12 @@ RANK_FILE = re.compile(rf"^rank-(\d+)-(\d+)(?:-({JOB_ID.pattern}))?\.json$")
 # no pid reaches it (the kernel's PID_MAX_LIMIT): a process whose pid's name is a dead one's takes pid + n * this
 PID_SPAN = 1 << 22
 
+
+def process_id(instance: int) -> int:
+    """The pid behind a rank's file name and sample pid (``pid + n * PID_SPAN``): what NVML lists it as."""
+    return instance % PID_SPAN
+
+
 _MAGIC = b"VWS1"
 _HEADER = struct.Struct("<4sII")  # magic, payload length, CRC32 of the payload
 HEADER_SIZE = _HEADER.size
