@@ -158,6 +158,21 @@ def test_a_wall_clock_step_beyond_the_grace_does_not_drop_the_final_samples(tmp_
     assert exp.context().final == ()
 
 
+def test_a_backward_wall_step_does_not_drop_a_final_sample_first_seen_after_it(tmp_path) -> None:
+    d = str(tmp_path)
+    reader = spool.SpoolReader(d, 64, 30.0)
+    assert reader.read(10_000.0, 50.0).final == []
+    pub = spool.RankPublisher(d, 0)
+    pub.publish(spool.RankSample(0, 0, 1, "h", os.getpid(), 10_001.0))  # taken, then the clock stepped back 1 h
+    pub.close()
+    pub = spool.RankPublisher(d, 1)
+    pub.publish(spool.RankSample(1, 1, 1, "h", os.getpid(), 10_002.0 - 3600.0))  # taken after the step
+    pub.close()
+    read = reader.read(10_003.0 - 3600.0, 53.0)
+    assert sorted(s.rank for s in read.final) == [0, 1]
+    assert read.expires == pytest.approx(10_003.0 - 3600.0 + 28.0)  # rank 0's: taken 2 s before, 28 s to go
+
+
 def test_vramwatch_ranks_counts_live_ranks_and_its_help_says_so_during_a_grace_window(tmp_path) -> None:
     """vramwatch_ranks counts live ranks (a rank-started server's end is told by it reading 0 after the dead
     ranks' windows: VramwatchTargetDown); during a window count(vramwatch_rank_info) is larger, and the help

@@ -67,8 +67,9 @@ class SpoolReader:
     the window a matter of time alone: no request, aborted or not, uses it up, and a restarted
     server still serves it. The window is measured on the wall clock when a final sample is first
     seen, then on the monotonic clock: a step of the wall clock (NTP, a VM resumed) does not end
-    every window at once; a forward step seen between two reads is taken off the age of the final
-    samples first seen then. A rank is its (job id, rank): the same rank of two jobs on the node is two.
+    every window at once; a step seen between two reads is taken off the age of a final sample first
+    seen then whose age makes sense only across it. A rank is its (job id, rank): the same rank of two
+    jobs on the node is two.
 
     ``spool_dir`` is a rank-started server's private spool, or a node daemon's root: then each user's
     directory in it is read, a rank is that user's (the kernel's owner of the directory and file), and
@@ -96,7 +97,7 @@ class SpoolReader:
             mono = time.monotonic() if now is None else now
         now = time.time() if now is None else now
         offset, step = now - mono, 0.0
-        if self._offset is not None and offset - self._offset > CLOCK_STEP:
+        if self._offset is not None and abs(offset - self._offset) > CLOCK_STEP:
             step = offset - self._offset
         self._offset = offset
         out = SpoolRead()
@@ -176,7 +177,9 @@ class SpoolReader:
         """(sample time, monotonic deadline) of a final sample, or None once its window is over."""
         seen = self._deadline.get(entry)
         if seen is None or seen[0] != last.time:  # first seen dead (or dead again, with a newer sample)
-            age = now - step - last.time
+            age = now - last.time
+            if step and not 0.0 <= age < self.grace:  # taken before the step this read saw: measured across it
+                age -= step
             if abs(age) >= self.grace:  # a stamp too far in the future expires too: never kept for ever
                 return None
             seen = (last.time, mono + self.grace - max(0.0, age))
