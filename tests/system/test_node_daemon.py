@@ -333,8 +333,9 @@ def test_users_publish_as_themselves_and_cannot_touch_each_other(daemon: Daemon,
         }, out
 
         run_as(BOB, PLANT, str(daemon.root), str(a_dir), str(a_file))
-        bob = Rank(BOB, 1, daemon)  # his own name is his symlink: he falls back to a fresh one
-        carol = Rank(CAROL, 2, daemon)  # her name is squatted by bob: she falls back too
+        # two jobs (children of this one process, they would share a job id: one user's only, the other refused)
+        bob = Rank(BOB, 1, daemon, VRAMWATCH_JOB_ID="bob-1")  # his own name is his symlink: he falls back
+        carol = Rank(CAROL, 2, daemon, VRAMWATCH_JOB_ID="carol-1")  # her name is squatted by bob: she falls back
         try:
             assert bob.spool_dir.name.startswith("u64003-") and carol.spool_dir.name.startswith("u64004-")
             run_as(BOB, PLANT_OWN, str(bob.spool_dir), str(a_file))
