@@ -233,6 +233,7 @@ _Entry = tuple[RankSample, str]  # a sample and its entry (path) in the spool
 def _fair(wanted: dict[Owner, list[_Entry]], max_ranks: int) -> tuple[list[_Entry], list[_Entry]]:
     """(kept, cut) of each owner's samples, given in its order of preference: at most ``max_ranks`` ranks
     and ``max_ranks * SERIES_PER_RANK`` series, each shared fairly among the owners."""
+    wanted = {o: v for o, v in wanted.items() if v}
     ranks = _shares({o: len(v) for o, v in wanted.items()}, max_ranks)
     heads = {o: v[: ranks[o]] for o, v in wanted.items()}
     cost = {o: [limits.series(s) for s, _ in v] for o, v in heads.items()}
