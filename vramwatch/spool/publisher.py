@@ -163,6 +163,7 @@ def _instance(spool_dir: str, rank: int, pid: int, job_id: str) -> int:
         instance = pid + n * files.PID_SPAN
         path = files.sample_path(spool_dir, files.rank_stem(rank, instance, job_id))
         if path in _LEFT_BEHIND or not (os.path.lexists(path) or os.path.lexists(files.lock_path_of(path))):
+            _LEFT_BEHIND.discard(path)  # this process's again, until it closes it
             return instance
     return pid
 
