@@ -87,6 +87,7 @@ def two_ranks(
     runner = Runner(Counter(), settings)
     runner.poll_once()
     exp = ExporterCollector(settings, d, [runner])
+    exp.monotonic = clock  # the final samples' windows too
     reg = CollectorRegistry(auto_describe=False)
     reg.register(exp)
     return exp, RegistryExposition(reg), pubs, runner, clock

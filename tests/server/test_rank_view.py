@@ -88,15 +88,18 @@ def test_a_restart_keeps_its_job_and_its_count_another_jobs_rank_carries_nothing
     assert _by_job(m, OOMS) == {("jobA", "0"): 1.0, ("jobB", "0"): 0.0, ("jobC", "0"): 0.0}
 
 
-def test_dead_ranks_of_other_jobs_count_against_the_cap(tmp_path):
+def test_final_samples_have_a_cap_of_their_own_across_jobs(tmp_path):
     d = str(tmp_path)
     view = RankView(d, 2, 30.0)
     Proc(d, 0, 100, "jobA").publish(100.0)
-    Proc(d, 1, 101, "jobA").publish(100.0).die()
     Proc(d, 0, 200, "jobB").publish(100.5)
+    Proc(d, 1, 101, "jobA").publish(100.0).die()
+    Proc(d, 2, 102, "jobA").publish(99.0).die()  # the oldest final sample: the one dropped
+    Proc(d, 1, 201, "jobB").publish(100.2).die()
     m = _scrape(view, 101.0)
-    assert set(_by_job(m, "vramwatch_rank_info")) == {("jobA", "0"), ("jobB", "0")}  # two jobs, at most 2 ranks
-    assert view.dropped["dead_rank"] == 1
+    # two live ranks fill the live cap; the final samples have a cap of their own, of two jobs together
+    assert set(_by_job(m, "vramwatch_rank_info")) == {("jobA", "0"), ("jobB", "0"), ("jobA", "1"), ("jobB", "1")}
+    assert view.dropped["dead_rank"] == 1 and view.dropped["rank"] == 0
 
 
 def test_a_dead_ranks_final_sample_exports_its_counters_and_last_oom_not_its_memory(tmp_path):
@@ -162,15 +165,15 @@ def test_a_scrape_counts_a_dead_process_once_however_many_scrapes_read_it(tmp_pa
     live.die()
 
 
-def test_dead_ranks_beyond_the_cap_are_dropped_first_oldest_first_and_counted(tmp_path):
+def test_dead_ranks_beyond_their_cap_are_dropped_oldest_first_and_counted(tmp_path):
     d = str(tmp_path)
     view = RankView(d, 4, 3600.0)
     live = [Proc(d, r, 1000 + r).publish(100.0) for r in range(2)]
     for r in range(10, 5010):
         Proc(d, r, r).publish(50.0 + r / 1000).die()
     m = _scrape(view, 100.0)
-    assert sorted(_values(m, OOMS), key=int) == ["0", "1", "5008", "5009"]
-    assert view.dropped["dead_rank"] == 4998
+    assert sorted(_values(m, OOMS), key=int) == ["0", "1", "5006", "5007", "5008", "5009"]
+    assert view.dropped["dead_rank"] == 4996
     assert len(m["torch_cuda_memory_allocated_bytes"]) == 2
     for p in live:
         p.die()

@@ -379,15 +379,16 @@ def test_the_dead_ranks_local_rank_and_device_stay_its_own(tmp_path):
 
 
 def test_an_evicted_dead_process_still_carries_its_count_to_its_successor(tmp_path):
-    # the cap leaves room for the live rank only: the dead one's sample is dropped, its OOM is not
+    # the cap leaves room for one final sample: the older dead one's sample is dropped, its OOM is not
     d = str(tmp_path)
     view = RankView(d, 1, 30.0)
     Proc(d, 0, 100).publish(1000.0, devices=(dev(**{OOMS: 1.0}),)).die()
+    Proc(d, 0, 150).publish(1000.5, devices=(dev(**{OOMS: 1.0}),)).die()
     Proc(d, 0, 200).publish(1001.0, devices=(dev(**{OOMS: 0.0}),))
     m = scrape(view, 1002.0)
-    assert by_rank(m, OOMS) == {"0": 1.0}
+    assert by_rank(m, OOMS) == {"0": 2.0}
     assert view.dropped["dead_rank"] == 1
-    assert by_rank(scrape(view, 1003.0), OOMS) == {"0": 1.0}, "and only once"
+    assert by_rank(scrape(view, 1003.0), OOMS) == {"0": 2.0}, "and only once"
 
 
 def test_only_counters_are_carried(tmp_path):

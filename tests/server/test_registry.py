@@ -59,7 +59,7 @@ def _text(exp: ExporterCollector) -> str:
 def _reads(exp, monkeypatch, *reads) -> None:
     it = iter(reads)
 
-    def read(now):
+    def read(now, mono=None):
         r = next(it)
         if isinstance(r, Exception):
             raise r
@@ -111,13 +111,13 @@ def test_refused_and_rejected_entries_are_logged_once_each(exp, monkeypatch, cap
 def test_a_scrape_carrying_ranks_is_remembered(exp, monkeypatch):
     t0 = time.monotonic()
     assert not exp.served_ranks_since(t0)
-    final_only = spool.SpoolRead(final=[_sample(1)])
+    final_only = spool.SpoolRead(final=[_sample(1)], expires=1234.5)
     _reads(exp, monkeypatch, spool.SpoolRead(), final_only, spool.SpoolRead(live=[_sample(0)]))
     empty = exp.context()
     assert not exp.served_ranks_since(t0)
     exp.context()  # only a dead rank's final sample: still ranks served
     assert exp.served_ranks_since(t0)
-    assert exp.last_read_expires == pytest.approx(final_only.final[0].time + exp.settings.dead_rank_grace_seconds)
+    assert exp.last_read_expires == 1234.5  # when the reader says the first final sample leaves
     live = exp.context()
     t1 = time.monotonic()
     exp.mark_served(empty)  # a cached scrape without ranks
@@ -128,7 +128,7 @@ def test_a_scrape_carrying_ranks_is_remembered(exp, monkeypatch):
 
 def test_the_read_carried_counters_reach_the_scrape(exp, monkeypatch):
     carried = {("GPU-0", 0, "1", 1, "j"): {"x": 1.0}}
-    monkeypatch.setattr(exp.rank_view, "read", lambda now: (spool.SpoolRead(), carried))
+    monkeypatch.setattr(exp.rank_view, "read", lambda now, mono=None: (spool.SpoolRead(), carried))
     assert exp.context().carried == carried
 
 

@@ -101,3 +101,24 @@ def test_the_daemon_removes_a_users_directory_left_empty(tmp_path: Path) -> None
     assert old.exists()  # only a reaping read removes
     spool.read_spool(str(root), 64, 1.0, now=now)
     assert not old.exists() and fresh.exists() and used.exists()
+
+
+@pytest.mark.parametrize("write", ["server_info", "readings"])
+def test_the_daemons_temporary_files_never_follow_a_planted_symlink(tmp_path: Path, write: str) -> None:
+    """Any local user may create entries in the root (3733): a symlink planted where the daemon writes its
+    temporary file must not be followed, even where fs.protected_symlinks is 0 (as on this machine)."""
+    root = tmp_path / "root"
+    node.ensure_root(str(root))
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = files.SERVER_INFO if write == "server_info" else files.NODE_READINGS
+    for name in (f"{target}.{os.getpid()}.tmp", f"{target}.tmp", f".{target}.tmp"):  # the names a writer could use
+        os.symlink(victim, root / name)
+    if write == "server_info":
+        files.write_server_info(str(root), {"pid": 1, "port": 9})
+    else:
+        spool.write_node_readings(str(root), [spool.GpuReadings("GPU-a", 1.0)], now=1.0)
+    assert victim.read_text() == "precious"
+    assert (root / target).is_file() and not (root / target).is_symlink()
+    leftovers = {p.name for p in root.iterdir()} - {target, files.SERVER_LOCK}
+    assert all((root / n).is_symlink() for n in leftovers), leftovers  # only the planted links, no temporary file

@@ -191,7 +191,7 @@ def _dead(d: str, rank: int, t: float) -> None:
     pub.close()  # in this process: its lock is gone, the file stays as a final sample
 
 
-def test_dead_ranks_count_against_the_cap_oldest_dropped_first_and_counted(tmp_path):
+def test_final_samples_have_a_cap_of_their_own_oldest_dropped_first_and_counted(tmp_path):
     d = str(tmp_path)
     live = [spool.RankPublisher(d, r) for r in range(3)]
     for r, p in enumerate(live):
@@ -201,9 +201,10 @@ def test_dead_ranks_count_against_the_cap_oldest_dropped_first_and_counted(tmp_p
             fh.write(files.frame(spool.encode_sample(sample(r, 50.0 + r / 1000))))
     read = spool.read_spool(d, 8, 3600.0, now=100.0)
     assert [s.rank for s in read.live] == [0, 1, 2]
-    assert [s.rank for s in read.final] == [5009, 5008, 5007, 5006, 5005]  # the newest, up to the cap
-    assert read.dropped["dead_rank"] == 4995 and len(read.evicted) == 4995
-    assert len([n for n in os.listdir(d) if n.endswith(".json")]) == 8, "the dropped ones are removed"
+    # the newest, up to a cap apart from the live ranks': live ranks never push a final sample out
+    assert [s.rank for s in read.final] == list(range(5009, 5001, -1))
+    assert read.dropped["dead_rank"] == 4992 and len(read.evicted) == 4992
+    assert len([n for n in os.listdir(d) if n.endswith(".json")]) == 3 + 8, "the dropped ones are removed"
     assert spool.read_spool(d, 8, 3600.0, now=100.0).dropped["dead_rank"] == 0  # counted once
     for p in live:
         p.close()

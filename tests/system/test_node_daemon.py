@@ -333,8 +333,9 @@ def test_users_publish_as_themselves_and_cannot_touch_each_other(daemon: Daemon,
         }, out
 
         run_as(BOB, PLANT, str(daemon.root), str(a_dir), str(a_file))
-        bob = Rank(BOB, 1, daemon)  # his own name is his symlink: he falls back to a fresh one
-        carol = Rank(CAROL, 2, daemon)  # her name is squatted by bob: she falls back too
+        # two jobs (children of this one process, they would share a job id: one user's only, the other refused)
+        bob = Rank(BOB, 1, daemon, VRAMWATCH_JOB_ID="bob-1")  # his own name is his symlink: he falls back
+        carol = Rank(CAROL, 2, daemon, VRAMWATCH_JOB_ID="carol-1")  # her name is squatted by bob: she falls back
         try:
             assert bob.spool_dir.name.startswith("u64003-") and carol.spool_dir.name.startswith("u64004-")
             run_as(BOB, PLANT_OWN, str(bob.spool_dir), str(a_file))
@@ -411,6 +412,79 @@ def test_two_jobs_rank_0_on_one_node_are_two_series(daemon: Daemon) -> None:
     finally:
         alice.stop()
         bob.stop()
+
+
+FLOOD = """
+import os, sys, time
+from vramwatch import spool
+from vramwatch.spool import node
+d = node.user_dir(sys.argv[1])
+buckets = tuple(float(i) for i in range(1, 1001))  # 1,000 histogram buckets in every sample
+hb = spool.HeartbeatSnapshot(1, time.time(), buckets, tuple([0] * 1001), 0.0)
+pubs = []
+for r in range(64):  # 64 fake ranks of a job id that sorts before every real one
+    p = spool.RankPublisher(d, r, job_id="000-fake", shared=True)
+    p.publish(spool.RankSample(r, r, 64, "fake", os.getpid(), time.time(), heartbeat=hb, job_id="000-fake"))
+    pubs.append(p)
+forged = spool.RankPublisher(d, 0, job_id=sys.argv[2], shared=True)  # another user's job id, newer samples
+forged.publish(spool.RankSample(0, 0, 64, "forged", os.getpid(), time.time() + 5, job_id=sys.argv[2]))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_one_user_flooding_the_daemon_does_not_blind_another(daemon: Daemon) -> None:
+    """Bob publishes 64 fake ranks of 1,000-bucket histograms (tens of thousands of series) and a rank under
+    Alice's job id: Alice's rank is in every scrape with its own series, and the scrape stays small."""
+    alice = Rank(ALICE, 0, daemon, SLURM_JOB_ID="101", SLURM_PROCID="0")
+    bob = subprocess.Popen(
+        [user_python()[0], "-c", FLOOD, str(daemon.root), "101"],
+        env=user_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_user(BOB),
+    )
+    try:
+        assert bob.stdout is not None and bob.stdout.readline().strip() == "ready", bob.communicate(timeout=10)
+        wait_until(lambda: 'job_id="101"' in http_get(daemon.url)[1].decode(), 15, "alice's rank on the daemon")
+        wait_until(lambda: 'job_id="000-fake"' in http_get(daemon.url)[1].decode(), 15, "bob's ranks on the daemon")
+        for _ in range(10):
+            body = http_get(daemon.url)[1]
+            m = parse_metrics(body.decode())
+            mine = [labels for labels, _ in m["vramwatch_rank_info"] if labels["job_id"] == "101"]
+            assert [(lab["rank"], lab["hostname"] != "forged") for lab in mine] == [("0", True)], mine
+            assert len(body) < 2_000_000, len(body)
+            assert 0 < sum(1 for labels, _ in m["vramwatch_rank_info"] if labels["job_id"] == "000-fake") < 64
+            time.sleep(0.2)
+        assert "publishes under job_id '101'" in daemon.log()
+    finally:
+        assert bob.stdin is not None
+        bob.stdin.close()
+        bob.wait(timeout=20)
+        alice.stop()
+
+
+JUNK = """
+import os, sys
+for i in range(int(sys.argv[2])):
+    open(os.path.join(sys.argv[1], f"junk-{i}"), "wb").close()
+"""
+
+
+def test_junk_names_in_the_root_give_a_bounded_log(daemon: Daemon) -> None:
+    """Every junk name is a refusal; the daemon logs a bounded burst of them (tests/spool/test_once_log.py: then
+    one line every 10 s, the first saying how many were left out), never one line per name."""
+    run_as(BOB, JUNK, str(daemon.root), "3000")
+    for _ in range(3):  # several reads of 3,000 refusals each
+        http_get(daemon.url)
+        time.sleep(0.3)
+    m = daemon.metrics()
+    refused = [v for labels, v in m["vramwatch_spool_dropped_total"] if labels["reason"] == "refused"]
+    assert refused and refused[0] >= 3000
+    log = daemon.log()
+    assert 10 <= log.count("vramwatch: refused ") <= 64, log.count("vramwatch: refused ")
 
 
 def _servers_of(uid: int) -> list[str]:

@@ -762,7 +762,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "",
         (),
-        "Ranks publishing into this target, of all its jobs (count by (job_id) of vramwatch_rank_info for each).",
+        "Live ranks publishing into this target, of all its jobs: the number of vramwatch_sample_age_seconds "
+        "series. A dead rank's final sample, served for dead_rank_grace_seconds with its vramwatch_rank_info, is "
+        "not counted (count(vramwatch_rank_info) is larger by the dead ranks in their window).",
         "self",
     ),
     _m(
@@ -771,10 +773,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "",
         ("reason",),
         "What the server left out of the ranks' samples to bound cardinality, by reason: dead_rank (a dead "
-        "rank's final sample, max_ranks reached), rank (a live rank beyond max_ranks, per read), oversized "
+        "rank's final sample beyond its owner's share of max_ranks final samples), rank (a live rank beyond its "
+        "owner's share of max_ranks or of the series budget, per read), oversized "
         "(a sample file too large), device, collector, value (entries beyond the per-sample bounds), label "
         "(an entry whose label value is too long), refused (an entry of a node daemon's spool that is not its owner's "
-        "own: a symlink, another user's file, a squatted directory; per read, see docs/security.md).",
+        "own: a symlink, another user's file, a squatted directory, a sample under another user's job_id; per read, "
+        "see docs/security.md).",
         "self",
     ),
     _m("vramwatch_build_info", "info", "", ("version", "hostname"), "vramwatch build (value 1).", "self"),

@@ -29,6 +29,7 @@ class ExporterCollector:
         self.spool_trouble = ""  # why the spool directory is unusable (it vanished and cannot be made again)
         self.spool_vanished = 0  # the guard's count of vanishings: a spool made again can read as the old one
         self.rank_view = RankView(spool_dir, settings.max_ranks, settings.dead_rank_grace_seconds)
+        self.monotonic = time.monotonic  # the clock final samples' windows run on once seen (a wall step spares them)
         self._served_at: float | None = None
         # what a cache must know of the last read: whether it read at all (a failed read is tried again),
         # and when the first of the dead ranks' final samples it carried leaves (wall time; None: none)
@@ -50,7 +51,7 @@ class ExporterCollector:
         ok = False
         try:
             # live ranks, and dead ranks' final samples for their grace window (rank_view)
-            read, carried = self.rank_view.read(now)
+            read, carried = self.rank_view.read(now, self.monotonic())
             self.spool_health.up = 0 if self.spool_trouble else 1
             for f in read.refused:  # a local user's planted entry: logged, counted, never a collector failure
                 self._log_refused((f.entry, f.why), "vramwatch: %s", f.describe())
@@ -62,8 +63,7 @@ class ExporterCollector:
         self.spool_health.duration = time.perf_counter() - t0
         self.last_read_ok = ok
         # a dead rank's final sample leaves the exposition when its window ends: a cache renders again then
-        grace = self.settings.dead_rank_grace_seconds
-        self.last_read_expires = min((s.time + grace for s in read.final), default=None)
+        self.last_read_expires = read.expires
         if read.live or read.final:
             self._served_at = time.monotonic()
         return ScrapeContext(tuple(read.live), now, self.hostname, tuple(read.final), carried)

@@ -23,7 +23,15 @@ from vramwatch.spool.files import (
     write_server_info,
 )
 from vramwatch.spool.publisher import RankPublisher
-from vramwatch.spool.reader import Rejected, SpoolRead, any_rank_files, read_samples, read_spool, sample_age
+from vramwatch.spool.reader import (
+    Rejected,
+    SpoolRead,
+    SpoolReader,
+    any_rank_files,
+    read_samples,
+    read_spool,
+    sample_age,
+)
 from vramwatch.spool.readings import (
     GpuIdentity,
     GpuReadings,
@@ -62,6 +70,7 @@ __all__ = [
     "RankSample",
     "Rejected",
     "SpoolRead",
+    "SpoolReader",
     "SampleRejected",
     "SpoolState",
     "any_rank_files",

@@ -5,7 +5,9 @@ Every file in the spool is named here and nowhere else:
 - ``rank-<rank>-<pid>-<job_id>.json``: one rank's newest sample, rewritten in place on every publish
   (a length + CRC header lets a reader detect a write in progress). The job id
   (:mod:`vramwatch.rank.identity`, letters, digits and ``_.-`` only) keeps the same rank of two jobs
-  on one node apart; ``rank-<rank>-<pid>.json``, without it, is a rank of a version before job ids;
+  on one node apart; ``rank-<rank>-<pid>.json``, without it, is a rank of a version before job ids. The
+  ``<pid>`` is ``pid + n * PID_SPAN`` when a dead process of the same pid, rank and job left its files (a
+  container restarted beside a surviving spool is PID 1 again): its final sample is never written over;
 - ``rank-<rank>-<pid>[-<job_id>].lock``: held with ``flock`` by the rank for its whole life. The kernel drops
   the lock when the process dies, however it dies (SIGKILL included), so a reader can tell a
   wedged rank (lock held, sample ageing) from a dead one (lock free: its files are reaped);
@@ -18,6 +20,7 @@ Every file in the spool is named here and nowhere else:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -35,6 +38,14 @@ NODE_READINGS = "nvml.json"
 
 # rank, pid, job id (absent before job ids); the digits end at the first "-", so a job id may hold any
 RANK_FILE = re.compile(rf"^rank-(\d+)-(\d+)(?:-({JOB_ID.pattern}))?\.json$")
+# no pid reaches it (the kernel's PID_MAX_LIMIT): a process whose pid's name is a dead one's takes pid + n * this
+PID_SPAN = 1 << 22
+
+
+def process_id(instance: int) -> int:
+    """The pid behind a rank's file name and sample pid (``pid + n * PID_SPAN``): what NVML lists it as."""
+    return instance % PID_SPAN
+
 
 _MAGIC = b"VWS1"
 _HEADER = struct.Struct("<4sII")  # magic, payload length, CRC32 of the payload
@@ -75,14 +86,38 @@ def write_server_info(spool_dir: str, info: dict[str, object]) -> None:
     """Replace ``server.json`` whole (a reader never sees half of it). Raises OSError naming the file: on a
     full tmpfs the write fails with ENOSPC, and a server that cannot say where it listens must say so."""
     path = os.path.join(spool_dir, SERVER_INFO)
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(info, fh)
-        os.replace(tmp, path)
+        replace_file(path, json.dumps(info).encode())
     except OSError as e:
-        remove_quietly(tmp)
         raise OSError(e.errno, e.strerror or str(e), path) from None
+
+
+def replace_file(path: str, data: bytes, mode: int = 0o666) -> None:
+    """Write ``data`` to a new file and rename it over ``path``: whole or not at all.
+
+    The new file is opened ``O_EXCL | O_NOFOLLOW`` under a name nobody can guess: in a node daemon's root
+    any local user may create entries, and a symlink planted at a predictable temporary name would have
+    the daemon write through it where ``fs.protected_symlinks`` is 0. ``mode`` is taken less the umask."""
+    for _ in range(3):
+        tmp = f"{path}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        except FileExistsError:
+            continue
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            remove_quietly(tmp)
+            raise
+        return
+    raise FileExistsError(errno.EEXIST, "no free temporary name", path)
 
 
 def lock_is_free(path: str) -> bool:

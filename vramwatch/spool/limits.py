@@ -20,6 +20,10 @@ MAX_DEVICES = 64  # devices in one sample
 MAX_COLLECTORS = 16  # collector entries in one sample (a rank has one: the allocator)
 MAX_DEVICE_VALUES = 128  # values of one device (a rank sends about 25)
 MAX_LABEL_VALUE = 256  # characters of any string that becomes a label value
+# series a target's ranks may render: max_ranks times this, shared fairly among a node daemon's users (a rank
+# on one GPU renders about 50, one process driving 8 GPUs about 280; within its own per-sample bounds a
+# sample may claim thousands)
+SERIES_PER_RANK = 128
 
 # reasons of vramwatch_spool_dropped_total, each exported from 0
 DROP_REASONS = ("dead_rank", "rank", "oversized", "device", "collector", "value", "label", "refused")
@@ -84,3 +88,12 @@ def bounded(sample: RankSample, dropped: Counter[str]) -> RankSample:
         allocator_info=info,
         oom_snapshot=snapshot,
     )
+
+
+def series(sample: RankSample) -> int:
+    """At most how many series ``sample`` renders (its devices' values and roles, its rank's own families,
+    the step histogram's buckets, its collectors' health): what the series budget counts."""
+    n = 16 + len(sample.heartbeat.buckets) + 3 * len(sample.collectors)
+    for d in sample.devices:
+        n += len(d.values) + len(d.roles)
+    return n

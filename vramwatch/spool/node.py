@@ -94,6 +94,7 @@ class JobDir:
 
     def __init__(self, path: str, names: list[str] | None = None) -> None:
         self.path = path
+        self.ctime: dict[str, float] = {}  # one user's spool: no job id is ever another's to claim
         self._names = names  # the listing open_dirs took: one listdir per read, as before
 
     def names(self) -> list[str]:
@@ -107,8 +108,8 @@ class JobDir:
 
     def read(self, name: str, limit: int) -> bytes | None:
         try:
-            with open(os.path.join(self.path, name), "rb") as fh:
-                return fh.read(limit)
+            with open(os.path.join(self.path, name), "rb", buffering=0) as fh:
+                return fh.read(_read_size(fh.fileno(), limit))
         except OSError:
             return None
 
@@ -133,6 +134,9 @@ class UserDir:
     def __init__(self, fd: int, uid: int, path: str, refused: list[Refused], root_fd: int = -1) -> None:
         self.fd, self.uid, self.path, self._refused = fd, uid, path, refused
         self._root_fd = root_fd
+        # the kernel's change time of each file opened: a lock's is when its rank started (nobody can set it
+        # back), which settles which of two users publishing one job id came first
+        self.ctime: dict[str, float] = {}
 
     def names(self) -> list[str]:
         return os.listdir(self.fd)
@@ -160,6 +164,7 @@ class UserDir:
             os.close(fd)
             self._refused.append(Refused(f"{self.path}/{name}", why))
             return None
+        self.ctime[name] = st.st_ctime
         return fd
 
     def lock_free(self, name: str) -> bool:
@@ -181,7 +186,7 @@ class UserDir:
         if fd is None:
             return None
         try:
-            return os.read(fd, limit)
+            return os.read(fd, _read_size(fd, limit))
         except OSError:
             return None
         finally:
@@ -222,6 +227,13 @@ class UserDir:
 
 
 SpoolDir = JobDir | UserDir
+
+
+def _read_size(fd: int, limit: int) -> int:
+    """What to ask of a read of at most ``limit`` bytes: the file's size and one more (a read allocates what it
+    asks for: a whole MiB per sample of a few KiB cost more than the rest of the read)."""
+    return min(limit, os.fstat(fd).st_size + 1)
+
 
 # the root's own files (the daemon's), never read as a user's
 _DAEMON_FILES = frozenset(

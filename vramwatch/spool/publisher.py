@@ -9,6 +9,8 @@ again with the checks of the start, takes a new lock, and publishes into a new f
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
 import os
 
@@ -17,6 +19,15 @@ from vramwatch.spool.codec import encode_sample
 from vramwatch.spool.schema import RankSample
 
 log = logging.getLogger("vramwatch")
+
+# sample files this process left behind (stop() then start() in one process): its own to write over, as
+# torch's counters go on in it
+_LEFT_BEHIND: set[str] = set()
+# a new file's room beyond its first record: in-place writes of a larger record (an OOM's adds its values)
+# then need no new page of a full tmpfs
+_SLACK = 4096
+# errors that leave the open sample file writable in place: a full tmpfs (no new file), no descriptor left
+_IN_PLACE_STILL_WORKS = frozenset({errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.EDQUOT, errno.ENOMEM})
 
 
 class RankPublisher:
@@ -28,8 +39,9 @@ class RankPublisher:
         self.shared = shared
         self.dir = spool_dir  # made again should it vanish (_recreate)
         self._ensure_dir()
-        self.path = files.sample_path(spool_dir, files.rank_stem(rank, os.getpid(), job_id))
         # keyed by the job too: rank 0 of another job on this node has a file of its own
+        self.instance = _instance(spool_dir, rank, os.getpid(), job_id)
+        self.path = files.sample_path(spool_dir, files.rank_stem(rank, self.instance, job_id))
         self.lock_path = files.lock_path_of(self.path)
         self._tmp = self.path + ".tmp"
         self._fd: int | None = None
@@ -73,6 +85,8 @@ class RankPublisher:
         """
         if self._lock_fd is None:
             return
+        if self.instance != sample.pid:  # a dead process of this pid left its file here: another identity
+            sample = dataclasses.replace(sample, pid=self.instance)
         record = files.frame(encode_sample(sample))
         if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
             self._recreate()  # the file, and most likely the whole spool, was removed
@@ -84,6 +98,12 @@ class RankPublisher:
             except FileNotFoundError:  # removed before the first publish, or while it failed to come back
                 self._recreate()
                 self._create(record)
+            except OSError as e:
+                # a full tmpfs (Docker's 64 MB /dev/shm filled by DataLoader workers) or no descriptor left:
+                # no new file, but the open one takes the record in place (its pages are there already)
+                if self._fd is None or e.errno not in _IN_PLACE_STILL_WORKS:
+                    raise
+                os.pwrite(self._fd, record, 0)
         else:
             os.pwrite(self._fd, record, 0)
 
@@ -93,9 +113,11 @@ class RankPublisher:
             if self.shared:
                 node.share(fd)
             os.pwrite(fd, record, 0)
+            _reserve(fd, len(record) + _SLACK)
             os.replace(self._tmp, self.path)  # appears complete, at once
         except BaseException:
             os.close(fd)
+            files.remove_quietly(self._tmp)
             raise
         if self._fd is not None:
             os.close(self._fd)
@@ -123,9 +145,33 @@ class RankPublisher:
         for ``dead_rank_grace_seconds`` once the lock is gone, then removes it."""
         if self._lock_fd is None:
             return
+        _LEFT_BEHIND.add(self.path)
         files.remove_quietly(self._tmp, self.lock_path)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         os.close(self._lock_fd)
         self._lock_fd = None
+
+
+def _instance(spool_dir: str, rank: int, pid: int, job_id: str) -> int:
+    """The number this process's files are named by (and its samples say): its pid, unless a process of the
+    same pid, rank and job left its files here and died (a container restarted beside a surviving spool:
+    PID 1 again). Its final sample must not be written over, so this one takes ``pid + n * 2**22``, which
+    no pid reaches (the kernel's pid_max is at most 2**22), and which the server tells apart from it."""
+    for n in range(512):
+        instance = pid + n * files.PID_SPAN
+        path = files.sample_path(spool_dir, files.rank_stem(rank, instance, job_id))
+        if path in _LEFT_BEHIND or not (os.path.lexists(path) or os.path.lexists(files.lock_path_of(path))):
+            _LEFT_BEHIND.discard(path)  # this process's again, until it closes it
+            return instance
+    return pid
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give the file its pages up to ``size`` now (in-place writes then need none); the reader ignores
+    what follows the record. Not every filesystem can: then nothing is reserved."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        pass

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vramwatch.spool.files import NODE_READINGS
+from vramwatch.spool.files import NODE_READINGS, replace_file
 
 STALE_AFTER = 30.0
 
@@ -78,11 +78,7 @@ def write_node_readings(
             if g.memory_free_bytes is not None:
                 entry["memory_free_bytes"] = float(g.memory_free_bytes)
             doc["gpus"].append(entry)
-        path = os.path.join(spool_dir, NODE_READINGS)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh)
-        os.replace(tmp, path)
+        replace_file(os.path.join(spool_dir, NODE_READINGS), json.dumps(doc).encode())
     except Exception as e:  # noqa: BLE001 - disk full, a spool removed under us: ranks just show less
         log.debug("vramwatch: writing %s failed: %r", NODE_READINGS, e)
 

@@ -21,6 +21,7 @@ from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
 from vramwatch.server.collectors import Cadence, Collector, ReadFailed, ScrapeContext, Tick, register
+from vramwatch.spool.files import process_id
 
 MAX_PROCESSES = 256  # per GPU, to bound the work on a card shared by very many processes
 
@@ -114,7 +115,7 @@ def process_families(snap: tuple[GpuProcesses, ...], ctx: ScrapeContext, job_onl
     rank_pids: set[int] = set()
     ranks_on: dict[str, list[float]] = {}
     for s in ctx.samples:
-        rank_pids.add(s.pid)
+        rank_pids.add(process_id(s.pid))  # a sample's pid may be pid + n * 2**22 (vramwatch.spool.files)
         for dev in s.devices:
             if dev.uuid:
                 reserved = dev.values.get("torch_cuda_memory_reserved_bytes", 0.0)

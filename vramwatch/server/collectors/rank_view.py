@@ -17,7 +17,6 @@ processes' own values again, which Prometheus reads as a counter reset.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Mapping
 
@@ -48,19 +47,25 @@ class RankView:
         self.max_ranks = max_ranks
         self.grace = grace
         self.dropped: Counter[str] = Counter(dict.fromkeys(DROP_REASONS, 0))
+        self._reader = spool.SpoolReader(spool_dir, max_ranks, grace)  # remembers windows and job owners
         self._carried: dict[DeviceKey, dict[str, float]] = {}
         # what each dead process added to _carried, by (job_id, rank, pid): counted once, and taken back if
         # that process publishes again (stop() then start() in one process: its own counters go on by themselves)
         self._counted: dict[tuple[str, int, int], dict[DeviceKey, dict[str, float]]] = {}
         self._lock = threading.Lock()  # concurrent scrapes read in turn: a dead process is counted once
 
-    def read(self, now: float | None = None) -> tuple[spool.SpoolRead, Mapping[DeviceKey, Mapping[str, float]]]:
-        """One read of the spool, and the carried counters for it (a copy: the next read changes them)."""
+    def read(
+        self, now: float | None = None, mono: float | None = None
+    ) -> tuple[spool.SpoolRead, Mapping[DeviceKey, Mapping[str, float]]]:
+        """One read of the spool, and the carried counters for it (a copy: the next read changes them).
+        ``now`` is the wall clock, ``mono`` the monotonic one (:meth:`vramwatch.spool.SpoolReader.read`)."""
         with self._lock:
-            return self._read(time.time() if now is None else now)
+            return self._read(now, mono)
 
-    def _read(self, now: float) -> tuple[spool.SpoolRead, Mapping[DeviceKey, Mapping[str, float]]]:
-        read = spool.read_spool(self.spool_dir, self.max_ranks, self.grace, now)
+    def _read(
+        self, now: float | None, mono: float | None
+    ) -> tuple[spool.SpoolRead, Mapping[DeviceKey, Mapping[str, float]]]:
+        read = self._reader.read(now, mono)
         self.dropped.update(read.dropped)
         for s in read.live:
             self._add(self._counted.pop((s.job_id, s.rank, s.pid), {}), -1.0)
