@@ -239,10 +239,10 @@ def test_a_failed_read_is_read_again_by_the_next_scrape(node, monkeypatch):
     real = node.exp.rank_view.read
     failing = [True]
 
-    def read(now: float) -> object:
+    def read(now: float, mono: float) -> object:
         if failing:
             raise OSError("spool gone")
-        return real(now)
+        return real(now, mono)
 
     monkeypatch.setattr(node.exp.rank_view, "read", read)
     up = b'vramwatch_collector_up{collector="spool",job_id="",rank=""} '

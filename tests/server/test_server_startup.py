@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import resource
@@ -18,6 +17,7 @@ from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.server.main import serve
 from vramwatch.sim.state import SimNode, state_path
+from vramwatch.spool import files as spool_files
 
 
 def _port_is_free(port: int) -> bool:
@@ -34,14 +34,14 @@ def test_a_full_spool_at_start_exits_1_naming_enospc_and_releases_port_and_lock(
     spool_dir = str(tmp_path / "spool")
     os.makedirs(spool_dir)
     SimNode.default(1).save(state_path(spool_dir))
-    real_dump = json.dump
+    real_replace = spool_files.replace_file
 
-    def dump(obj, fh, *a, **kw):
-        if spool.SERVER_INFO in os.path.basename(getattr(fh, "name", "")):
+    def replace_file(path: str, data: bytes, mode: int = 0o666) -> None:
+        if os.path.basename(path) == spool.SERVER_INFO:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_dump(obj, fh, *a, **kw)
+        real_replace(path, data, mode)
 
-    monkeypatch.setattr(json, "dump", dump)
+    monkeypatch.setattr(spool_files, "replace_file", replace_file)
     port = free_port()
     settings = Settings(simulate=True, spool_dir=spool_dir, port=port, nvml_interval=0.1, nvml_slow_interval=0.3)
     result: list[int] = []
