@@ -39,10 +39,6 @@ class LinkErrors:
     counts: tuple[tuple[int, str, float], ...]  # (link, type, count)
 
 
-class _NoLinks(Exception):
-    pass
-
-
 @register("nvlink", lambda s: s.nvml and s.nvlink, "NVLink error counters per active link (NVML, slow cadence).")
 class NvlinkCollector(NvmlSessionCollector[tuple[LinkErrors, ...]]):
     cadence = Cadence.SLOW
