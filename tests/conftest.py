@@ -1,4 +1,5 @@
-"""Fixtures shared by the whole suite, and the repository's harness/ on sys.path.
+"""Fixtures shared by the whole suite (harness/, tests/ and benchmarks/ are importable through pytest's
+``pythonpath`` setting in pyproject.toml).
 
 The processes (exporter, simulated ranks, Prometheus, Alertmanager) come from harness/, shared with the
 benchmarks and `make demo`; here they get a test's lifetime. A binary the harness cannot find
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,11 +18,9 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-# the harness package (harness/), and this folder's helpers (live_scenario, promql_names, tlsutil)
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from harness import Exporter, Prometheus, ToolMissing, start_sim_rank, stop_proc
 
-from harness import Exporter, Prometheus, ToolMissing, start_sim_rank, stop_proc  # noqa: E402 - after the path
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.hookimpl(tryfirst=True)  # before the tmp_path factory reads --basetemp
