@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from samples import rank_sample as _rank_sample
 
 from harness import Exporter, Prometheus, ToolMissing, start_sim_rank, stop_proc
 
@@ -154,6 +155,12 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         return (yield)
     except ToolMissing as e:
         _skip_or_fail(e)
+
+
+@pytest.fixture
+def rank_sample() -> Callable[..., Any]:
+    """The RankSample factory of tests/samples.py: ``rank_sample(rank, uuid=, values=, **fields)``."""
+    return _rank_sample
 
 
 @pytest.fixture
