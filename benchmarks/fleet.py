@@ -50,9 +50,11 @@ from typing import Any
 import common  # puts the repository root on sys.path too
 from common import progress
 
-from harness import EXPORTER_JOB, Prometheus, find_tool, http_get
+from harness import Prometheus, find_tool, http_get
+from harness.servers import EXPORTER_JOB
 from vramwatch.monitoring import contract
 from vramwatch.monitoring.dashboards.walk import TimeContext, substitute
+from vramwatch.spool.schema import MEMORY_ROLES
 
 ROOT = common.ROOT
 RULES = ROOT / "deploy" / "prometheus" / "rules"
@@ -96,9 +98,45 @@ def template(ranks: int = 8, gpus: int = 8) -> tuple[list[Series], dict[str, Any
             unknown.add(fam.name)
         for s in fam.samples:
             out.append(Series(s.name, dict(s.labels), float(s.value), _kind(s.name, fam.type, spec)))
+    added = watched_job_series(out)
+    out += added
     seen = {s.name for s in out}
     absent = sorted(m.name for m in contract.METRICS if not _exposed(m, seen))
-    return out, {"families_not_in_contract": sorted(unknown), "contract_families_not_exposed": absent}
+    return out, {
+        "families_not_in_contract": sorted(unknown),
+        "contract_families_not_exposed": absent,
+        "added_for_a_watched_trainer_job": sorted({s.name for s in added}),
+    }
+
+
+# What a rank of a Trainer job with the callback adds and the simulated rank does not publish: memory by
+# role (watch()), tokens (include_num_input_tokens_seen), FLOPs per token (watch(flops_per_token=)) and the
+# logged grad norm. Labels from the contract, label values from the rank's own allocator series.
+WATCHED = {
+    "vramwatch_memory_role_bytes": 1.5e9,
+    "vramwatch_training_tokens_total": 1.0e9,
+    "vramwatch_model_flops_per_token": 7.6e8,
+    "vramwatch_training_grad_norm": 0.8,
+}
+
+
+def watched_job_series(series: list[Series]) -> list[Series]:
+    have = {s.name for s in series}
+    ranks = [s.labels for s in series if s.name == "torch_cuda_memory_allocated_bytes"]
+    out = []
+    for name, value in WATCHED.items():
+        if name in have:
+            continue
+        spec = contract.spec(name)
+        for labels in ranks:
+            base = {k: labels[k] for k in spec.labels if k in labels}
+            if "role" in spec.labels:
+                for role in MEMORY_ROLES:
+                    out.append(Series(name, {**base, "role": role}, value, "gauge"))
+            else:
+                kind = "counter" if spec.type == "counter" else "gauge"
+                out.append(Series(name, base, value, kind))
+    return out
 
 
 def _exposed(m: contract.MetricSpec, seen: set[str]) -> bool:
