@@ -64,6 +64,7 @@ SCRAPE_INTERVAL = 15.0
 PANEL_RANGE = 6 * 3600.0
 WINDOW = 2 * 3600  # promtool's block range: files never straddle one
 RULE_TARGET_S, PANEL_TARGET_S, TARGET_NODES = 1.0, 2.0, 1000
+SELECTIONS = ("all", "job")
 TROUBLE = re.compile(r"xid|ecc|oom|retr|remapped|replay|error|fail|drop|refus|lost|restart")
 JITTER = tuple(1.0 + 0.002 * math.sin(k) for k in range(16))  # gauges wiggle, so chunks hold real XOR deltas
 
@@ -218,19 +219,27 @@ class Fleet:
     def lines(self, node: int, k: int, t: float) -> str:
         """Node ``node``'s samples at sample number ``k`` (time ``t``), one OpenMetrics line each."""
         ts = f" {t:.3f}\n"
-        j = JITTER[k % len(JITTER)]
+        fixed = self._fixed()[k % len(JITTER)]
+        clock = repr(t - 1.0)
         out = []
-        for p, b, st, kind in zip(self.prefixes[node], self.base, self.step, self.kinds, strict=True):
+        for p, v, b, st, kind in zip(self.prefixes[node], fixed, self.base, self.step, self.kinds, strict=True):
             if kind == "counter":
-                v = b + st * k
-            elif kind == "gauge":
-                v = b * j
+                v = repr(b + st * k)
             elif kind == "clock":
-                v = t - 1.0
-            else:
-                v = b
-            out.append(f"{p}{v!r}{ts}")
+                v = clock
+            out.append(p + v + ts)
         return "".join(out)
+
+    def _fixed(self) -> list[list[str]]:
+        """Gauges' and constants' values as text, per jitter state (the same for every node)."""
+        cache = getattr(self, "_fixed_cache", None)
+        if cache is None:
+            cache = [
+                [repr(b * j if kind == "gauge" else b) for b, kind in zip(self.base, self.kinds, strict=True)]
+                for j in JITTER
+            ]
+            self._fixed_cache = cache
+        return cache
 
 
 def _counter_step(s: Series, all_series: list[Series]) -> float:
@@ -407,6 +416,7 @@ def rule_durations(prom: Prometheus, evaluations: int, interval: float) -> dict[
             break
         time.sleep(max(1.0, interval / 5))
     missed = metric_values(self_metrics(prom), "prometheus_rule_group_iterations_missed_total")
+    per_rule = rule_times(prom)
     out = {}
     for g, vals in sorted(seen.items()):
         vals = vals[1:] or vals  # the first evaluation reads cold blocks
@@ -415,7 +425,18 @@ def rule_durations(prom: Prometheus, evaluations: int, interval: float) -> dict[
             "max_s": max(vals),
             "evaluations": len(vals),
             "iterations_missed": missed.get(g, 0.0),
+            "rules": per_rule.get(_group_name(g), []),
         }
+    return out
+
+
+def rule_times(prom: Prometheus) -> dict[str, list[dict[str, Any]]]:
+    """Each rule's own last evaluation time (/api/v1/rules), slowest first: which expression costs."""
+    doc = json.loads(http_get(prom.url + "/api/v1/rules", 30)[1])
+    out = {}
+    for g in doc["data"]["groups"]:
+        rules = [{"name": r["name"], "seconds": r.get("evaluationTime", 0.0), "expr": r["query"]} for r in g["rules"]]
+        out[g["name"]] = sorted(rules, key=lambda r: -r["seconds"])
     return out
 
 
@@ -453,8 +474,10 @@ def _walk_panels(panels: list[dict]) -> Any:
         yield from _walk_panels(p.get("panels", []))
 
 
-def all_values(dashboards: Path = DASHBOARDS) -> dict[str, str]:
-    """Every query variable at All, as the shipped dashboards default to it."""
+def variable_values(selection: str, dashboards: Path = DASHBOARDS) -> dict[str, str]:
+    """The dashboards' variables: ``all`` leaves every one at All (their default: the whole fleet at once);
+    ``job`` picks one training job (``job_id``: 16 nodes, 128 GPUs by default), as one opens the drill-down
+    dashboards."""
     out = {}
     for path in sorted(dashboards.glob("*.json")):
         for v in json.loads(path.read_text()).get("templating", {}).get("list", []):
@@ -462,6 +485,8 @@ def all_values(dashboards: Path = DASHBOARDS) -> dict[str, str]:
                 out[v["name"]] = "prometheus"
             else:
                 out[v["name"]] = v.get("allValue") or ".*"
+    if selection == "job":
+        out["job_id"] = "job-0000"
     return out
 
 
@@ -482,9 +507,9 @@ def time_query(prom: Prometheus, q: PanelQuery, tc: TimeContext, values: dict[st
     return dt, len(doc["data"]["result"])
 
 
-def panel_times(prom: Prometheus, end: float, step: float, repeats: int) -> dict[str, dict[str, Any]]:
+def panel_times(prom: Prometheus, end: float, step: float, repeats: int, selection: str) -> dict[str, dict[str, Any]]:
     tc = TimeContext(start=end - PANEL_RANGE, end=end, step=step, scrape_interval=SCRAPE_INTERVAL)
-    values = all_values()
+    values = variable_values(selection)
     panels: dict[str, dict[str, Any]] = {}
     queries = panel_queries()
     for n, q in enumerate(queries):
@@ -499,7 +524,7 @@ def panel_times(prom: Prometheus, end: float, step: float, repeats: int) -> dict
         p["seconds"] += med
         p["targets"].append({"ref": q.ref, "expr": q.expr, "median_s": med, "max_s": max(runs), "series": series})
         if (n + 1) % 10 == 0 or n + 1 == len(queries):
-            progress(f"fleet: {n + 1}/{len(queries)} panel queries timed")
+            progress(f"fleet: {n + 1}/{len(queries)} panel queries timed ({selection})")
     return panels
 
 
@@ -540,8 +565,10 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
         progress(f"fleet: rule groups, {args.evaluations} evaluations each")
         rules = rule_durations(prom, args.evaluations, args.evaluation_interval)
         at = time.time()
-        progress("fleet: dashboard panels over 6 h")
-        panels = panel_times(prom, at, args.step, args.repeats)
+        panels = {}
+        for sel in SELECTIONS:
+            progress(f"fleet: dashboard panels over 6 h, variables: {sel}")
+            panels[sel] = panel_times(prom, at, args.step, args.repeats, sel)
         counts = series_counts(prom, at, nodes, 8, 8)
         rss = metric_values(self_metrics(prom), "process_resident_memory_bytes").get("", 0.0)
     finally:
@@ -577,28 +604,48 @@ def fit(xs: list[float], ys: list[float], x: float) -> float | None:
     return max(0.0, my + b * (x - mx))
 
 
+def _categories() -> list[tuple[str, str, float, Any]]:
+    """(key, label, limit, getter of seconds from one measurement's entry)."""
+    return [
+        ("rule_groups", "rule group", RULE_TARGET_S, lambda m, n: (m["rule_groups"].get(n) or {}).get("median_s")),
+        *[(f"panels_{sel}", f"panel ({sel})", PANEL_TARGET_S, _panel_getter(sel)) for sel in SELECTIONS],
+    ]
+
+
+def _panel_getter(sel: str) -> Any:
+    return lambda m, n: (m["panels"][sel].get(n) or {}).get("seconds")
+
+
+def judged(key: str, name: str) -> bool:
+    """The fleet dashboard is judged with every variable at All, the drill-down ones with one job chosen."""
+    if key == "rule_groups":
+        return True
+    fleet = name.startswith("vramwatch-fleet ")
+    return key == ("panels_all" if fleet else "panels_job")
+
+
 def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES) -> dict[str, Any]:
     """Per rule group and panel: seconds at each measured size, and at ``target`` (measured or from the line)."""
     measured = {s["nodes"]: s for s in sizes}
     xs = sorted(measured)
     out: dict[str, Any] = {"sizes": xs, "target_nodes": target, "target_measured": target in measured}
-    for what, key, limit in (("rule_groups", "median_s", RULE_TARGET_S), ("panels", "seconds", PANEL_TARGET_S)):
-        names = sorted({n for s in sizes for n in s[what]})
+    misses = []
+    for key, _label, limit, get in _categories():
+        src = "rule_groups" if key == "rule_groups" else "panels"
+        names = sorted({n for s in sizes for n in (s[src] if src == "rule_groups" else s[src][key.split("_", 1)[1]])})
         rows = {}
         for name in names:
-            pts = [(x, measured[x][what][name][key]) for x in xs if name in measured[x][what]]
+            pts = [(x, get(measured[x], name)) for x in xs if get(measured[x], name) is not None]
             if target in measured:
-                at = measured[target][what][name][key]
+                at = get(measured[target], name)
             else:
                 at = fit([float(x) for x, _ in pts], [y for _, y in pts], target)
-            rows[name] = {"by_nodes": dict(pts), "at_target": at, "meets": at is not None and at <= limit}
-        out[what] = rows
-    out["misses"] = [
-        {"kind": what, "name": name, "at_target_s": row["at_target"]}
-        for what in ("rule_groups", "panels")
-        for name, row in out[what].items()
-        if not row["meets"]
-    ]
+            ok = at is not None and at <= limit
+            rows[name] = {"by_nodes": dict(pts), "at_target": at, "meets": ok, "judged": judged(key, name)}
+            if not ok and rows[name]["judged"]:
+                misses.append({"kind": key, "name": name, "at_target_s": at})
+        out[key] = rows
+    out["misses"] = misses
     return out
 
 
@@ -609,8 +656,10 @@ def render_table(result: dict[str, Any]) -> str:
     how = "measured" if s["target_measured"] else "extrapolated"
     head = "| | " + " | ".join(f"{x:,} nodes" for x in xs) + f" | {tgt:,} nodes ({how}) | target |"
     lines = [head, "|---|" + "---|" * (len(xs) + 2)]
-    for what, label, limit in (("rule_groups", "rule group", RULE_TARGET_S), ("panels", "panel", PANEL_TARGET_S)):
-        for name, row in s[what].items():
+    for key, label, limit, _ in _categories():
+        for name, row in s[key].items():
+            if not row["judged"]:
+                continue  # in the JSON: the drill-down dashboards with every variable at All
             cells = [_sec(row["by_nodes"].get(x)) for x in xs]
             mark = "" if row["meets"] else " **over**"
             lines.append(
@@ -626,6 +675,17 @@ def render_table(result: dict[str, Any]) -> str:
         "| Prometheus RSS | " + " | ".join(f"{by[x]['prometheus_rss_bytes'] / 2**30:.1f} GiB" for x in xs) + " | | |"
     )
     return "\n".join(lines)
+
+
+def slowest(result: dict[str, Any], miss: dict[str, Any], n: int = 2) -> list[str]:
+    """The costliest rules or targets behind a miss, at the largest measured size, with their expressions."""
+    last = max(result["measurements"], key=lambda m: m["nodes"])
+    if miss["kind"] == "rule_groups":
+        rules = last["rule_groups"].get(miss["name"], {}).get("rules", [])
+        return [f"{_sec(r['seconds'])} {r['name']}: {' '.join(r['expr'].split())[:300]}" for r in rules[:n]]
+    sel = miss["kind"].split("_", 1)[1]
+    targets = sorted(last["panels"][sel][miss["name"]]["targets"], key=lambda t: -t["median_s"])
+    return [f"{_sec(t['median_s'])} {t['ref']}: {' '.join(t['expr'].split())[:300]}" for t in targets[:n]]
 
 
 def _sec(v: float | None) -> str:
@@ -695,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
     print(render_table(result))
     for m in result["summary"]["misses"]:
         print(f"fleet: over target at {TARGET_NODES} nodes: {m['kind']} {m['name']}: {_sec(m['at_target_s'])}")
+        for r in slowest(result, m):
+            print(f"    {r}")
     if args.doc:
         update_doc(result)
     progress(f"fleet: wrote {args.out}")
