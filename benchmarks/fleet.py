@@ -571,6 +571,7 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
             panels[sel] = panel_times(prom, at, args.step, args.repeats, sel)
         counts = series_counts(prom, at, nodes, 8, 8)
         rss = metric_values(self_metrics(prom), "process_resident_memory_bytes").get("", 0.0)
+        tsdb_bytes = sum(f.stat().st_size for f in tsdb.rglob("*") if f.is_file())
     finally:
         prom.stop()
         if not args.keep:
@@ -586,6 +587,7 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
         "panels": panels,
         "series": counts,
         "prometheus_rss_bytes": rss,
+        "tsdb_bytes": tsdb_bytes,
     }
 
 
