@@ -698,7 +698,7 @@ def _sec(v: float | None) -> str:
 
 def update_doc(result: dict[str, Any], path: Path = DOC) -> None:
     text = path.read_text()
-    begin, end = "<!-- BEGIN FLEET-COST (benchmarks/fleet.py) -->", "<!-- END FLEET-COST -->"
+    begin, end = "<!-- BEGIN-FLEET-COST (benchmarks/fleet.py) -->", "<!-- END-FLEET-COST -->"
     block = f"{begin}\n{render_table(result)}\n{end}"
     if begin in text:
         text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _m: block, text, flags=re.S)
