@@ -626,11 +626,19 @@ def judged(key: str, name: str) -> bool:
     return key == ("panels_all" if fleet else "panels_job")
 
 
-def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES) -> dict[str, Any]:
-    """Per rule group and panel: seconds at each measured size, and at ``target`` (measured or from the line)."""
+def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES, per_job: int = 16) -> dict[str, Any]:
+    """Per rule group and panel: seconds at each measured size, and at ``target`` (measured or from the line).
+
+    A panel with one job chosen reads that job's nodes only: its line runs over the job's size (the fleet's
+    up to ``per_job`` nodes), so past one job it is extrapolated flat, not with the fleet."""
     measured = {s["nodes"]: s for s in sizes}
     xs = sorted(measured)
-    out: dict[str, Any] = {"sizes": xs, "target_nodes": target, "target_measured": target in measured}
+    out: dict[str, Any] = {
+        "sizes": xs,
+        "target_nodes": target,
+        "target_measured": target in measured,
+        "nodes_per_job": per_job,
+    }
     misses = []
     for key, _label, limit, get in _categories():
         src = "rule_groups" if key == "rule_groups" else "panels"
@@ -638,10 +646,11 @@ def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES) -> dict[str
         rows = {}
         for name in names:
             pts = [(x, get(measured[x], name)) for x in xs if get(measured[x], name) is not None]
+            scale = (lambda n: float(min(n, per_job))) if key == "panels_job" else float
             if target in measured:
                 at = get(measured[target], name)
             else:
-                at = fit([float(x) for x, _ in pts], [y for _, y in pts], target)
+                at = fit([scale(x) for x, _ in pts], [y for _, y in pts], scale(target))
             ok = at is not None and at <= limit
             rows[name] = {"by_nodes": dict(pts), "at_target": at, "meets": ok, "judged": judged(key, name)}
             if not ok and rows[name]["judged"]:
@@ -749,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in sizes:
             progress(f"fleet: --- {n} nodes ---")
             result["measurements"].append(measure(series, n, args, work))
-            result["summary"] = summary(result["measurements"])
+            result["summary"] = summary(result["measurements"], per_job=args.nodes_per_job)
             common.write_json(args.out, result)
     finally:
         if not args.work:
