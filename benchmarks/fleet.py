@@ -629,8 +629,8 @@ def judged(key: str, name: str) -> bool:
 def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES, per_job: int = 16) -> dict[str, Any]:
     """Per rule group and panel: seconds at each measured size, and at ``target`` (measured or from the line).
 
-    A panel with one job chosen reads that job's nodes only: its line runs over the job's size (the fleet's
-    up to ``per_job`` nodes), so past one job it is extrapolated flat, not with the fleet."""
+    A panel with one job chosen reads that job's nodes only: at a size not measured it is the median of the
+    sizes that held a whole job (``per_job`` nodes or more), not a line through the fleet's sizes."""
     measured = {s["nodes"]: s for s in sizes}
     xs = sorted(measured)
     out: dict[str, Any] = {
@@ -646,11 +646,15 @@ def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES, per_job: in
         rows = {}
         for name in names:
             pts = [(x, get(measured[x], name)) for x in xs if get(measured[x], name) is not None]
-            scale = (lambda n: float(min(n, per_job))) if key == "panels_job" else float
+            whole_jobs = [y for x, y in pts if x >= per_job]
             if target in measured:
                 at = get(measured[target], name)
+            elif key == "panels_job" and whole_jobs:
+                at = statistics.median(whole_jobs)  # one job chosen: the same 16 nodes at any larger size
             else:
-                at = fit([scale(x) for x, _ in pts], [y for _, y in pts], scale(target))
+                line = fit([float(x) for x, _ in pts], [y for _, y in pts], target)
+                # a cost does not fall as the fleet grows: a line tilted down by noise gives the largest size's
+                at = None if line is None else max(line, pts[-1][1])
             ok = at is not None and at <= limit
             rows[name] = {"by_nodes": dict(pts), "at_target": at, "meets": ok, "judged": judged(key, name)}
             if not ok and rows[name]["judged"]:
@@ -736,7 +740,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-from", metavar="JSON", help="only write docs/scale.md's table from a recorded result")
     args = p.parse_args(argv)
     if args.doc_from:
-        update_doc(common.read_json(args.doc_from))
+        recorded = common.read_json(args.doc_from)
+        recorded["summary"] = summary(recorded["measurements"], per_job=recorded["settings"]["nodes_per_job"])
+        update_doc(recorded)
+        print(render_table(recorded))
         return 0
     if find_tool("prometheus") is None or find_tool("promtool") is None:
         print("fleet: needs Debian's prometheus and promtool (make tools, or TEST_TOOLS_DIR)", file=sys.stderr)
