@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-WORKLOADS = ("direct", "launch_bound", "launch_bound_fresh", "transformer", "transformer_full")
+WORKLOADS = ("direct", "launch_bound", "launch_bound_fresh", "transformer", "transformer_full", "trainer")
 PAIR_KEYS = (
     "median_ratio",
     "min_ratio",
@@ -146,7 +146,8 @@ def _builtin_gpt(sz: dict, dev: Any) -> Any:
     return MiniGPT().to(dev)
 
 
-def build_transformer(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any, dict]:
+def gpt2_model(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any, str]:
+    """GPT-2 of ``sz``'s shape with random weights on ``dev``: transformers' (hf) or a plain-torch one."""
     import torch
 
     impl = model_impl
@@ -178,6 +179,13 @@ def build_transformer(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any
         model = _builtin_gpt(sz, dev)
         impl = "builtin MiniGPT (torch.nn.TransformerEncoder)"
     model.train()
+    return model, impl
+
+
+def build_transformer(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any, dict]:
+    import torch
+
+    model, impl = gpt2_model(sz, dev, model_impl)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, sz["tf_vocab"], (sz["tf_batch"], sz["tf_seq"]), device=dev)
     hf = impl.startswith("transformers")
@@ -201,6 +209,109 @@ def build_transformer(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any
         "precision": "fp32 weights, bf16 autocast",
         "optimizer": "AdamW",
     }
+
+
+def run_trainer(spec: dict[str, Any], dev: Any, watched: bool) -> dict[str, Any]:
+    """GPT-2 trained by transformers' Trainer for a timed window; with ``watched``, vramwatch's Trainer
+    callback (watch(), tokens from ``include_num_input_tokens_seen``, the heartbeat, the logged loss).
+
+    Steps are timed by a callback of the benchmark's own (on_step_end): after warm-up one synchronize opens
+    the window, and the first step end past ``run_s`` closes it with another and stops training."""
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    sz = spec["sizes"]
+    model, impl = gpt2_model(sz, dev, "hf")
+    seq, batch = sz["tf_seq"], sz["tf_batch"]
+    rows = torch.randint(0, sz["tf_vocab"], (64, seq))
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 10**7
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            ids = rows[i % len(rows)]
+            return {"input_ids": ids, "labels": ids}
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else _noop
+    marks: dict[str, Any] = {"steps": []}
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.t0 = time.perf_counter()
+            self.n = 0
+            self.last = 0.0
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.n += 1
+            now = time.perf_counter()
+            if "start" not in marks:
+                if self.n >= spec["warmup_steps"] and now - self.t0 >= spec["warmup_s"]:
+                    sync()
+                    marks.update(start=time.perf_counter(), wall0=time.time(), warmup_steps=self.n)
+                    marks["threads0"] = common.thread_cpu_seconds("vramwatch")
+                    self.last = marks["start"]
+                return
+            marks["steps"].append(now - self.last)
+            self.last = now
+            if now - marks["start"] >= spec["run_s"]:
+                sync()
+                marks.update(end=time.perf_counter(), wall1=time.time())
+                marks["threads1"] = common.thread_cpu_seconds("vramwatch")
+                control.should_training_stop = True
+
+    callbacks: list[Any] = [Clock()]
+    count_tokens = watched or spec.get("trainer_tokens_in_a", False)
+    if watched:
+        from vramwatch.integrations.hf import VramwatchCallback
+
+        callbacks.insert(0, VramwatchCallback())
+    targs = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="vwbench-trainer-"),
+        per_device_train_batch_size=batch,
+        max_steps=10**6,
+        learning_rate=1e-4,
+        optim="adamw_torch",
+        bf16=dev.type == "cuda",
+        use_cpu=dev.type != "cuda",
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        include_num_input_tokens_seen=bool(count_tokens),
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=callbacks)
+    t0 = time.perf_counter()
+    trainer.train()
+    if "end" not in marks:
+        raise RuntimeError(f"the Trainer stopped before the timed window closed: {marks}")
+    wall = marks["end"] - marks["start"]
+    steps = len(marks["steps"])
+    out: dict[str, Any] = {
+        "warmup_steps": marks["warmup_steps"],
+        "steps": steps,
+        "wall_s": wall,
+        "step_time_s": wall / steps,
+        "median_step_s": statistics.median(marks["steps"]),
+        "window": [marks["wall0"], marks["wall1"]],
+        "warmup_s": marks["start"] - t0,
+        "trainer_counts_tokens": bool(count_tokens),
+        "model": {
+            "model": impl,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "batch": batch,
+            "seq": seq,
+            "precision": "bf16 mixed (Trainer bf16=True)" if dev.type == "cuda" else "fp32",
+            "optimizer": "AdamW (adamw_torch)",
+            "loop": f"transformers.Trainer {__import__('transformers').__version__}",
+        },
+    }
+    if watched:
+        delta = common.cpu_delta(marks["threads0"], marks["threads1"])
+        out["vramwatch_threads_cpu_s"] = delta
+        out["vramwatch_cpu_share"] = sum(delta.values()) / wall if wall > 0 else None
+    return out
 
 
 def _timed(fn, sync, warmup_s: float, warmup_steps: int, run_s: float) -> dict[str, Any]:
@@ -447,6 +558,15 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     tp = time.perf_counter()
     if dev.type == "cuda":
         torch.cuda.init()
+    if spec["workload"] == "trainer":
+        r = run_trainer(spec, dev, watched=vw is not None)
+        phases["build_and_warmup"] = r.pop("warmup_s")
+        out.update(r)
+        _device_facts(torch, dev, out)
+        out["vramwatch_loaded"] = "vramwatch" in sys.modules
+        if vw is not None:
+            vw.stop()
+        return out
     if spec["workload"] == "transformer":
         step_fn, winfo = build_transformer(spec["sizes"], dev, spec.get("model", "auto"))
     else:
@@ -627,6 +747,7 @@ class Runner:
             "pass_loss": not a.no_loss,
             "watch": not a.no_watch,
             "pin_core": a.pin,
+            "trainer_tokens_in_a": a.trainer_tokens_in_a,
             **extra,
         }
         return spec, result, logf
@@ -1042,6 +1163,13 @@ def _prewarm(args: argparse.Namespace, wanted: list[str]) -> None:
     import torch
 
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its first construction imports torch._dynamo
+    if "trainer" in wanted:
+        from transformers import Trainer  # noqa: F401 - the Trainer's imports (accelerate, datasets) too
+
+        if torch.cuda.is_initialized():  # an import reached CUDA: a forked run could not use it
+            common.progress("importing the Trainer initialised CUDA; every run is a fresh interpreter (exec)")
+            args.isolation = "exec"
+            return
     if any(w.startswith("transformer") for w in wanted) and args.model in ("auto", "hf"):
         try:
             from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401
@@ -1147,6 +1275,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             for name, _, vw in variants[1:]:
                 others = [n for n, _, _ in variants[1:] if n != name]
                 out[name] = summarize(name, r["runs"], "without", name, vw, r["truncated"], others)
+            save()
+        if "trainer" in wanted:
+            common.progress(
+                f"trainer: {args.pairs} pairs of A B ({args.run_seconds:g} s windows of transformers' Trainer; "
+                "B with VramwatchCallback: watch(), tokens, heartbeat, loss)"
+            )
+            r = run_pairs(runner, args, "trainer", [("without", "A", None), ("trainer", "B", {})], deadline)
+            out["trainer"] = summarize("trainer", r["runs"], "without", "trainer", {}, r["truncated"], [])
+            out["trainer"]["design"] = (
+                "fresh processes; B: vramwatch.start() then Trainer(callbacks=[VramwatchCallback()]) with "
+                "include_num_input_tokens_seen=True" + (" (in A too)" if args.trainer_tokens_in_a else " (A: off)")
+            )
             save()
     finally:
         runner.close()
@@ -1261,6 +1401,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "or hf when importable (auto)",
     )
     p.add_argument("--no-loss", action="store_true", help="call step() without the loss tensor")
+    p.add_argument(
+        "--trainer-tokens-in-a",
+        action="store_true",
+        help="trainer: the A runs count tokens too (include_num_input_tokens_seen), so the pairs leave the "
+        "Trainer's own token count out of the difference",
+    )
     p.add_argument(
         "--no-watch",
         action="store_true",

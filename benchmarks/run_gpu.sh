@@ -5,13 +5,17 @@
 #   OUT=/some/dir bash benchmarks/run_gpu.sh --full part1     # ~9.5 min: pytest -m gpu, direct cost, launch-bound pairs
 #   OUT=/some/dir bash benchmarks/run_gpu.sh --full part2     # ~8 min: transformer pairs, scrape
 #   OUT=/some/dir bash benchmarks/run_gpu.sh --full part3     # ~2 min: fragmentation
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part5     # ~9.5 min: issue 46: the walks, Trainer pairs, GPM
 #   bash benchmarks/run_gpu.sh --plan --full part1            # print the commands only
 #   OUT=/tmp/x bash benchmarks/run_gpu.sh --smoke all         # no GPU: tiny CPU/simulated runs (CI smoke test)
 #
-# Parts: tests direct launch launch_fresh transformer scrape fragmentation direct_nopin launch_short rss, or the
+# Parts: tests direct launch launch_fresh transformer scrape fragmentation direct_nopin launch_short rss walks
+# trainer gpm, or the
 # groups part1 (tests direct launch launch_fresh), part2 (transformer scrape), part3 (fragmentation),
 # part4 (direct_nopin: the direct cost with placement left to the scheduler; launch_short: 100 pairs of
-# 1 s launch-bound segments against one sidecar server), all (parts 1-3). launch_fresh
+# 1 s launch-bound segments against one sidecar server), part5 (walks: the role walk at 100k parameters and the
+# allocator snapshot at 10k segments; trainer: GPT-2 in transformers' Trainer, A/B pairs with vramwatch's
+# callback; gpm: a GPU-bound step with the GPM collector on and off), all (parts 1-3). launch_fresh
 # (launch-bound pairs with every run a process of its own, a cross-check) takes what part1 leaves.
 # BUDGET (seconds, default 570) bounds one invocation: each phase gets at most what is left (the
 # overhead benchmark stops starting pairs in time and keeps what it measured; the others are cut by
@@ -41,8 +45,9 @@ for a in "$@"; do
     part2) PARTS+=(transformer scrape) ;;
     part3) PARTS+=(fragmentation) ;;
     part4) PARTS+=(direct_nopin launch_short) ;;
+    part5) PARTS+=(walks trainer gpm) ;;
     all) PARTS+=(tests direct launch launch_fresh transformer scrape fragmentation) ;;
-    tests|direct|launch|launch_fresh|transformer|scrape|fragmentation|direct_nopin|launch_short|rss) PARTS+=("$a") ;;
+    tests|direct|launch|launch_fresh|transformer|scrape|fragmentation|direct_nopin|launch_short|rss|walks|trainer|gpm) PARTS+=("$a") ;;
     *) echo "unknown argument: $a" >&2; exit 2 ;;
   esac
 done
@@ -85,6 +90,19 @@ CMD_SCRAPE="$PY benchmarks/scrape.py $SCRAPE_ARGS --out $OUT/scrape.json"
 CMD_FRAG="$PY benchmarks/fragmentation.py $FRAG_ARGS --out $OUT/fragmentation.json"
 RSS_ARGS=""; [ "$MODE" = smoke ] && RSS_ARGS="--simulate --repeats 1 --settle 0.5"
 CMD_RSS="$PY benchmarks/rss_floor.py $RSS_ARGS --out $OUT/rss_floor.json"
+# issue 46: the walks as models grow (100k parameters: 500k tensors with AdamW's state; 10k 2 MiB segments)
+WALK_ARGS="--device cuda --params 150,1000,8000,100000 --segments 10000"
+# the Trainer pairs: batch 8 x 1024 tokens keeps a run (fresh process, CUDA, model, Trainer) near 7 s, so 20
+# pairs fit beside the walks and GPM; GPM: 8 pairs of 4 s segments, GPM read every second
+TRAINER_ARGS="--run-seconds 2 --warmup-seconds 0.5 --tf-batch 8"
+GPM_ARGS="--pairs 8 --segment-seconds 4 --slow-interval 1"
+if [ "$MODE" = quick ]; then WALK_ARGS="--device cuda --params 150,8000 --segments 1000"; GPM_ARGS="--pairs 2 --segment-seconds 2"; fi
+if [ "$MODE" = smoke ]; then
+  WALK_ARGS="--device cpu --params 150,2000 --segments 2000 --repeats 2"
+  TRAINER_ARGS="--run-seconds 0.3 --warmup-seconds 0.05"
+  GPM_ARGS="--device cpu --pairs 2 --segment-seconds 0.5 --warmup-seconds 0.1"
+fi
+CMD_WALKS="$PY benchmarks/roles_walk.py $WALK_ARGS --out $OUT/walks.json"
 
 if [ "$PLAN" = 1 ]; then
   echo "mode=$MODE parts=${PARTS[*]} out=$OUT budget=$BUDGET"
@@ -97,6 +115,9 @@ if [ "$PLAN" = 1 ]; then
   has scrape && echo "scrape: $CMD_SCRAPE"
   has fragmentation && echo "fragmentation: $CMD_FRAG"
   has rss && echo "rss: $CMD_RSS"
+  has walks && echo "walks: $CMD_WALKS"
+  has trainer && echo "overhead: $(overhead_cmd trainer "$OUT/overhead-trainer.json" '<left>' "$TRAINER_ARGS")"
+  has gpm && echo "gpm: $PY benchmarks/gpm_cost.py $GPM_ARGS --deadline <left> --out $OUT/gpm_cost.json"
   exit 0
 fi
 
@@ -192,6 +213,17 @@ fi
 has scrape && phase scrape 200 $CMD_SCRAPE
 has fragmentation && phase fragmentation 240 $CMD_FRAG
 has rss && phase rss 90 $CMD_RSS
+# issue 46 (part5): the walks first (about a minute), the Trainer pairs with what GPM leaves, GPM last
+has walks && phase walks 120 $CMD_WALKS
+if has trainer; then
+  RESERVE=0; has gpm && RESERVE=170; [ "$MODE" = smoke ] && RESERVE=30
+  D=$(( $(left) - RESERVE - 20 )); [ "$D" -lt 30 ] && D=30
+  phase overhead-trainer $((D + 40)) $(overhead_cmd trainer "$OUT/overhead-trainer.json" "$D" "$TRAINER_ARGS")
+fi
+if has gpm; then
+  D=$(( $(left) - 15 )); [ "$D" -lt 20 ] && D=20
+  phase gpm $((D + 30)) $PY benchmarks/gpm_cost.py $GPM_ARGS --deadline "$D" --out "$OUT/gpm_cost.json"
+fi
 if [ -f "$OUT/overhead-part1.json" ] && [ -f "$OUT/overhead-part2.json" ]; then
   $PY benchmarks/overhead.py --merge "$OUT/overhead-part1.json" "$OUT/overhead-part2.json" --out "$OUT/overhead.json"
 fi
@@ -210,7 +242,8 @@ def r4(v):
     return "n/a" if v is None else f"{v:.4f}"
 def ms(v):
     return "n/a" if v is None else f"{v * 1000:.2f} ms"
-for n in ("overhead-part1.json", "overhead-part2.json", "overhead-direct-nopin.json", "overhead-short.json"):
+for n in ("overhead-part1.json", "overhead-part2.json", "overhead-direct-nopin.json", "overhead-short.json",
+          "overhead-trainer.json"):
     d = load(n)
     if not d:
         continue
@@ -223,7 +256,7 @@ for n in ("overhead-part1.json", "overhead-part2.json", "overhead-direct-nopin.j
         parts = (d.get("direct") or {}).get("sample_parts_cpu_share") or {}
         if parts:
             print("  by part (% of a core): " + ", ".join(f"{k} {v * 100:.4f}" for k, v in sorted(parts.items())))
-    for w in ("launch_bound", "launch_bound_fresh", "transformer", "transformer_full"):
+    for w in ("launch_bound", "launch_bound_fresh", "transformer", "transformer_full", "trainer"):
         o = d.get(w)
         if o and o.get("median_ratio") is not None:
             st = o["step_times"]["without"]
@@ -289,6 +322,23 @@ if m:
         print(f"rss step {st['step']}: " + (f"{st['rss_mb']:.1f} MB, anon {st['anon_mb']:.1f} MB" if "rss_mb" in st else f"ERROR {st.get('error')}"))
     for v in m.get("serve", []):
         print(f"rss serve {v['variant']}: " + (f"{v['rss_mb']:.1f} MB, anon {v['anon_mb']:.1f} MB" if "rss_mb" in v else f"ERROR {v.get('error')}"))
+w = load("walks.json")
+if w:
+    for c in w.get("cases", []):
+        print(f"role walk {c['params']} params ({c['tensors']} tensors, {c['device']}): {c['walk_s'] * 1000:.1f} ms a walk, "
+              f"{c['per_tensor_us']:.2f} us a tensor, {c['passes']} passes, every {c['walk_every_s']:.0f} s, "
+              f"{c['core_share'] * 100:.4f}% of a core, figures up to {c['age_max_s']:.0f} s old")
+    sn = w.get("snapshot")
+    if sn:
+        print(f"allocator snapshot {sn['segments_seen']} segments: {sn['snapshot_s'] * 1000:.1f} ms, every "
+              f"{sn['snapshot_every_s']:.0f} s, {sn['core_share'] * 100:.4f}% of a core, up to {sn['age_max_s']:.0f} s old "
+              f"({sn['basis']})")
+g = load("gpm_cost.json")
+if g and g.get("summary"):
+    s = g["summary"]
+    print(f"gpm on/off: ratio {r4(s['median_ratio'])} [{r4(s['min_ratio'])}, {r4(s['max_ratio'])}], A/A null "
+          f"{r4(s['null_median_ratio'])} [{r4(s['null_min_ratio'])}, {r4(s['null_max_ratio'])}], {s['pairs']} pairs, "
+          f"within null {s['within_null']}; step {g['step']}")
 print(open(os.path.join(out, "phases.txt")).read())
 EOF
 rm -rf "$WHL_SITE"

@@ -1,4 +1,5 @@
-"""Fixtures shared by the whole suite, and the repository's harness/ on sys.path.
+"""Fixtures shared by the whole suite (harness/, tests/ and benchmarks/ are importable through pytest's
+``pythonpath`` setting in pyproject.toml).
 
 The processes (exporter, simulated ranks, Prometheus, Alertmanager) come from harness/, shared with the
 benchmarks and `make demo`; here they get a test's lifetime. A binary the harness cannot find
@@ -10,19 +11,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from samples import rank_sample as _rank_sample
+
+from harness import Exporter, Prometheus, ToolMissing, start_sim_rank, stop_proc
 
 ROOT = Path(__file__).resolve().parent.parent
-# the harness package (harness/), and this folder's helpers (live_scenario, promql_names, tlsutil)
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from harness import Exporter, Prometheus, ToolMissing, start_sim_rank, stop_proc  # noqa: E402 - after the path
 
 
 @pytest.hookimpl(tryfirst=True)  # before the tmp_path factory reads --basetemp
@@ -156,6 +155,12 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         return (yield)
     except ToolMissing as e:
         _skip_or_fail(e)
+
+
+@pytest.fixture
+def rank_sample() -> Callable[..., Any]:
+    """The RankSample factory of tests/samples.py: ``rank_sample(rank, uuid=, values=, **fields)``."""
+    return _rank_sample
 
 
 @pytest.fixture

@@ -15,13 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
+import overhead
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import common  # noqa: E402
-import overhead  # noqa: E402
 
 
 # --- pure helpers ---

@@ -3,28 +3,16 @@ its fleet relabelling keeps every series the alerts and the fleet dashboard read
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 import time
 
 import pytest
+import series_count
 from deploy_files import DEPLOY, RULES
 
 from harness import ROOT, http_get
 from vramwatch.monitoring import contract
-
-
-def _load_series_count():
-    spec = importlib.util.spec_from_file_location("series_count", ROOT / "benchmarks" / "series_count.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["series_count"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-series_count = _load_series_count()
 
 
 def _families_in(text: str) -> set[str]:
@@ -108,10 +96,8 @@ def test_recorded_series_count_matches_the_exporter_today():
 
 
 def test_scrape_cost_table_is_the_recorded_sweep():
-    spec = importlib.util.spec_from_file_location("scrape_scale", ROOT / "benchmarks" / "scrape_scale.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec.loader.exec_module(mod)
+    import scrape_scale as mod
+
     recorded = sorted((ROOT / "benchmarks" / "results").glob("*/scrape_scale.json"))
     assert recorded, "no recorded sweep: benchmarks/scrape_scale.py --out benchmarks/results/<run>/scrape_scale.json"
     result = json.loads(recorded[-1].read_text())

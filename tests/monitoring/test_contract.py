@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
+from samples import rank_sample
 
 from harness import tool, wait_until
 from vramwatch.monitoring import contract
 from vramwatch.server.collectors import ScrapeContext, ranks
-from vramwatch.spool import AllocatorInfo, CollectorHealth, DeviceSample, HeartbeatSnapshot, RankSample
+from vramwatch.spool import AllocatorInfo, CollectorHealth, HeartbeatSnapshot
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 UNITS = ("bytes", "seconds", "watts", "joules", "celsius", "hertz", "ratio")
@@ -44,26 +45,19 @@ def test_no_label_can_grow_without_bound():
 
 
 def _ctx() -> ScrapeContext:
-    sample = RankSample(
-        rank=1,
-        local_rank=1,
+    sample = rank_sample(
+        1,
         world_size=2,
-        hostname="node-a",
         pid=42,
         time=1000.0,
-        devices=(
-            DeviceSample(
-                device=0,
-                uuid="GPU-1111",
-                values={
-                    "torch_cuda_memory_allocated_bytes": 3.08e9,
-                    "torch_cuda_memory_reserved_bytes": 3.28e9,
-                    "torch_cuda_memory_fragmentation_ratio": 0.2 / 3.28,
-                    "torch_cuda_memory_alloc_retries_total": 2.0,
-                    "not_in_the_contract": 1.0,
-                },
-            ),
-        ),
+        uuid="GPU-1111",
+        values={
+            "torch_cuda_memory_allocated_bytes": 3.08e9,
+            "torch_cuda_memory_reserved_bytes": 3.28e9,
+            "torch_cuda_memory_fragmentation_ratio": 0.2 / 3.28,
+            "torch_cuda_memory_alloc_retries_total": 2.0,
+            "not_in_the_contract": 1.0,
+        },
         allocator_info=AllocatorInfo(
             backend="native", expandable_segments="true", garbage_collection_threshold="0.8", max_split_size_mb=""
         ),

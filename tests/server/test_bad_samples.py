@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from samples import rank_sample
 
 from harness import parse_metrics
 from vramwatch import spool
@@ -30,14 +31,11 @@ BAD_FILE = "rank-1-424242.json"
 
 
 def _sample(rank: int) -> spool.RankSample:
-    return spool.RankSample(
-        rank=rank,
-        local_rank=rank,
+    return rank_sample(
+        rank,
         world_size=2,
-        hostname="node-a",
-        pid=os.getpid(),
-        time=time.time(),
-        devices=(spool.DeviceSample(0, "GPU-sim-0", {"torch_cuda_memory_reserved_bytes": 3e9}),),
+        uuid="GPU-sim-0",
+        values={"torch_cuda_memory_reserved_bytes": 3e9},
         allocator_info=spool.AllocatorInfo("native", "false", "", ""),
         heartbeat=spool.HeartbeatSnapshot(steps=5, last_step_time=time.time(), buckets=(0.1, 1.0), counts=(1, 2, 1)),
         collectors={"allocator": spool.CollectorHealth(1, 0, 0.0002)},

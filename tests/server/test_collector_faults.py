@@ -573,18 +573,14 @@ def test_the_loss_of_a_gpu_that_offers_no_xid_events_is_counted_on_its_index(tmp
     assert xids(ledger, d1.uuid) == {"79": (1, 1.0)}
 
 
-def test_the_loss_line_names_the_ranks_on_that_gpu(tmp_path, caplog):
+def test_the_loss_line_names_the_ranks_on_that_gpu(tmp_path, caplog, rank_sample):
     caplog.set_level(logging.INFO, "vramwatch")
     node, session, ledger, other = make(tmp_path)
     other.close()  # the collector's own watcher only
     xc = XidCollector(session.settings, session, wait_ms=50)
     pub = spool.RankPublisher(str(tmp_path), 2)
     try:
-        pub.publish(
-            spool.RankSample(
-                2, 2, 4, "h", os.getpid(), time.time(), devices=(spool.DeviceSample(0, node.gpu(1).uuid, {}),)
-            )
-        )
+        pub.publish(rank_sample(2, world_size=4, hostname="h", uuid=node.gpu(1).uuid))
         xc.watcher.step()
         session.set_lost(session.devices[1].uuid, True)
     finally:
@@ -602,10 +598,10 @@ def test_a_closed_watcher_no_longer_counts_losses(tmp_path):
     assert xids(ledger, session.devices[0].uuid)["79"] == (0, 0.0)
 
 
-def test_the_log_line_lookup_never_removes_a_dead_ranks_file(tmp_path):
+def test_the_log_line_lookup_never_removes_a_dead_ranks_file(tmp_path, rank_sample):
     node, session, ledger, w = make(tmp_path)
     pub = spool.RankPublisher(str(tmp_path), 0)
-    pub.publish(spool.RankSample(0, 0, 1, "h", os.getpid(), time.time()))
+    pub.publish(rank_sample(0))
     pub.close()  # the rank is gone; its final sample is the scrape path's to serve and reap
     before = sorted(os.listdir(tmp_path))
     w.step()
@@ -710,7 +706,7 @@ def test_registration_says_which_gpus_are_watched_and_why_the_others_are_not(tmp
     assert w.health.up == 1 and w.health.errors == 0
 
 
-def test_the_xid_collector_in_job_mode_shows_only_the_ranks_gpus(tmp_path):
+def test_the_xid_collector_in_job_mode_shows_only_the_ranks_gpus(tmp_path, rank_sample):
     node, session, ledger, other = make(tmp_path)
     other.close()
     from vramwatch.config import Settings
@@ -718,7 +714,7 @@ def test_the_xid_collector_in_job_mode_shows_only_the_ranks_gpus(tmp_path):
     settings = Settings(simulate=True, spool_dir=str(tmp_path), gpus="job")
     xc = XidCollector(settings, session, wait_ms=50)
     xc.watcher.step()
-    sample = spool.RankSample(0, 0, 1, "h", 1, 0.0, devices=(spool.DeviceSample(0, node.gpu(1).uuid, {}),))
+    sample = rank_sample(0, pid=1, time=0.0, uuid=node.gpu(1).uuid)
     total, _ = xc.families(xc.read(None), ScrapeContext((sample,), 0.0, "h"))  # type: ignore[arg-type]
     assert {s.labels["gpu"] for s in total.samples} == {"1"}
     assert xc.watcher.wait_ms == 50

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.config import Settings
@@ -34,14 +35,12 @@ SPOOL_DURATION = re.compile(rb'(vramwatch_collector_duration_seconds\{collector=
 
 
 def sample(rank: int, t: float, steps: int = 3) -> spool.RankSample:
-    return spool.RankSample(
-        rank=rank,
-        local_rank=rank,
+    return rank_sample(
+        rank,
         world_size=8,
-        hostname="node-a",
-        pid=os.getpid(),
         time=t,
-        devices=(spool.DeviceSample(0, f"GPU-{rank}", {"torch_cuda_memory_reserved_bytes": 3e9 + rank}),),
+        uuid=f"GPU-{rank}",
+        values={"torch_cuda_memory_reserved_bytes": 3e9 + rank},
         heartbeat=spool.HeartbeatSnapshot(steps=steps, last_step_time=t, buckets=(0.1, 1.0), counts=(1, 1, 0)),
         collectors={"allocator": spool.CollectorHealth(up=1, errors=0, duration=0.0002)},
     )

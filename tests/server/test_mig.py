@@ -8,6 +8,7 @@ from typing import Any
 
 import pynvml
 import pytest
+from samples import rank_sample
 
 from harness.nvml_calls import CountingNvml
 from vramwatch import spool
@@ -19,7 +20,7 @@ from vramwatch.server.collectors.nvml import NvmlCollector
 from vramwatch.server.mig import profile_of
 from vramwatch.sim.nvml import SimNvml
 from vramwatch.sim.state import SimNode
-from vramwatch.spool import DeviceSample, HeartbeatSnapshot, RankSample
+from vramwatch.spool import HeartbeatSnapshot, RankSample
 
 GIB = 1 << 30
 E = pynvml
@@ -56,8 +57,10 @@ class MigRig:
         return {lab["uuid"]: v for lab, v in self.metrics().get(name, [])}
 
     def rank_on(self, uuid: str, reserved: int, pid: int = 4100) -> None:
-        dev = DeviceSample(0, uuid, {"torch_cuda_memory_reserved_bytes": float(reserved)})
-        self.samples.append(RankSample(0, 0, 1, "h", pid, time.time(), (dev,), HeartbeatSnapshot(steps=1)))
+        values = {"torch_cuda_memory_reserved_bytes": float(reserved)}
+        self.samples.append(
+            rank_sample(0, hostname="h", pid=pid, uuid=uuid, values=values, heartbeat=HeartbeatSnapshot(steps=1))
+        )
 
 
 def test_instances_are_enumerated_with_their_parent_ids_and_profile(tmp_path):

@@ -8,6 +8,7 @@ from typing import Any
 
 import pynvml
 import pytest
+from samples import rank_sample
 
 from harness.nvml_calls import CountingNvml
 from vramwatch import spool
@@ -20,7 +21,7 @@ from vramwatch.server.collectors.processes import GpuProcesses, ProcessesCollect
 from vramwatch.server.collectors.xid import XidLedger, XidWatcher
 from vramwatch.sim.nvml import SimNvml
 from vramwatch.sim.state import SimNode
-from vramwatch.spool import DeviceSample, HeartbeatSnapshot, RankSample
+from vramwatch.spool import HeartbeatSnapshot, RankSample
 
 GIB = 1 << 30
 
@@ -75,18 +76,10 @@ class Rig:
         return None
 
     def rank(self, rank: int, pid: int, gpu: int, reserved: int) -> None:
-        device = DeviceSample(0, self.node.gpu(gpu).uuid, {"torch_cuda_memory_reserved_bytes": float(reserved)})
+        uuid = self.node.gpu(gpu).uuid
+        values = {"torch_cuda_memory_reserved_bytes": float(reserved)}
         self.samples.append(
-            RankSample(
-                rank=rank,
-                local_rank=rank,
-                world_size=1,
-                hostname="h",
-                pid=pid,
-                time=time.time(),
-                devices=(device,),
-                heartbeat=HeartbeatSnapshot(steps=7),
-            )
+            rank_sample(rank, hostname="h", pid=pid, uuid=uuid, values=values, heartbeat=HeartbeatSnapshot(steps=7))
         )
 
 
@@ -461,11 +454,11 @@ def test_foreign_fallback_prefers_the_closest_process_at_or_above_the_reservatio
     assert foreign(((1, 1 * GIB), (2, 7 * GIB)), {11}, [8 * GIB]) == [(1, 1 * GIB)]
 
 
-def test_the_fallback_uses_each_ranks_reservation_on_that_gpu():
+def test_the_fallback_uses_each_ranks_reservation_on_that_gpu(rank_sample):
     uuid = "GPU-0"
     snap = (GpuProcesses(0, uuid, ((70001, 8 * GIB + 527 * 2**20), (70003, 3 * GIB))),)
-    device = DeviceSample(0, uuid, {"torch_cuda_memory_reserved_bytes": float(8 * GIB)})
-    rank = RankSample(0, 0, 1, "h", 11, time.time(), devices=(device,))  # pid 11 in its container
+    reserved = {"torch_cuda_memory_reserved_bytes": float(8 * GIB)}
+    rank = rank_sample(0, hostname="h", pid=11, uuid=uuid, values=reserved)  # pid 11 in its container
     count, mem = process_families(snap, ScrapeContext((rank,), time.time(), "node-a"))
     assert [s.value for s in count.samples] == [1.0] and [s.value for s in mem.samples] == [3 * GIB]
 

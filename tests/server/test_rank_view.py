@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, generate_latest
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.server.collectors import ScrapeContext, ranks
@@ -24,8 +25,10 @@ class Proc:
         self.lock = files.hold_lock(files.lock_path_of(self.path))
 
     def publish(self, t: float, ooms: float = 0.0, uuid: str = "GPU-0", **values: float) -> Proc:
-        dev = spool.DeviceSample(0, uuid, {OOMS: ooms, "torch_cuda_memory_allocated_bytes": 1.0, **values})
-        s = spool.RankSample(self.rank, 0, 8, "node-a", self.pid, t, devices=(dev,), job_id=self.job_id)
+        values = {OOMS: ooms, "torch_cuda_memory_allocated_bytes": 1.0, **values}
+        s = rank_sample(
+            self.rank, local_rank=0, world_size=8, pid=self.pid, time=t, uuid=uuid, values=values, job_id=self.job_id
+        )
         with open(self.path, "wb") as fh:
             fh.write(files.frame(spool.encode_sample(s)))
         return self

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from samples import rank_sample
 
 from harness import parse_metrics
 from vramwatch import spool
@@ -40,7 +41,7 @@ class Proc:
     def publish(self, t: float, devices: tuple[spool.DeviceSample, ...] = (), **kw: Any) -> Proc:
         kw.setdefault("world_size", 8)
         kw.setdefault("hostname", "node-a")
-        s = spool.RankSample(self.rank, self.local_rank, pid=self.pid, time=t, devices=devices, **kw)
+        s = rank_sample(self.rank, local_rank=self.local_rank, pid=self.pid, time=t, devices=devices, **kw)
         with open(self.path, "wb") as fh:
             fh.write(files.frame(spool.encode_sample(s)))
         return self
@@ -192,17 +193,15 @@ def test_zero_valued_optional_readings_are_exported(tmp_path):
         assert by_rank(m, name) == {"0": 0.0}, name
 
 
-def test_the_collector_bounds_what_the_codec_should_have_bounded():
+def test_the_collector_bounds_what_the_codec_should_have_bounded(rank_sample):
     # the second line: a sample built in-process (not through the codec) with a long path and hostname,
     # a mis-shaped histogram, and a time in the future
     long_path = "/s/" + "p" * 400
-    s = spool.RankSample(
+    s = rank_sample(
         0,
-        0,
-        1,
-        "h" * 300,
-        100,
-        1010.0,
+        hostname="h" * 300,
+        pid=100,
+        time=1010.0,
         oom_snapshot=spool.OomSnapshot(long_path, 1.0),
         heartbeat=spool.HeartbeatSnapshot(steps=1, buckets=(0.1,), counts=(1,)),
     )
@@ -234,7 +233,7 @@ def test_values_outside_the_contract_are_not_exported(tmp_path):
 
 
 def _sample(rank: int, hostname: Any = "node-a", **kw: Any) -> spool.RankSample:
-    return spool.RankSample(rank, rank, 2, hostname, 100 + rank, 1000.0, **kw)
+    return rank_sample(rank, world_size=2, hostname=hostname, pid=100 + rank, time=1000.0, **kw)
 
 
 def test_a_rank_that_fails_to_render_is_left_out_alone_and_reported():
@@ -256,7 +255,7 @@ def test_families_come_in_contract_order_device_families_first():
 
 def test_the_age_family_and_rank_collector_health():
     a = _sample(0, collectors={"allocator": spool.CollectorHealth(1, 2, 0.5)})
-    b = spool.RankSample(1, 1, 2, "n", 9, 990.0)
+    b = rank_sample(1, world_size=2, hostname="n", pid=9, time=990.0)
     age = ranks.age_family((a, b), 1000.0)
     assert age.name == "vramwatch_sample_age_seconds"
     assert {s.labels["rank"]: s.value for s in age.samples} == {"0": 0.0, "1": 10.0}

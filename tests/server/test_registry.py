@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.config import Settings
@@ -18,16 +18,8 @@ from vramwatch.spool.reader import Rejected
 
 
 def _sample(rank: int) -> spool.RankSample:
-    return spool.RankSample(
-        rank=rank,
-        local_rank=rank,
-        world_size=2,
-        hostname="node-a",
-        pid=os.getpid(),
-        time=time.time(),
-        devices=(spool.DeviceSample(0, f"GPU-{rank}", {"torch_cuda_memory_reserved_bytes": 3e9}),),
-        heartbeat=None,
-        collectors={},
+    return rank_sample(
+        rank, world_size=2, uuid=f"GPU-{rank}", values={"torch_cuda_memory_reserved_bytes": 3e9}, heartbeat=None
     )
 
 

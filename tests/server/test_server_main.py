@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from samples import rank_sample
 
 from harness.exporter import parse_metrics
 from harness.net import http_get, port_open, wait_until
@@ -118,7 +119,7 @@ def _assert_released(spool_dir: str, port: int, before: set[threading.Thread]) -
 
 
 def _sample(t: float, rank: int = 0) -> spool.RankSample:
-    return spool.RankSample(rank=rank, local_rank=rank, world_size=1, hostname="node-a", pid=os.getpid(), time=t)
+    return rank_sample(rank, time=t)
 
 
 # --- the loop's own reads of the spool, and a Server.run in a thread ---

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import pynvml
 import pytest
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.config import Settings
@@ -17,7 +17,7 @@ from vramwatch.server.collectors import Runner, ScrapeContext
 from vramwatch.server.collectors.xid import PREINIT, XidCollector, XidLedger, XidWatcher, xid_families
 from vramwatch.sim.nvml import SimNvml
 from vramwatch.sim.state import SimNode
-from vramwatch.spool import DeviceSample, HeartbeatSnapshot, RankSample
+from vramwatch.spool import HeartbeatSnapshot
 
 E = pynvml
 
@@ -71,7 +71,7 @@ def test_families_counter_and_timestamp_only_once_seen():
     }
     assert total.name + "_total" == "gpu_xid_errors_total"
     assert [(s.labels["xid"], s.labels["action"], s.value) for s in last.samples] == [("79", "restart_bm", 1234.5)]
-    sample = RankSample(0, 0, 1, "h", 1, 0.0, devices=(DeviceSample(0, "GPU-b", {}),))
+    sample = rank_sample(0, hostname="h", pid=1, time=0.0, uuid="GPU-b")
     total, _ = xid_families(ledger.counts(), ScrapeContext((sample,), time.time(), "h"), job_only=True)
     assert {s.labels["uuid"] for s in total.samples} == {"GPU-b"}
 
@@ -98,16 +98,7 @@ def test_xid_log_line_names_the_gpu_and_the_ranks_on_it(tmp_path, caplog):
     pub = spool.RankPublisher(str(tmp_path), 3)
     try:
         pub.publish(
-            RankSample(
-                rank=3,
-                local_rank=3,
-                world_size=4,
-                hostname="h",
-                pid=os.getpid(),
-                time=time.time(),
-                heartbeat=HeartbeatSnapshot(steps=4821),
-                devices=(DeviceSample(0, node.gpu(1).uuid, {}),),
-            )
+            rank_sample(3, world_size=4, hostname="h", heartbeat=HeartbeatSnapshot(steps=4821), uuid=node.gpu(1).uuid)
         )
         w.step()
         node.inject_xid(1, 48)

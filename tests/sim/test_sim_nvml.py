@@ -7,17 +7,18 @@ import time
 
 import pynvml
 import pytest
+from samples import rank_sample
 
 from vramwatch.sim.nvml import SimHandle, SimNvml
 from vramwatch.sim.state import MIB, SimNode, edit, state_path
-from vramwatch.spool import DeviceSample, RankSample
+from vramwatch.spool import RankSample
 
 GIB = 1 << 30
 
 
-def rank_sample(rank: int, pid: int, uuid: str, reserved: int) -> RankSample:
-    device = DeviceSample(0, uuid, {"torch_cuda_memory_reserved_bytes": float(reserved)})
-    return RankSample(rank, rank, 1, "h", pid, time.time(), devices=(device,))
+def sample_on(rank: int, pid: int, uuid: str, reserved: int) -> RankSample:
+    values = {"torch_cuda_memory_reserved_bytes": float(reserved)}
+    return rank_sample(rank, hostname="h", pid=pid, uuid=uuid, values=values)
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def test_readings_in_nvml_units(node, nv):
 
 def test_processes_and_memory_come_from_rank_samples_and_foreign(node):
     uuid = node.gpu(0).uuid
-    samples = [rank_sample(0, 1111, uuid, 10 * GIB), rank_sample(1, 2222, node.gpu(1).uuid, 3 * GIB)]
+    samples = [sample_on(0, 1111, uuid, 10 * GIB), sample_on(1, 2222, node.gpu(1).uuid, 3 * GIB)]
     node.add_foreign(0, 4242, 6 * GIB)
     node.gpu(0).extra_used_bytes = 100 * MIB
     nv = SimNvml.from_node(node, lambda: samples)

@@ -14,6 +14,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.rank.heartbeat import BUCKETS
@@ -167,7 +168,7 @@ def _rank_sample(**over: object) -> spool.RankSample:
         job_id="4242.0",
     )
     base.update(over)
-    return spool.RankSample(**base)  # type: ignore[arg-type]
+    return rank_sample(**base)
 
 
 def test_a_rank_sample_takes_the_fast_path(monkeypatch):

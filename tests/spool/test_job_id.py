@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 
 import pytest
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.spool import files
@@ -16,7 +16,7 @@ from vramwatch.spool.codec import SampleRejected
 
 def _sample(rank: int, job_id: str, steps: int = 0) -> spool.RankSample:
     hb = spool.HeartbeatSnapshot(steps=steps)
-    return spool.RankSample(rank, rank, 2, "node-a", os.getpid(), time.time(), heartbeat=hb, job_id=job_id)
+    return rank_sample(rank, world_size=2, heartbeat=hb, job_id=job_id)
 
 
 def test_the_same_rank_of_two_jobs_never_overwrites_the_other(tmp_path):

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections import Counter
+
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.spool import files, limits
 
 
 def _sample(**kw) -> spool.RankSample:
-    return spool.RankSample(0, 0, 1, "node-a", 4242, 100.0, **kw)
+    return rank_sample(0, pid=4242, time=100.0, **kw)
 
 
 def _write(d: str, s: spool.RankSample, payload: bytes | None = None) -> None:
@@ -76,23 +77,13 @@ def test_an_oversized_file_is_not_read_past_the_bound(tmp_path):
     assert read.final == [] and read.dropped["oversized"] == 1
 
 
-def test_a_label_of_most_of_a_mib_never_reaches_an_exposition(exporter):
+def test_a_label_of_most_of_a_mib_never_reaches_an_exposition(exporter, rank_sample):
     from harness import parse_metrics
 
     exp = exporter().start()
     pub = spool.RankPublisher(exp.spool, 0)
     try:
-        pub.publish(
-            spool.RankSample(
-                0,
-                0,
-                1,
-                "node-a",
-                os.getpid(),
-                time.time(),
-                devices=(spool.DeviceSample(0, "GPU-" + "z" * 1_000_000, {"torch_cuda_memory_allocated_bytes": 1.0}),),
-            )
-        )
+        pub.publish(rank_sample(0, uuid="GPU-" + "z" * 1_000_000, values={"torch_cuda_memory_allocated_bytes": 1.0}))
         text = exp.scrape()
         assert len(text) < 200_000 and "zzzz" not in text
         m = parse_metrics(text)

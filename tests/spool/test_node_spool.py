@@ -7,12 +7,12 @@ import os
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from vramwatch import spool
 from vramwatch.spool import files, node
-from vramwatch.spool.schema import RankSample
 
 
 def _root(parent: Path, mode: int = node.ROOT_MODE, lock: bool = True) -> Path:
@@ -62,14 +62,14 @@ def test_a_rank_ignores_a_root_without_sticky_bit_or_with_a_foreign_lock(parent:
     assert node.daemon_root(str(root)) is None
 
 
-def test_the_daemon_refuses_a_file_others_may_write(tmp_path: Path) -> None:
+def test_the_daemon_refuses_a_file_others_may_write(tmp_path: Path, rank_sample: Any) -> None:
     root = tmp_path / "root"
     node.ensure_root(str(root))
     assert stat.S_IMODE(root.stat().st_mode) == node.ROOT_MODE
     mine = Path(node.user_dir(str(root)))
     assert mine.name == f"u{os.geteuid()}"
     pub = spool.RankPublisher(str(mine), 3, shared=True)
-    pub.publish(RankSample(rank=3, local_rank=0, world_size=1, pid=os.getpid(), hostname="h", time=1.0))
+    pub.publish(rank_sample(3, local_rank=0, hostname="h", time=1.0))
     assert stat.S_IMODE(Path(pub.path).stat().st_mode) == node.FILE_MODE
     assert [s.rank for s in spool.read_spool(str(root), 64, 0.0, now=1.0).live] == [3]
     os.chmod(pub.path, 0o660)  # group-writable: the group is the daemon's, and the rank's user must not share it

@@ -7,6 +7,8 @@ import logging
 import os
 import time
 
+from samples import rank_sample
+
 from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
@@ -15,12 +17,10 @@ from vramwatch.spool import files
 
 
 def full_sample(t: float = 1000.0, rank: int = 2) -> spool.RankSample:
-    return spool.RankSample(
-        rank=rank,
+    return rank_sample(
+        rank,
         local_rank=1,
         world_size=4,
-        hostname="node-a",
-        pid=os.getpid(),
         time=t,
         devices=(
             spool.DeviceSample(
@@ -49,7 +49,7 @@ def test_round_trip_through_the_file(tmp_path):
     assert spool.decode_sample(spool.encode_sample(expected)) == expected
 
 
-def test_payload_is_compact_json_with_its_version_first():
+def test_payload_is_compact_json_with_its_version_first(rank_sample):
     doc = json.loads(spool.encode_sample(full_sample()))
     assert next(iter(doc)) == "v" and doc["v"] == spool.SCHEMA_VERSION
     assert doc["devices"][0] == {
@@ -57,7 +57,7 @@ def test_payload_is_compact_json_with_its_version_first():
         "uuid": "GPU-1",
         "values": {"torch_cuda_memory_reserved_bytes": 3e9, "torch_cuda_memory_ooms_total": 1.0},
     }
-    assert "oom_snapshot" not in json.loads(spool.encode_sample(spool.RankSample(0, 0, 1, "h", 1, 1.0)))
+    assert "oom_snapshot" not in json.loads(spool.encode_sample(rank_sample(0, pid=1, time=1.0)))
 
 
 def test_allocator_info_labels_follow_the_contract():

@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+from samples import rank_sample
 
 from vramwatch import spool
 
@@ -13,11 +14,9 @@ ROLES = {"parameters": 2e9, "gradients": 2e9, "optimizer_state": 4e9, "other": 1
 
 
 def _sample() -> spool.RankSample:
-    return spool.RankSample(
-        rank=0,
-        local_rank=0,
+    return rank_sample(
+        0,
         world_size=2,
-        hostname="node-a",
         pid=1234,
         time=1000.0,
         devices=(spool.DeviceSample(0, "GPU-1", {"torch_cuda_memory_allocated_bytes": 9e9}, dict(ROLES)),),

@@ -7,13 +7,14 @@ import signal
 import time
 
 import pytest
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.spool import files
 
 
 def sample(rank: int = 0, t: float = 1.0, **kw) -> spool.RankSample:
-    return spool.RankSample(rank, rank, 8, "node-a", os.getpid(), t, **kw)
+    return rank_sample(rank, world_size=8, time=t, **kw)
 
 
 def _hold_and_wait(spool_dir, rank, ready, done):

@@ -11,6 +11,7 @@ import stat
 import time
 
 import pytest
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.spool import files, reader
@@ -20,7 +21,6 @@ from vramwatch.spool.schema import (
     SCHEMA_VERSION,
     AllocatorInfo,
     CollectorHealth,
-    DeviceSample,
     HeartbeatSnapshot,
     OomSnapshot,
     RankSample,
@@ -28,12 +28,12 @@ from vramwatch.spool.schema import (
 
 
 def sample(rank: int = 0, t: float = 1.0) -> RankSample:
-    return RankSample(rank, rank, 8, "node-a", os.getpid(), t)
+    return rank_sample(rank, world_size=8, time=t)
 
 
 def payload(**fields) -> bytes:
     """A complete sample as the encoder writes it (every field present), with ``fields`` replaced."""
-    doc = json.loads(spool.encode_sample(RankSample(2, 0, 4, "h", 1, 5.0)))
+    doc = json.loads(spool.encode_sample(rank_sample(2, local_rank=0, world_size=4, hostname="h", pid=1, time=5.0)))
     doc.update(fields)
     return json.dumps(doc).encode()
 
@@ -64,15 +64,16 @@ def test_the_optional_parts_decode_to_none():
     assert decode_sample(json.dumps(doc).encode()).oom_snapshot is None
 
 
-def test_every_field_round_trips():
-    full = RankSample(
-        rank=3,
+def test_every_field_round_trips(rank_sample):
+    full = rank_sample(
+        3,
         local_rank=1,
         world_size=8,
-        hostname="node-a",
         pid=42,
         time=12.5,
-        devices=(DeviceSample(1, "GPU-y", {"torch_cuda_memory_allocated_bytes": 7.0}),),
+        device=1,
+        uuid="GPU-y",
+        values={"torch_cuda_memory_allocated_bytes": 7.0},
         allocator_info=AllocatorInfo("native", "true", "0.8", "128"),
         heartbeat=HeartbeatSnapshot(9, 11.5, (0.1, 1.0), (1, 2, 3), 4.5, 0.25, 2.5),
         collectors={"allocator": CollectorHealth(1, 3, 0.002)},

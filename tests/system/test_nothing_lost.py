@@ -229,7 +229,7 @@ def test_outputs_identical_and_vramwatch_writes_only_its_own_directories(tmp_pat
     assert on["dirs"]["spool"].stat().st_mode & 0o777 == 0o700
 
 
-def test_the_default_spool_dir_is_private(tmp_path):
+def test_the_default_spool_dir_is_private(tmp_path, rank_sample):
     from vramwatch import spool
 
     d = tmp_path / "vramwatch-test"
@@ -237,7 +237,7 @@ def test_the_default_spool_dir_is_private(tmp_path):
     try:
         spool.ensure_dir(str(d))
         publisher = spool.RankPublisher(str(d), 0)
-        publisher.publish(spool.RankSample(0, 0, 1, "h", os.getpid(), time.time()))
+        publisher.publish(rank_sample(0))
         assert d.stat().st_mode & 0o777 == 0o700
         assert all((d / f).stat().st_mode & 0o077 == 0 for f in os.listdir(d))
         publisher.close()

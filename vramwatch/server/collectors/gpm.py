@@ -24,7 +24,8 @@ from prometheus_client.core import Metric
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Cadence, Collector, ReadFailed, ScrapeContext, Tick, register
+from vramwatch.server.collectors import Cadence, ScrapeContext, Tick, register
+from vramwatch.server.collectors.nvml_base import NvmlSessionCollector
 from vramwatch.server.collectors.xid import job_uuids
 
 MIB = float(1 << 20)
@@ -69,31 +70,25 @@ class _Unsupported(Exception):
 
 
 @register("gpm", lambda s: s.nvml and s.gpm, "GPU activity from NVML GPM (SM, tensor, DRAM, PCIe, NVLink).")
-class GpmCollector(Collector[tuple[GpmReading, ...]]):
+class GpmCollector(NvmlSessionCollector[tuple[GpmReading, ...]]):
     cadence = Cadence.SLOW
 
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
-        self.settings = settings
-        self.session = session or nb.session_for(settings)
+        super().__init__(settings, session)
         self._samplers: dict[str, _Sampler] = {}
         self.unavailable: dict[str, str] = {}  # uuid -> why it has no GPM (the NVML call and code), until re-init
         self.last_failure: dict[str, str] = {}  # uuid -> the newest failed read's NVML error (kept after recovery)
-        self._generation = -1
 
-    def read(self, tick: Tick) -> tuple[GpmReading, ...] | None:
-        snap, ok = self._read()
-        if not ok:
-            raise ReadFailed(snap)
-        return snap
+    def _forget(self) -> None:  # old buffers belong to the old session
+        self._free_all()
+        self.unavailable.clear()
 
-    def _read(self) -> tuple[tuple[GpmReading, ...] | None, bool]:
+    def _down(self) -> None:
+        self._free_all()
+        return None
+
+    def _read_gpus(self, tick: Tick, reinit: bool) -> tuple[tuple[GpmReading, ...] | None, bool]:
         s = self.session
-        if not s.ensure():
-            return None, bool(s.absent_reason())  # no NVML on this node: a state, not a failure
-        if self._generation != s.generation:  # (re)initialised: old buffers belong to the old session
-            self._free_all()
-            self.unavailable.clear()
-            self._generation = s.generation
         ok = True
         out = []
         lost = s.lost
@@ -119,17 +114,11 @@ class GpmCollector(Collector[tuple[GpmReading, ...]]):
                     level=logging.INFO,
                 )
                 continue
-            except Exception as e:  # noqa: BLE001 - an NVMLError of any kind, sorted below
-                kind = nb.classify(e)
-                if kind == "session":
-                    self._free_all()
-                    s.mark_down(e)
-                    return None, False
+            except Exception as e:  # noqa: BLE001 - an NVMLError of any kind, sorted by _failed
                 self._free(d.uuid)  # lost or failed: the next read primes afresh
-                if kind != "quiet":
-                    ok = False
+                if nb.classify(e) not in ("quiet", "session"):
                     self.last_failure[d.uuid] = _code(e)
-                    s.read_failed(d, "gpm", "reading GPM", e, detail=_code(e))
+                ok = self._failed(d, e, "reading GPM", detail=_code(e)) and ok
                 continue
             if values is not None:
                 out.append(GpmReading(d.index, d.uuid, values))

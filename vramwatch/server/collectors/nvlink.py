@@ -21,7 +21,8 @@ from prometheus_client.core import Metric
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Cadence, Collector, ReadFailed, ScrapeContext, Tick, register
+from vramwatch.server.collectors import Cadence, ScrapeContext, Tick, register
+from vramwatch.server.collectors.nvml_base import NvmlSessionCollector
 from vramwatch.server.collectors.xid import job_uuids
 
 INVALID_ARGUMENT = 2  # a link number beyond the GPU's links
@@ -38,37 +39,23 @@ class LinkErrors:
     counts: tuple[tuple[int, str, float], ...]  # (link, type, count)
 
 
-class _NoLinks(Exception):
-    pass
-
-
 @register("nvlink", lambda s: s.nvml and s.nvlink, "NVLink error counters per active link (NVML, slow cadence).")
-class NvlinkCollector(Collector[tuple[LinkErrors, ...]]):
+class NvlinkCollector(NvmlSessionCollector[tuple[LinkErrors, ...]]):
     cadence = Cadence.SLOW
 
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
-        self.settings = settings
-        self.session = session or nb.session_for(settings)
+        super().__init__(settings, session)
         self._links: dict[str, tuple[int, ...]] = {}  # uuid -> its active links
         self._skip: dict[str, set[int]] = {}  # uuid -> counters it does not report
         self.unavailable: dict[str, str] = {}  # uuid -> why it has no NVLink counters, until NVML re-inits
-        self._generation = -1
 
-    def read(self, tick: Tick) -> tuple[LinkErrors, ...] | None:
-        snap, ok = self._read()
-        if not ok:
-            raise ReadFailed(snap)
-        return snap
+    def _forget(self) -> None:
+        self._links.clear()
+        self._skip.clear()
+        self.unavailable.clear()
 
-    def _read(self) -> tuple[tuple[LinkErrors, ...] | None, bool]:
+    def _read_gpus(self, tick: Tick, reinit: bool) -> tuple[tuple[LinkErrors, ...] | None, bool]:
         s = self.session
-        if not s.ensure():
-            return None, bool(s.absent_reason())
-        if self._generation != s.generation:
-            self._links.clear()
-            self._skip.clear()
-            self.unavailable.clear()
-            self._generation = s.generation
         ok = True
         out = []
         lost = s.lost
@@ -82,14 +69,8 @@ class NvlinkCollector(Collector[tuple[LinkErrors, ...]]):
                     links = self._links[d.uuid] = self._discover(d)
                 if links:
                     out.append(LinkErrors(d.index, d.uuid, self._counts(d, links)))
-            except Exception as e:  # noqa: BLE001 - an NVMLError of any kind, sorted below
-                kind = nb.classify(e)
-                if kind == "session":
-                    s.mark_down(e)
-                    return None, False
-                if kind != "quiet":
-                    ok = False
-                    s.read_failed(d, "nvlink", "reading NVLink errors", e)
+            except Exception as e:  # noqa: BLE001 - an NVMLError of any kind, sorted by _failed
+                ok = self._failed(d, e, "reading NVLink errors") and ok
         return tuple(out), ok
 
     def _discover(self, d: nb.Device) -> tuple[int, ...]:

@@ -34,7 +34,8 @@ from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract, xid_catalogue
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Collector, ReadFailed, ScrapeContext, Tick, register
+from vramwatch.server.collectors import ReadFailed, ScrapeContext, Tick, register
+from vramwatch.server.collectors.nvml_base import NvmlSessionCollector, SessionDown
 from vramwatch.server.collectors.xid import job_uuids
 from vramwatch.server.mig import MigReading, MigTable
 
@@ -219,16 +220,10 @@ class NvmlSnapshot:
     mig: tuple[MigReading, ...] = ()  # the MIG instances of GPUs in MIG mode, with their memory
 
 
-class _SessionDown(Exception):
-    pass
-
-
 @register("nvml", lambda s: s.nvml, "NVML device readings (power, memory, utilisation, clocks, health).")
-class NvmlCollector(Collector[NvmlSnapshot]):
+class NvmlCollector(NvmlSessionCollector[NvmlSnapshot]):
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
-        self.settings = settings
-        self.session = session or nb.session_for(settings)
-        self._generation = -1
+        super().__init__(settings, session)
         self._choice: dict[tuple[str, str], int] = {}  # (uuid, field) -> first getter not known unsupported
         self._slow: dict[str, dict[str, dict[Key, float]]] = {}  # uuid -> field -> last slow values
         self._lost: dict[str, float] = {}  # uuid -> when to probe it again
@@ -256,24 +251,23 @@ class NvmlCollector(Collector[NvmlSnapshot]):
         """Who each GPU is, for a later server that finds one already lost."""
         return [spool.GpuIdentity(d.index, d.uuid, d.pci_bus_id, d.name) for d in self._known if d.uuid]
 
-    def _read(self, tick: Tick) -> tuple[NvmlSnapshot | None, bool]:
+    def _unavailable(self, absent: str) -> tuple[NvmlSnapshot | None, bool]:
+        if absent:  # no NVML on this node: a state, not a failed read
+            return NvmlSnapshot((), "", time.time(), absent), True
+        return self._down(), False
+
+    def _forget(self) -> None:  # re-check everything we remembered
+        self._choice.clear()
+        self._slow.clear()
+        self._lost.clear()
+        self._handles.clear()
+        for d in self.session.devices:
+            if not d.lost:
+                self.session.set_lost(d.uuid, False)
+
+    def _read_gpus(self, tick: Tick, reinit: bool) -> tuple[NvmlSnapshot | None, bool]:
         s = self.session
-        if not s.ensure():
-            absent = s.absent_reason()
-            if absent:  # no NVML on this node: a state, not a failed read
-                return NvmlSnapshot((), "", time.time(), absent), True
-            return self._down_snapshot(), False
-        slow = tick.slow
-        if self._generation != s.generation:  # (re)initialised: re-check everything we remembered
-            self._generation = s.generation
-            self._choice.clear()
-            self._slow.clear()
-            self._lost.clear()
-            self._handles.clear()
-            for d in s.devices:
-                if not d.lost:
-                    s.set_lost(d.uuid, False)
-            slow = True  # the slow values were just forgotten: read them now
+        slow = tick.slow or reinit  # after a re-init the slow values were just forgotten: read them now
         if slow and (s.incomplete or not s.devices):  # no GPU yet: one may appear (cheap: a count)
             s.reenumerate()
         self._known = s.devices
@@ -286,17 +280,17 @@ class NvmlCollector(Collector[NvmlSnapshot]):
                 ok = ok and gpu_ok
             lost = {g.uuid for g in gpus if not g.up} | set(s.lost)
             mig, mig_ok = self._mig.read(s.devices, lost, slow)
-        except _SessionDown:
-            return self._down_snapshot(), False
+        except SessionDown:
+            raise
         except Exception as e:
             if nb.classify(e) != "session":
                 raise
             s.mark_down(e)
-            return self._down_snapshot(), False
+            return self._down(), False
         snap = NvmlSnapshot(tuple(gpus), s.driver_version, time.time(), s.absent_reason(), mig)
         return snap, ok and mig_ok and not s.incomplete
 
-    def _down_snapshot(self) -> NvmlSnapshot | None:
+    def _down(self) -> NvmlSnapshot | None:
         """NVML is not answering: the GPUs we knew read gpu_up 0; never initialised, no device series."""
         if self._generation < 0:
             return None
@@ -365,7 +359,7 @@ class NvmlCollector(Collector[NvmlSnapshot]):
                     return None, "lost"
                 if kind == "session":
                     self.session.mark_down(e)
-                    raise _SessionDown() from e
+                    raise SessionDown() from e
                 if kind == "quiet":
                     self.session.once(
                         ("quiet", d.uuid, f.name, nb.error_name(e)),

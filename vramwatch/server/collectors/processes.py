@@ -20,7 +20,8 @@ from prometheus_client.core import Metric
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Cadence, Collector, ReadFailed, ScrapeContext, Tick, register
+from vramwatch.server.collectors import Cadence, ScrapeContext, Tick, register
+from vramwatch.server.collectors.nvml_base import NvmlSessionCollector
 from vramwatch.spool.files import process_id
 
 MAX_PROCESSES = 256  # per GPU, to bound the work on a card shared by very many processes
@@ -34,28 +35,18 @@ class GpuProcesses:
 
 
 @register("processes", lambda s: s.nvml and s.processes, "Foreign compute processes on the GPUs (NVML, slow cadence).")
-class ProcessesCollector(Collector[tuple[GpuProcesses, ...]]):
+class ProcessesCollector(NvmlSessionCollector[tuple[GpuProcesses, ...]]):
     cadence = Cadence.SLOW
 
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
-        self.settings = settings
-        self.session = session or nb.session_for(settings)
+        super().__init__(settings, session)
         self._unsupported: set[str] = set()
-        self._generation = -1
 
-    def read(self, tick: Tick) -> tuple[GpuProcesses, ...] | None:
-        snap, ok = self._read()
-        if not ok:
-            raise ReadFailed(snap)
-        return snap
+    def _forget(self) -> None:
+        self._unsupported.clear()
 
-    def _read(self) -> tuple[tuple[GpuProcesses, ...] | None, bool]:
+    def _read_gpus(self, tick: Tick, reinit: bool) -> tuple[tuple[GpuProcesses, ...] | None, bool]:
         s = self.session
-        if not s.ensure():
-            return None, bool(s.absent_reason())  # no NVML on this node: nothing to count, not a failure
-        if self._generation != s.generation:
-            self._generation = s.generation
-            self._unsupported.clear()
         ok = True
         out = []
         lost = s.lost
@@ -68,8 +59,7 @@ class ProcessesCollector(Collector[tuple[GpuProcesses, ...]]):
             try:
                 procs = s.nv.nvmlDeviceGetComputeRunningProcesses(d.handle)
             except Exception as e:  # noqa: BLE001
-                kind = nb.classify(e)
-                if kind == "unsupported":
+                if nb.classify(e) == "unsupported":
                     self._unsupported.add(d.uuid)
                     s.once(
                         ("unsupported", d.uuid, "processes"),
@@ -80,12 +70,7 @@ class ProcessesCollector(Collector[tuple[GpuProcesses, ...]]):
                         level=logging.INFO,
                     )
                     continue
-                if kind == "session":
-                    s.mark_down(e)
-                    return None, False
-                if kind != "quiet":
-                    ok = False
-                    s.read_failed(d, "processes", "listing compute processes", e)
+                ok = self._failed(d, e, "listing compute processes") and ok
                 continue
             rows = tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in list(procs)[:MAX_PROCESSES])
             out.append(GpuProcesses(d.index, d.uuid, rows))

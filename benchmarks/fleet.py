@@ -1,0 +1,785 @@
+"""What the shipped rules and dashboards cost one Prometheus over a whole fleet of vramwatch nodes.
+
+    python3 benchmarks/fleet.py --nodes 125,250 [--history-hours 6] [--out benchmarks/results/fleet.json] [--doc]
+
+One node's series are those of a real scrape: `vramwatch serve` on the simulated GPU with 8 GPUs and 8 ranks
+(series_count.SimulatedNode), every family checked against the contract (vramwatch/monitoring/contract.py),
+which also says how each one moves (counters and histograms grow, ``*_timestamp_seconds`` gauges follow
+the clock, other gauges jitter by a few parts per thousand). The fleet is that node repeated: each copy
+gets its own ``instance`` (``node-NNNN:9488``, job ``vramwatch``), ``hostname``, GPU uuids and PCI ids, and
+its ranks belong to jobs of ``--nodes-per-job`` nodes (``job_id``, global ``rank``); Prometheus' own ``up``
+is added per node. History at the scrape interval (15 s) runs from ``--history-hours`` ago to
+``--ahead-minutes`` past the start, so the rules always evaluate over fresh data. It is written as
+OpenMetrics, one 2 h window and group of nodes at a time, and backfilled with `promtool tsdb
+create-blocks-from openmetrics` (the next file is written while promtool reads the last).
+
+Then a real Prometheus (Debian's, from `make tools`) opens that TSDB with the shipped rule files
+(deploy/prometheus/rules/*.yml, whatever they are when this runs), an out-of-order window so that rule
+results may land beside data ahead of the clock, and compaction limited to the overlapping blocks the node
+groups leave. Once compaction is quiet it records, per size:
+
+- each rule group's evaluation time, ``prometheus_rule_group_last_duration_seconds`` over
+  ``--evaluations`` evaluations (median and max);
+- each dashboard panel's query time over the last 6 h (deploy/grafana/dashboards/*.json: every target of
+  every panel, the template variables at All, ``$__rate_interval`` and ``$__interval`` as Grafana sets them
+  for ``--step``), instant targets at the end; median of ``--repeats`` runs, client-side wall time, the
+  panel's time being the sum of its targets (Grafana sends them at once; on two loaded cores they queue);
+- the series per GPU and per rank, from the TSDB itself, and Prometheus' RSS.
+
+Sizes that do not fit the machine are extrapolated from a least-squares line through the measured ones;
+the JSON and the table say which figures were measured and which extrapolated. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import common  # puts the repository root on sys.path too
+from common import progress
+
+from harness import Prometheus, find_tool, http_get
+from harness.servers import EXPORTER_JOB
+from vramwatch.monitoring import contract
+from vramwatch.monitoring.dashboards.walk import TimeContext, substitute
+from vramwatch.spool.schema import MEMORY_ROLES
+
+ROOT = common.ROOT
+RULES = ROOT / "deploy" / "prometheus" / "rules"
+DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
+DOC = ROOT / "docs" / "scale.md"
+SCRAPE_INTERVAL = 15.0
+PANEL_RANGE = 6 * 3600.0
+WINDOW = 2 * 3600  # promtool's block range: files never straddle one
+RULE_TARGET_S, PANEL_TARGET_S, TARGET_NODES = 1.0, 2.0, 1000
+SELECTIONS = ("all", "job")
+TROUBLE = re.compile(r"xid|ecc|oom|retr|remapped|replay|error|fail|drop|refus|lost|restart")
+JITTER = tuple(1.0 + 0.002 * math.sin(k) for k in range(16))  # gauges wiggle, so chunks hold real XOR deltas
+
+
+# --- one node's series, from a real scrape ---
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    labels: dict[str, str]
+    value: float
+    kind: str  # counter | gauge | clock (a *_timestamp_seconds gauge that follows time) | const
+
+
+def template(ranks: int = 8, gpus: int = 8) -> tuple[list[Series], dict[str, Any]]:
+    """One simulated node's series (its exposition, parsed), and what the contract says about them."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from series_count import SimulatedNode, get
+
+    progress(f"fleet: one simulated node ({gpus} GPUs, {ranks} ranks) for the series of a real scrape")
+    with SimulatedNode(ranks, gpus) as node:
+        node.wait_complete()
+        time.sleep(12)  # past the slow NVML cadence (10 s): every family a node shows in steady state
+        text = get(node.url).decode()
+    specs = {m.name: m for m in contract.METRICS}
+    out: list[Series] = []
+    unknown: set[str] = set()
+    for fam in text_string_to_metric_families(text):
+        spec = specs.get(fam.name) or specs.get(fam.name + "_total")
+        if spec is None:
+            unknown.add(fam.name)
+        for s in fam.samples:
+            out.append(Series(s.name, dict(s.labels), float(s.value), _kind(s.name, fam.type, spec)))
+    added = watched_job_series(out)
+    out += added
+    seen = {s.name for s in out}
+    absent = sorted(m.name for m in contract.METRICS if not _exposed(m, seen))
+    return out, {
+        "families_not_in_contract": sorted(unknown),
+        "contract_families_not_exposed": absent,
+        "added_for_a_watched_trainer_job": sorted({s.name for s in added}),
+    }
+
+
+# What a rank of a Trainer job with the callback adds and the simulated rank does not publish: memory by
+# role (watch()), tokens (include_num_input_tokens_seen), FLOPs per token (watch(flops_per_token=)) and the
+# logged grad norm. Labels from the contract, label values from the rank's own allocator series.
+WATCHED = {
+    "vramwatch_memory_role_bytes": 1.5e9,
+    "vramwatch_training_tokens_total": 1.0e9,
+    "vramwatch_model_flops_per_token": 7.6e8,
+    "vramwatch_training_grad_norm": 0.8,
+}
+
+
+def watched_job_series(series: list[Series]) -> list[Series]:
+    have = {s.name for s in series}
+    ranks = [s.labels for s in series if s.name == "torch_cuda_memory_allocated_bytes"]
+    out = []
+    for name, value in WATCHED.items():
+        if name in have:
+            continue
+        spec = contract.spec(name)
+        for labels in ranks:
+            base = {k: labels[k] for k in spec.labels if k in labels}
+            if "role" in spec.labels:
+                for role in MEMORY_ROLES:
+                    out.append(Series(name, {**base, "role": role}, value, "gauge"))
+            else:
+                kind = "counter" if spec.type == "counter" else "gauge"
+                out.append(Series(name, base, value, kind))
+    return out
+
+
+def _exposed(m: contract.MetricSpec, seen: set[str]) -> bool:
+    return m.name in seen or any(m.name + sfx in seen for sfx in ("_bucket", "_count", "_sum", "_info"))
+
+
+def _kind(name: str, fam_type: str, spec: contract.MetricSpec | None) -> str:
+    if fam_type in ("counter", "histogram") or name.endswith(("_total", "_bucket", "_count", "_sum")):
+        return "counter"
+    if name.endswith("_timestamp_seconds") and "xid" not in name:
+        return "clock"  # last step, last sample: a live fleet's are now
+    if fam_type == "info" or name.endswith("_info") or (spec is not None and spec.type == "info"):
+        return "const"
+    return "gauge"
+
+
+# --- the fleet: the node repeated with its own identity ---
+
+
+def node_name(i: int) -> str:
+    return f"node-{i:04d}"
+
+
+def relabel(labels: dict[str, str], i: int, per_job: int, local_ranks: int) -> dict[str, str]:
+    """Node ``i``'s copy of one series' labels: its instance, hostname, GPUs and its job's ranks."""
+    out = {k: v for k, v in labels.items()}
+    host = node_name(i)
+    for key, v in labels.items():
+        if key == "hostname":
+            out[key] = host
+        elif key == "uuid" and v:
+            out[key] = _unique(v, i)
+        elif key == "pci_bus_id" and v:
+            out[key] = f"{i:08X}" + v[8:]
+        elif key == "job_id" and v:
+            out[key] = f"job-{i // per_job:04d}"
+        elif key == "rank" and v:
+            out[key] = str((i % per_job) * local_ranks + int(v) % local_ranks)
+        elif key == "world_size" and v:
+            out[key] = str(per_job * local_ranks)
+    out["job"] = EXPORTER_JOB
+    out["instance"] = f"{host}:9488"
+    return out
+
+
+def _unique(uuid: str, i: int) -> str:
+    head, _, rest = uuid.partition("-")
+    return f"{head}-{i:08x}{rest[8:]}" if len(rest) > 8 else f"{uuid}-{i:04d}"
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def line_prefix(name: str, labels: dict[str, str]) -> str:
+    return name + "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "} "
+
+
+@dataclass
+class Fleet:
+    """Per node, each series' line prefix and how its value moves with the sample number."""
+
+    prefixes: list[list[str]]  # [node][series]
+    base: list[float]
+    step: list[float]  # per sample, for counters
+    kinds: list[str]
+
+    @classmethod
+    def build(cls, series: list[Series], nodes: int, per_job: int) -> Fleet:
+        local = 1 + max((int(s.labels["local_rank"]) for s in series if s.labels.get("local_rank")), default=0)
+        with_up = [*series, Series("up", {}, 1.0, "const")]
+        prefixes = [[line_prefix(s.name, relabel(s.labels, i, per_job, local)) for s in with_up] for i in range(nodes)]
+        steps = [_counter_step(s, series) for s in with_up]
+        return cls(prefixes, [s.value for s in with_up], steps, [s.kind for s in with_up])
+
+    def per_node(self) -> int:
+        return len(self.base)
+
+    def lines(self, node: int, k: int, t: float) -> str:
+        """Node ``node``'s samples at sample number ``k`` (time ``t``), one OpenMetrics line each."""
+        ts = f" {t:.3f}\n"
+        fixed = self._fixed()[k % len(JITTER)]
+        clock = repr(t - 1.0)
+        out = []
+        for p, v, b, st, kind in zip(self.prefixes[node], fixed, self.base, self.step, self.kinds, strict=True):
+            if kind == "counter":
+                v = repr(b + st * k)
+            elif kind == "clock":
+                v = clock
+            out.append(p + v + ts)
+        return "".join(out)
+
+    def _fixed(self) -> list[list[str]]:
+        """Gauges' and constants' values as text, per jitter state (the same for every node)."""
+        cache = getattr(self, "_fixed_cache", None)
+        if cache is None:
+            cache = [
+                [repr(b * j if kind == "gauge" else b) for b, kind in zip(self.base, self.kinds, strict=True)]
+                for j in JITTER
+            ]
+            self._fixed_cache = cache
+        return cache
+
+
+def _counter_step(s: Series, all_series: list[Series]) -> float:
+    """A counter's growth per 15 s sample: histograms as one step a second spread like the template's
+    buckets; others by a thousandth of their value (at least 1), so rate() has something to see."""
+    if s.kind != "counter":
+        return 0.0
+    if s.name.endswith(("_bucket", "_count", "_sum")):
+        fam = s.name.rsplit("_", 1)[0]
+        key = {k: v for k, v in s.labels.items() if k != "le"}
+        count = next(
+            (x.value for x in all_series if x.name == fam + "_count" and x.labels == key),
+            0.0,
+        )
+        per_sample = SCRAPE_INTERVAL  # one step a second
+        if s.name.endswith("_count"):
+            return per_sample
+        if s.name.endswith("_sum"):
+            total = next((x.value for x in all_series if x.name == fam + "_sum" and x.labels == key), 0.0)
+            return per_sample * (total / count if count else 0.1)
+        return per_sample * (s.value / count if count else 1.0)
+    if TROUBLE.search(s.name):
+        return 0.0  # a healthy fleet: no OOMs, retries, Xids, ECC errors; the alerts stay quiet
+    return max(1.0, abs(s.value) * 1e-3)
+
+
+# --- backfill ---
+
+
+def backfill(fleet: Fleet, nodes: int, start: float, end: float, tsdb: Path, work: Path, group_bytes: float) -> dict:
+    """OpenMetrics files (2 h windows x node groups) into promtool, the next written while it reads the last."""
+    promtool = find_tool("promtool")
+    if promtool is None:
+        raise SystemExit("fleet: promtool not found (make tools, or TEST_TOOLS_DIR)")
+    per_node_window = fleet.per_node() * (WINDOW / SCRAPE_INTERVAL) * 190  # ~bytes a node's 2 h window writes
+    group = max(1, min(nodes, int(group_bytes // per_node_window)))
+    first = int(start // SCRAPE_INTERVAL) * SCRAPE_INTERVAL
+    windows = []
+    w = int(first // WINDOW) * WINDOW
+    while w < end:
+        windows.append((max(first, w), min(end, w + WINDOW)))
+        w += WINDOW
+    chunks = [(a, b, n0, min(nodes, n0 + group)) for a, b in windows for n0 in range(0, nodes, group)]
+    progress(
+        f"fleet: backfilling {nodes} nodes x {fleet.per_node()} series, {len(windows)} windows, {len(chunks)} files"
+    )
+    t0 = time.monotonic()
+    pending: subprocess.Popen | None = None
+    pending_file: Path | None = None
+    samples = 0
+    written = 0
+
+    def finish() -> None:
+        nonlocal pending, pending_file
+        if pending is not None:
+            _, err = pending.communicate()
+            if pending.returncode != 0:
+                raise SystemExit(f"fleet: promtool failed on {pending_file}: {err.decode()[-2000:]}")
+            assert pending_file is not None
+            pending_file.unlink()
+        pending, pending_file = None, None
+
+    for n, (a, b, n0, n1) in enumerate(chunks):
+        path = work / f"chunk-{n:04d}.om"
+        with open(path, "w", encoding="utf-8", buffering=1 << 22) as fh:
+            k0 = int(round((a - first) / SCRAPE_INTERVAL))
+            t = a
+            k = k0
+            while t < b:
+                for node in range(n0, n1):
+                    fh.write(fleet.lines(node, k, t))
+                t += SCRAPE_INTERVAL
+                k += 1
+            fh.write("# EOF\n")
+            samples += (k - k0) * (n1 - n0) * fleet.per_node()
+        written += path.stat().st_size
+        finish()
+        pending_file = path
+        pending = subprocess.Popen(
+            [promtool, "tsdb", "create-blocks-from", "openmetrics", str(path), str(tsdb)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        el = time.monotonic() - t0
+        progress(
+            f"fleet: file {n + 1}/{len(chunks)} ({n1 - n0} nodes, {(b - a) / 3600:.1f} h, "
+            f"{path.stat().st_size / 1e9:.2f} GB) written; {samples / 1e6:.0f} M samples so far, {el:.0f} s"
+        )
+    finish()
+    return {
+        "samples": samples,
+        "openmetrics_bytes": written,
+        "files": len(chunks),
+        "nodes_per_file": group,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+# --- Prometheus over the backfilled TSDB ---
+
+
+def prometheus_config(rule_files: list[str], interval: float) -> dict[str, Any]:
+    return {
+        "global": {"evaluation_interval": f"{interval:g}s", "scrape_interval": f"{SCRAPE_INTERVAL:g}s"},
+        "rule_files": rule_files,
+        # rule results are written at the clock, behind data that runs ahead of it
+        "storage": {"tsdb": {"out_of_order_time_window": "2h"}},
+        "scrape_configs": [],
+    }
+
+
+class FleetPrometheus(Prometheus):
+    """Prometheus over a backfilled TSDB, compaction only of what overlaps (min = max block duration)."""
+
+    def command(self) -> list[str]:
+        return [
+            *super().command(),
+            "--storage.tsdb.min-block-duration=2h",
+            "--storage.tsdb.max-block-duration=2h",
+            "--query.timeout=5m",
+            "--query.max-samples=500000000",
+        ]
+
+
+def self_metrics(prom: Prometheus) -> str:
+    return http_get(prom.url + "/metrics", 10)[1].decode()
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """One family of Prometheus' own /metrics, keyed by its rule_group label (or "" without one)."""
+    out = {}
+    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        out[labels.get("rule_group", "")] = float(m.group(2))
+    return out
+
+
+def wait_quiet(prom: Prometheus, quiet_s: float, timeout: float) -> dict[str, float]:
+    """Until the block count and the compaction count hold still for ``quiet_s`` (compaction done)."""
+    last: tuple[float, float] | None = None
+    since = time.monotonic()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = self_metrics(prom)
+        now = (
+            metric_values(text, "prometheus_tsdb_blocks_loaded").get("", 0.0),
+            metric_values(text, "prometheus_tsdb_compactions_total").get("", 0.0),
+        )
+        if now != last:
+            last, since = now, time.monotonic()
+            progress(f"fleet: blocks {now[0]:.0f}, compactions {now[1]:.0f}")
+        elif time.monotonic() - since >= quiet_s:
+            return {"blocks": now[0], "compactions": now[1]}
+        time.sleep(5)
+    progress("fleet: compaction still moving; measuring anyway")
+    assert last is not None
+    return {"blocks": last[0], "compactions": last[1]}
+
+
+def rule_durations(prom: Prometheus, evaluations: int, interval: float) -> dict[str, dict[str, Any]]:
+    """Each group's last duration after each of its next ``evaluations`` evaluations."""
+    seen: dict[str, list[float]] = {}
+    stamps: dict[str, float] = {}
+    deadline = time.monotonic() + interval * (evaluations + 3) + 120
+    while time.monotonic() < deadline:
+        text = self_metrics(prom)
+        last = metric_values(text, "prometheus_rule_group_last_evaluation_timestamp_seconds")
+        dur = metric_values(text, "prometheus_rule_group_last_duration_seconds")
+        for g, ts in last.items():
+            if ts > 0 and stamps.get(g) != ts:
+                stamps[g] = ts
+                seen.setdefault(g, []).append(dur.get(g, float("nan")))
+        if seen and all(len(v) > evaluations for v in seen.values()):
+            break
+        time.sleep(max(1.0, interval / 5))
+    missed = metric_values(self_metrics(prom), "prometheus_rule_group_iterations_missed_total")
+    per_rule = rule_times(prom)
+    out = {}
+    for g, vals in sorted(seen.items()):
+        vals = vals[1:] or vals  # the first evaluation reads cold blocks
+        out[_group_name(g)] = {
+            "median_s": statistics.median(vals),
+            "max_s": max(vals),
+            "evaluations": len(vals),
+            "iterations_missed": missed.get(g, 0.0),
+            "rules": per_rule.get(_group_name(g), []),
+        }
+    return out
+
+
+def rule_times(prom: Prometheus) -> dict[str, list[dict[str, Any]]]:
+    """Each rule's own last evaluation time (/api/v1/rules), slowest first: which expression costs."""
+    doc = json.loads(http_get(prom.url + "/api/v1/rules", 30)[1])
+    out = {}
+    for g in doc["data"]["groups"]:
+        rules = [{"name": r["name"], "seconds": r.get("evaluationTime", 0.0), "expr": r["query"]} for r in g["rules"]]
+        out[g["name"]] = sorted(rules, key=lambda r: -r["seconds"])
+    return out
+
+
+def _group_name(label: str) -> str:
+    return label.rsplit(";", 1)[-1]  # "file;group"
+
+
+# --- dashboards ---
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    dashboard: str
+    panel: str
+    ref: str
+    expr: str
+    instant: bool
+
+
+def panel_queries(dashboards: Path = DASHBOARDS) -> list[PanelQuery]:
+    out = []
+    for path in sorted(dashboards.glob("*.json")):
+        d = json.loads(path.read_text())
+        for p in _walk_panels(d.get("panels", [])):
+            for t in p.get("targets", []):
+                if t.get("expr") and not t.get("hide"):
+                    title = p.get("title") or f"panel {p.get('id')}"
+                    out.append(PanelQuery(path.stem, title, t.get("refId", ""), t["expr"], bool(t.get("instant"))))
+    return out
+
+
+def _walk_panels(panels: list[dict]) -> Any:
+    for p in panels:
+        yield p
+        yield from _walk_panels(p.get("panels", []))
+
+
+def variable_values(selection: str, dashboards: Path = DASHBOARDS) -> dict[str, str]:
+    """The dashboards' variables: ``all`` leaves every one at All (their default: the whole fleet at once);
+    ``job`` picks one training job (``job_id``: 16 nodes, 128 GPUs by default), as one opens the drill-down
+    dashboards."""
+    out = {}
+    for path in sorted(dashboards.glob("*.json")):
+        for v in json.loads(path.read_text()).get("templating", {}).get("list", []):
+            if v.get("type") == "datasource":
+                out[v["name"]] = "prometheus"
+            else:
+                out[v["name"]] = v.get("allValue") or ".*"
+    if selection == "job":
+        out["job_id"] = "job-0000"
+    return out
+
+
+def time_query(prom: Prometheus, q: PanelQuery, tc: TimeContext, values: dict[str, str]) -> tuple[float, int]:
+    expr = substitute(q.expr, values, tc)
+    if q.instant:
+        params = {"query": expr, "time": f"{tc.end:.3f}"}
+        path = "query"
+    else:
+        params = {"query": expr, "start": f"{tc.start:.3f}", "end": f"{tc.end:.3f}", "step": f"{tc.step:g}"}
+        path = "query_range"
+    t0 = time.perf_counter()
+    code, body = http_get(f"{prom.url}/api/v1/{path}?" + urllib.parse.urlencode(params), 600)
+    dt = time.perf_counter() - t0
+    doc = json.loads(body)
+    if code != 200 or doc.get("status") != "success":
+        raise RuntimeError(f"{q.dashboard} / {q.panel} {q.ref}: {expr[:200]!r}: {doc.get('error', code)}")
+    return dt, len(doc["data"]["result"])
+
+
+def panel_times(prom: Prometheus, end: float, step: float, repeats: int, selection: str) -> dict[str, dict[str, Any]]:
+    tc = TimeContext(start=end - PANEL_RANGE, end=end, step=step, scrape_interval=SCRAPE_INTERVAL)
+    values = variable_values(selection)
+    panels: dict[str, dict[str, Any]] = {}
+    queries = panel_queries()
+    for n, q in enumerate(queries):
+        runs = []
+        series = 0
+        for _ in range(repeats):
+            dt, series = time_query(prom, q, tc, values)
+            runs.append(dt)
+        key = f"{q.dashboard} / {q.panel}"
+        p = panels.setdefault(key, {"seconds": 0.0, "targets": []})
+        med = statistics.median(runs)
+        p["seconds"] += med
+        p["targets"].append({"ref": q.ref, "expr": q.expr, "median_s": med, "max_s": max(runs), "series": series})
+        if (n + 1) % 10 == 0 or n + 1 == len(queries):
+            progress(f"fleet: {n + 1}/{len(queries)} panel queries timed ({selection})")
+    return panels
+
+
+def series_counts(prom: Prometheus, at: float, nodes: int, gpus: int, ranks: int) -> dict[str, Any]:
+    def one(expr: str) -> float:
+        r = prom.query(expr, at)
+        return float(r[0]["value"][1]) if r else 0.0
+
+    total = one(f'count({{job="{EXPORTER_JOB}"}})')
+    per_rank = one(f'count({{job="{EXPORTER_JOB}", rank=~".+"}})')
+    per_gpu = one(f'count({{job="{EXPORTER_JOB}", rank="", uuid=~".+"}})')
+    return {
+        "total": total,
+        "per_node": total / nodes,
+        "per_gpu": per_gpu / (nodes * gpus),
+        "per_rank": per_rank / (nodes * ranks),
+        "per_gpu_all_in": total / (nodes * gpus),
+    }
+
+
+# --- one size ---
+
+
+def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    fleet = Fleet.build(series, nodes, args.nodes_per_job)
+    tsdb = work / f"tsdb-{nodes}"
+    tsdb.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    start, end = now - args.history_hours * 3600, now + args.ahead_minutes * 60
+    fill = backfill(fleet, nodes, start, end, tsdb, work, args.file_gb * 1e9)
+    rule_files = sorted(str(p) for p in RULES.glob("*.yml"))
+    cfg = prometheus_config(rule_files, args.evaluation_interval)
+    prom = FleetPrometheus(work, config=cfg, tsdb=tsdb, retention="30d", lifecycle=False)
+    try:
+        progress(f"fleet: Prometheus over {nodes} nodes' TSDB")
+        prom.start(timeout=600)
+        blocks = wait_quiet(prom, args.quiet_seconds, args.compaction_timeout)
+        progress(f"fleet: rule groups, {args.evaluations} evaluations each")
+        rules = rule_durations(prom, args.evaluations, args.evaluation_interval)
+        at = time.time()
+        panels = {}
+        for sel in SELECTIONS:
+            progress(f"fleet: dashboard panels over 6 h, variables: {sel}")
+            panels[sel] = panel_times(prom, at, args.step, args.repeats, sel)
+        counts = series_counts(prom, at, nodes, 8, 8)
+        rss = metric_values(self_metrics(prom), "process_resident_memory_bytes").get("", 0.0)
+        tsdb_bytes = sum(f.stat().st_size for f in tsdb.rglob("*") if f.is_file())
+    finally:
+        prom.stop()
+        if not args.keep:
+            shutil.rmtree(tsdb, ignore_errors=True)
+    return {
+        "nodes": nodes,
+        "gpus": nodes * 8,
+        "series_per_node": fleet.per_node(),
+        "backfill": fill,
+        "history": {"start": start, "end": end, "hours_before_start": args.history_hours},
+        "blocks": blocks,
+        "rule_groups": rules,
+        "panels": panels,
+        "series": counts,
+        "prometheus_rss_bytes": rss,
+        "tsdb_bytes": tsdb_bytes,
+    }
+
+
+# --- the curve, the table ---
+
+
+def fit(xs: list[float], ys: list[float], x: float) -> float | None:
+    """Least-squares line through (xs, ys), at x; one point: proportional."""
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((a - mx) ** 2 for a in xs)
+    b = sum((a - mx) * (c - my) for a, c in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return max(0.0, my + b * (x - mx))
+
+
+def _categories() -> list[tuple[str, str, float, Any]]:
+    """(key, label, limit, getter of seconds from one measurement's entry)."""
+    return [
+        ("rule_groups", "rule group", RULE_TARGET_S, lambda m, n: (m["rule_groups"].get(n) or {}).get("median_s")),
+        *[(f"panels_{sel}", f"panel ({sel})", PANEL_TARGET_S, _panel_getter(sel)) for sel in SELECTIONS],
+    ]
+
+
+def _panel_getter(sel: str) -> Any:
+    return lambda m, n: (m["panels"][sel].get(n) or {}).get("seconds")
+
+
+def judged(key: str, name: str) -> bool:
+    """The fleet dashboard is judged with every variable at All, the drill-down ones with one job chosen."""
+    if key == "rule_groups":
+        return True
+    fleet = name.startswith("vramwatch-fleet ")
+    return key == ("panels_all" if fleet else "panels_job")
+
+
+def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES, per_job: int = 16) -> dict[str, Any]:
+    """Per rule group and panel: seconds at each measured size, and at ``target`` (measured or from the line).
+
+    A panel with one job chosen reads that job's nodes only: at a size not measured it is the median of the
+    sizes that held a whole job (``per_job`` nodes or more), not a line through the fleet's sizes."""
+    measured = {s["nodes"]: s for s in sizes}
+    xs = sorted(measured)
+    out: dict[str, Any] = {
+        "sizes": xs,
+        "target_nodes": target,
+        "target_measured": target in measured,
+        "nodes_per_job": per_job,
+    }
+    misses = []
+    for key, _label, limit, get in _categories():
+        src = "rule_groups" if key == "rule_groups" else "panels"
+        names = sorted({n for s in sizes for n in (s[src] if src == "rule_groups" else s[src][key.split("_", 1)[1]])})
+        rows = {}
+        for name in names:
+            pts = [(x, get(measured[x], name)) for x in xs if get(measured[x], name) is not None]
+            whole_jobs = [y for x, y in pts if x >= per_job]
+            if target in measured:
+                at = get(measured[target], name)
+            elif key == "panels_job" and whole_jobs:
+                at = statistics.median(whole_jobs)  # one job chosen: the same 16 nodes at any larger size
+            else:
+                line = fit([float(x) for x, _ in pts], [y for _, y in pts], target)
+                # a cost does not fall as the fleet grows: a line tilted down by noise gives the largest size's
+                at = None if line is None else max(line, pts[-1][1])
+            ok = at is not None and at <= limit
+            rows[name] = {"by_nodes": dict(pts), "at_target": at, "meets": ok, "judged": judged(key, name)}
+            if not ok and rows[name]["judged"]:
+                misses.append({"kind": key, "name": name, "at_target_s": at})
+        out[key] = rows
+    out["misses"] = misses
+    return out
+
+
+def render_table(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    xs = s["sizes"]
+    tgt = s["target_nodes"]
+    how = "measured" if s["target_measured"] else "extrapolated"
+    head = "| | " + " | ".join(f"{x:,} nodes" for x in xs) + f" | {tgt:,} nodes ({how}) | target |"
+    lines = [head, "|---|" + "---|" * (len(xs) + 2)]
+    for key, label, limit, _ in _categories():
+        for name, row in s[key].items():
+            if not row["judged"]:
+                continue  # in the JSON: the drill-down dashboards with every variable at All
+            cells = [_sec(row["by_nodes"].get(x)) for x in xs]
+            mark = "" if row["meets"] else " **over**"
+            lines.append(
+                f"| {label} `{name}` | " + " | ".join(cells) + f" | {_sec(row['at_target'])}{mark} | <= {limit:g} s |"
+            )
+    by = {m["nodes"]: m for m in result["measurements"]}
+    lines.append(
+        "| series per GPU / per rank | "
+        + " | ".join(f"{by[x]['series']['per_gpu']:.1f} / {by[x]['series']['per_rank']:.1f}" for x in xs)
+        + " | | |"
+    )
+    lines.append(
+        "| Prometheus RSS | " + " | ".join(f"{by[x]['prometheus_rss_bytes'] / 2**30:.1f} GiB" for x in xs) + " | | |"
+    )
+    return "\n".join(lines)
+
+
+def slowest(result: dict[str, Any], miss: dict[str, Any], n: int = 2) -> list[str]:
+    """The costliest rules or targets behind a miss, at the largest measured size, with their expressions."""
+    last = max(result["measurements"], key=lambda m: m["nodes"])
+    if miss["kind"] == "rule_groups":
+        rules = last["rule_groups"].get(miss["name"], {}).get("rules", [])
+        return [f"{_sec(r['seconds'])} {r['name']}: {' '.join(r['expr'].split())[:300]}" for r in rules[:n]]
+    sel = miss["kind"].split("_", 1)[1]
+    targets = sorted(last["panels"][sel][miss["name"]]["targets"], key=lambda t: -t["median_s"])
+    return [f"{_sec(t['median_s'])} {t['ref']}: {' '.join(t['expr'].split())[:300]}" for t in targets[:n]]
+
+
+def _sec(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def update_doc(result: dict[str, Any], path: Path = DOC) -> None:
+    text = path.read_text()
+    begin, end = "<!-- BEGIN-FLEET-COST (benchmarks/fleet.py) -->", "<!-- END-FLEET-COST -->"
+    block = f"{begin}\n{render_table(result)}\n{end}"
+    if begin in text:
+        text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _m: block, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", default="125,250,500,1000", help="fleet sizes, comma-separated")
+    p.add_argument("--nodes-per-job", type=int, default=16, help="nodes per training job (job_id, global rank)")
+    p.add_argument("--history-hours", type=float, default=6.0, help="history before the start")
+    p.add_argument("--ahead-minutes", type=float, default=30.0, help="history past the start: the measuring time")
+    p.add_argument("--evaluation-interval", type=float, default=15.0)
+    p.add_argument("--evaluations", type=int, default=5, help="evaluations of each rule group to record")
+    p.add_argument("--step", type=float, default=30.0, help="query_range step (Grafana's for 6 h on a ~700 px panel)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each panel query (median)")
+    p.add_argument("--file-gb", type=float, default=2.0, help="largest OpenMetrics file to write at once")
+    p.add_argument("--quiet-seconds", type=float, default=90.0, help="compaction counts still this long: done")
+    p.add_argument("--compaction-timeout", type=float, default=1800.0)
+    p.add_argument("--work", help="directory for the TSDBs and files (default: a temporary one)")
+    p.add_argument("--keep", action="store_true", help="keep each size's TSDB")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet.json"))
+    p.add_argument("--doc", action="store_true", help="write the table into docs/scale.md")
+    p.add_argument("--doc-from", metavar="JSON", help="only write docs/scale.md's table from a recorded result")
+    args = p.parse_args(argv)
+    if args.doc_from:
+        recorded = common.read_json(args.doc_from)
+        recorded["summary"] = summary(recorded["measurements"], per_job=recorded["settings"]["nodes_per_job"])
+        update_doc(recorded)
+        print(render_table(recorded))
+        return 0
+    if find_tool("prometheus") is None or find_tool("promtool") is None:
+        print("fleet: needs Debian's prometheus and promtool (make tools, or TEST_TOOLS_DIR)", file=sys.stderr)
+        return 2
+    sizes = sorted(int(x) for x in args.nodes.split(","))
+    series, checks = template()
+    work = Path(args.work or tempfile.mkdtemp(prefix="vramwatch-fleet-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "what": "the shipped rules and dashboards over a simulated fleet in a real Prometheus (benchmarks/fleet.py)",
+        "meta": common.metadata(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("doc", "doc_from")},
+        "template": {"series_per_node": len(series) + 1, **checks},
+        "rules": [str(p.relative_to(ROOT)) for p in sorted(RULES.glob("*.yml"))],
+        "dashboards": [str(p.relative_to(ROOT)) for p in sorted(DASHBOARDS.glob("*.json"))],
+        "measurements": [],
+    }
+    try:
+        for n in sizes:
+            progress(f"fleet: --- {n} nodes ---")
+            result["measurements"].append(measure(series, n, args, work))
+            result["summary"] = summary(result["measurements"], per_job=args.nodes_per_job)
+            common.write_json(args.out, result)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    print(render_table(result))
+    for m in result["summary"]["misses"]:
+        print(f"fleet: over target at {TARGET_NODES} nodes: {m['kind']} {m['name']}: {_sec(m['at_target_s'])}")
+        for r in slowest(result, m):
+            print(f"    {r}")
+    if args.doc:
+        update_doc(result)
+    progress(f"fleet: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""benchmarks/fleet.py's pure parts (the fleet's identities, its OpenMetrics history, the dashboards' queries,
+the curve) and benchmarks/roles_walk.py on the CPU. The fleet run itself needs minutes and is not part of
+the suite (benchmarks/README.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import fleet
+import pytest
+import roles_walk
+
+from harness.servers import EXPORTER_JOB
+from vramwatch.monitoring.dashboards.walk import TimeContext, substitute, variable_names
+
+S = fleet.Series
+UUID = "GPU-5e1a0000-0000-4000-8000-00000000000"
+
+
+LINE = re.compile(r"^(\w+)\{(.*)\} (\S+) (\S+)$")
+
+
+def _parse(text: str) -> list[tuple[str, dict[str, str], float, float]]:
+    """(name, labels, value, timestamp) of each line, as promtool reads them."""
+    out = []
+    for line in text.splitlines():
+        m = LINE.match(line)
+        assert m, line
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2)))
+        out.append((m.group(1), labels, float(m.group(3)), float(m.group(4))))
+    return out
+
+
+def _node_series() -> list[fleet.Series]:
+    out = []
+    for r in range(2):
+        rank = {"uuid": UUID + str(r), "device": "0", "rank": str(r), "local_rank": str(r), "job_id": "j"}
+        out.append(S("torch_cuda_memory_allocated_bytes", rank, 3e9, "gauge"))
+        for le, v in (("0.1", 2.0), ("1.0", 8.0), ("+Inf", 10.0)):
+            out.append(S("vramwatch_training_step_duration_seconds_bucket", {**rank, "le": le}, v, "counter"))
+        out.append(S("vramwatch_training_step_duration_seconds_count", rank, 10.0, "counter"))
+        out.append(S("vramwatch_training_step_duration_seconds_sum", rank, 2.5, "counter"))
+        out.append(S("torch_cuda_memory_ooms_total", rank, 0.0, "counter"))
+        gpu = {"gpu": str(r), "uuid": UUID + str(r), "pci_bus_id": f"00000000:1{r}:00.0"}
+        out.append(S("gpu_info", {**gpu, "hostname": "sim"}, 1.0, "const"))
+        out.append(S("vramwatch_training_last_step_timestamp_seconds", rank, 5.0, "clock"))
+    return out
+
+
+def test_each_node_and_job_gets_identities_of_its_own():
+    series = _node_series()
+    f = fleet.Fleet.build(series, nodes=4, per_job=2)
+    samples = [s for n in range(4) for s in _parse(f.lines(n, 0, 1e9))]
+    keys = {(name, tuple(sorted(labels.items()))) for name, labels, _, _ in samples}
+    assert len(keys) == len(samples) == 4 * f.per_node(), "every series of every node is distinct"
+    info = [labels for name, labels, _, _ in samples if name == "gpu_info"]
+    assert len({lab["uuid"] for lab in info}) == 8 and len({lab["pci_bus_id"] for lab in info}) == 8
+    assert {lab["hostname"] for lab in info} == {fleet.node_name(i) for i in range(4)}
+    ranks = [labels for name, labels, _, _ in samples if name == "torch_cuda_memory_allocated_bytes"]
+    by_job: dict[str, set[str]] = {}
+    for lab in ranks:
+        by_job.setdefault(lab["job_id"], set()).add(lab["rank"])
+        assert lab["job"] == EXPORTER_JOB and lab["instance"].endswith(":9488")
+    assert by_job == {"job-0000": {"0", "1", "2", "3"}, "job-0001": {"0", "1", "2", "3"}}
+    assert sum(1 for name, *_ in samples if name == "up") == 4
+
+
+def test_the_history_moves_as_the_contract_says():
+    f = fleet.Fleet.build(_node_series(), nodes=1, per_job=1)
+
+    def values(k: int) -> dict[tuple, float]:
+        rows = _parse(f.lines(0, k, 1e9 + 15 * k))
+        assert {ts for *_, ts in rows} == {1e9 + 15 * k}
+        return {(name, tuple(sorted(labels.items()))): v for name, labels, v, _ in rows}
+
+    a, b = values(0), values(40)
+    for key, v in a.items():
+        name = key[0]
+        if name.endswith(("_bucket", "_count", "_sum")):
+            assert b[key] > v, f"{name} grows"
+        if name == "torch_cuda_memory_ooms_total":
+            assert b[key] == v, "a healthy fleet has no OOMs: the alerts stay quiet"
+        if name == "vramwatch_training_last_step_timestamp_seconds":
+            assert b[key] == pytest.approx(1e9 + 15 * 40 - 1.0), "a live rank's last step is now"
+    # the histogram stays a histogram: cumulative buckets, +Inf equal to the count
+    for r in ("0", "1"):
+        buckets = sorted(
+            (float(dict(k[1])["le"]), v) for k, v in b.items() if k[0].endswith("_bucket") and dict(k[1])["rank"] == r
+        )
+        assert [v for _, v in buckets] == sorted(v for _, v in buckets)
+        count = next(v for k, v in b.items() if k[0].endswith("_count") and dict(k[1])["rank"] == r)
+        assert buckets[-1][1] == pytest.approx(count)
+
+
+def test_every_panel_query_of_the_shipped_dashboards_is_run_with_its_variables_filled():
+    queries = fleet.panel_queries()
+    assert {q.dashboard for q in queries} == {p.stem for p in fleet.DASHBOARDS.glob("*.json")}
+    shipped = sum(
+        1
+        for p in fleet.DASHBOARDS.glob("*.json")
+        for panel in fleet._walk_panels(json.loads(p.read_text())["panels"])
+        for t in panel.get("targets", [])
+        if t.get("expr") and not t.get("hide")
+    )
+    assert len(queries) == shipped
+    tc = TimeContext(0, fleet.PANEL_RANGE, 30)
+    for sel in fleet.SELECTIONS:
+        values = fleet.variable_values(sel)
+        for q in queries:
+            expr = substitute(q.expr, values, tc)
+            assert not variable_names(expr), (q.panel, expr)
+    assert 'job_id=~"job-0000"' in substitute(
+        next(q.expr for q in queries if "$job_id" in q.expr), fleet.variable_values("job"), tc
+    )
+
+
+def test_sizes_not_measured_are_extrapolated_and_misses_name_what_is_judged():
+    assert fleet.fit([100.0, 200.0], [1.0, 2.0], 1000) == pytest.approx(10.0)
+    assert fleet.fit([125.0], [0.5], 1000) == pytest.approx(4.0)
+
+    def size(n: int, secs: float) -> dict:
+        panel = {"seconds": secs, "targets": []}
+        return {
+            "nodes": n,
+            "rule_groups": {"g": {"median_s": secs / 10}},
+            "panels": {
+                "all": {"vramwatch-fleet / p": panel, "vramwatch-gpu-health / q": panel},
+                "job": {"vramwatch-fleet / p": panel, "vramwatch-gpu-health / q": {"seconds": 0.01}},
+            },
+        }
+
+    s = fleet.summary([size(100, 0.1), size(200, 0.5)])
+    assert not s["target_measured"]
+    assert s["rule_groups"]["g"]["at_target"] == pytest.approx(0.37)
+    missed = {(m["kind"], m["name"]) for m in s["misses"]}
+    # the fleet dashboard at All, the drill-down one with a job chosen
+    assert missed == {("panels_all", "vramwatch-fleet / p")}
+
+
+def test_the_walks_script_measures_both_walks_on_the_cpu(tmp_path):
+    out = tmp_path / "walks.json"
+    assert roles_walk.main(["--params", "20", "--segments", "40", "--repeats", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    (case,) = r["cases"]
+    assert case["tensors"] == 100 and case["age_max_s"] >= case["walk_every_s"] >= r["role_interval_s"]
+    snap = r["snapshot"]
+    assert snap["segments_seen"] == 40 and snap["largest_free_bytes"] == roles_walk.MIB
+    assert snap["age_max_s"] >= snap["snapshot_every_s"] >= r["largest_block_interval_s"]
