@@ -42,6 +42,7 @@ from vramwatch.spool.schema import (
     HeartbeatSnapshot,
     OomSnapshot,
     RankSample,
+    TrainingState,
 )
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "SpoolRead",
     "SampleRejected",
     "SpoolState",
+    "TrainingState",
     "any_rank_files",
     "decode_sample",
     "encode_sample",
