@@ -54,10 +54,15 @@ class Total:
         items, self.pending = self.pending, []  # the training thread appends to the new list from now on
         device: list[Any] = []
         for v in items:
-            if getattr(v, "is_cuda", False):
+            try:
+                on_gpu = getattr(v, "is_cuda", False) is True
+                number = not isinstance(v, (bool, str, bytes)) and (hasattr(v, "item") or isinstance(v, (int, float)))
+            except BaseException:  # noqa: BLE001 - a hostile object's attribute
+                on_gpu = number = False
+            if on_gpu:
                 device.append(v)
             else:
-                self._add_host(scalar(v) if not isinstance(v, bool) else None)
+                self._add_host(scalar(v) if number else None)
         if device:
             self._queue(device)
         return self.published()

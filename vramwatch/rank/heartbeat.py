@@ -51,8 +51,8 @@ class Heartbeat:
         "sum",
         "loss",
         "grad_norm",
-        "tokens",
-        "samples",
+        "token_total",
+        "sample_total",
         "_reads",
         "thread_id",
         "data_wait",
@@ -70,8 +70,8 @@ class Heartbeat:
         self.sum = 0.0
         self.loss: Any = None
         self.grad_norm: Any = None
-        self.tokens = Total()  # whatever step() is passed, the totals stay publishable (counts.py)
-        self.samples = Total()
+        self.token_total = Total()  # whatever step() is passed, the totals stay publishable (counts.py)
+        self.sample_total = Total()
         # loss, grad norm: on the sampler thread only, which samples every sample_interval seconds
         self._reads = (DeviceScalar(sample_interval), DeviceScalar(sample_interval))
         self.thread_id = 0  # the training thread (the first to step): its blocked time is the collective wait
@@ -102,9 +102,9 @@ class Heartbeat:
                 self.nonfinite_grad_norm += 1
             self.grad_norm = _keep(grad_norm)
         if tokens is not None:
-            self.tokens.add(tokens)
+            self.token_total.add(tokens)
         if samples is not None:
-            self.samples.add(samples)
+            self.sample_total.add(samples)
 
     def note(self, loss: Any = None, grad_norm: Any = None) -> None:
         """A loss / grad norm a callback read from the framework's logs (host numbers), counted as step() does."""
@@ -116,6 +116,15 @@ class Heartbeat:
             if isinstance(grad_norm, float) and grad_norm - grad_norm != 0.0:
                 self.nonfinite_grad_norm += 1
             self.grad_norm = _keep(grad_norm)
+
+    @property
+    def tokens(self) -> float | None:
+        """The token total counted so far (None: the job passed none)."""
+        return self.token_total.value
+
+    @property
+    def samples(self) -> float | None:
+        return self.sample_total.value
 
     @property
     def loss_read(self) -> DeviceScalar:
@@ -135,8 +144,8 @@ class Heartbeat:
             self.sum,
             self._reads[0].read(self.loss, steps),
             self._reads[1].read(self.grad_norm, steps),
-            self.tokens.drain(),
-            self.samples.drain(),
+            self.token_total.drain(),
+            self.sample_total.drain(),
         )
 
 
