@@ -133,7 +133,7 @@ def _start_in_forked_child() -> Handle | None:
         return None
     try:
         h = start(**settings)
-        log.info("vramwatch: process %d was forked from one that had started vramwatch; started its own", os.getpid())
+        log.warning("vramwatch: process %d was forked from one that had started vramwatch; started its own", os.getpid())
         return h
     except Exception as e:  # noqa: BLE001 - never into the job
         log.warning(
