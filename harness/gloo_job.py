@@ -39,8 +39,8 @@ from harness.procs import ROOT, child_env, die_with
 SCENARIOS = ("steady", "even_slow", "straggler", "block", "raise")
 CULPRIT = 2
 AT_STEP = 15
-LOADER_S = 0.12
-COMPUTE_CPU_S = 0.04
+LOADER_S = 0.3
+COMPUTE_CPU_S = 0.1
 SLOWER = 1.3
 JOB_ID = "gloojob"
 

@@ -133,7 +133,8 @@ def _start_in_forked_child() -> Handle | None:
         return None
     try:
         h = start(**settings)
-        log.warning("vramwatch: process %d was forked from one that had started vramwatch; started its own", os.getpid())
+        pid = os.getpid()
+        log.warning("vramwatch: process %d was forked from one that had started vramwatch; started its own", pid)
         return h
     except Exception as e:  # noqa: BLE001 - never into the job
         log.warning(
