@@ -62,9 +62,11 @@ def _ranks_alive(prom, n: int = WORLD) -> None:
 def test_the_rank_that_stops_before_its_collective_is_the_lowest(job):
     exp, prom = job("block")
     _ranks_alive(prom)
+    # the others reach the collective the culprit never issues (each at its own pace on a loaded host)
     lowest = prom.wait_for(
         f"({LOWEST}) and on (job_id) (max by (job_id) (vramwatch_collectives_total) > {AT_STEP})",
-        timeout=60,
+        timeout=120,
+        check=lambda r: [x["metric"]["rank"] for x in r] == [str(CULPRIT)],
     )
     assert [r["metric"]["rank"] for r in lowest] == [str(CULPRIT)]
     # the others stopped one collective ahead, waiting inside it: their count no longer moves either
@@ -86,15 +88,19 @@ def test_a_rank_with_slower_compute_waits_least_while_step_times_stay_equal(job)
     _ranks_alive(prom)
     flagged = prom.wait_for(STRAGGLER, timeout=60)
     assert [r["metric"]["rank"] for r in flagged] == [str(CULPRIT)]
-    # the step times are equal: the step rate of every rank is within 5% of the job's
-    rates = _by_rank(prom.query("rate(vramwatch_training_steps_total[30s])"))
-    assert len(rates) == WORLD and max(rates.values()) <= 1.05 * min(rates.values()), rates
+    # the step times are equal: the ranks' step counts are at most one apart, their mean step times within 5%
+    steps = _by_rank(prom.query("vramwatch_training_steps_total"))
+    assert len(steps) == WORLD and max(steps.values()) - min(steps.values()) <= 1, steps
+    mean = _by_rank(
+        prom.query("vramwatch_training_step_duration_seconds_sum / vramwatch_training_step_duration_seconds_count")
+    )
+    assert max(mean.values()) <= 1.05 * min(mean.values()), mean
 
 
 def test_a_job_that_slows_evenly_blames_no_rank(job):
     exp, prom = job("even_slow")
     _ranks_alive(prom)
-    prom.wait_for(f'count({WAIT}{{job_id="{JOB_ID}"}}) == {WORLD}', timeout=60)
+    prom.wait_for(f"count({WAIT}) == {WORLD}", timeout=60)
     for _ in range(10):  # ten evaluations over ten seconds of a steady job
         assert prom.query(STRAGGLER) == []
         assert len(prom.query(WAIT)) == WORLD
