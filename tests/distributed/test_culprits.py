@@ -101,6 +101,7 @@ def test_a_job_that_slows_evenly_blames_no_rank(job):
     exp, prom = job("even_slow")
     _ranks_alive(prom)
     prom.wait_for(f"count({WAIT}) == {WORLD}", timeout=60)
+    time.sleep(35)  # the rate's window past the start, when the ranks joined one by one
     for _ in range(10):  # ten evaluations over ten seconds of a steady job
         assert prom.query(STRAGGLER) == []
         assert len(prom.query(WAIT)) == WORLD
