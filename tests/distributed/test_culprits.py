@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from harness import stop_group, wait_until
+from harness import WaitTimeout, stop_group, wait_until
 from harness.gloo_job import AT_STEP, CULPRIT, JOB_ID, start_job
 
 pytestmark = pytest.mark.e2e
@@ -90,7 +90,7 @@ def test_a_rank_with_slower_compute_waits_least_while_step_times_stay_equal(job)
         flagged = prom.wait_for(
             STRAGGLER, timeout=180, check=lambda r: [x["metric"]["rank"] for x in r] == [str(CULPRIT)]
         )
-    except Exception:
+    except WaitTimeout:
         raise AssertionError(f"collective wait rates by rank: {_by_rank(prom.query(WAIT))}") from None
     assert [r["metric"]["rank"] for r in flagged] == [str(CULPRIT)]
     # the step times are equal: the ranks' step counts are at most one apart, their mean step times within 5%
