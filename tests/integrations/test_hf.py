@@ -196,3 +196,54 @@ def test_the_callback_watches_the_trainers_model_and_optimizer(tmp_path):
         assert w._optimizer() is t.optimizer
     finally:
         vramwatch.stop()
+
+
+def test_evaluation_and_save_are_declared_phases_and_the_gaps_a_data_wait(tmp_path):
+    """The Trainer evaluates and saves every 2 steps: a probe after ours sees the phase open during each
+    evaluation batch and at the save, none during training steps; the data wait is measured."""
+    from vramwatch.integrations.hf import VramwatchCallback
+
+    seen: list[tuple[str, str | None]] = []
+    handles: list[Any] = []
+
+    def current_phase():
+        h = vramwatch.current()
+        p = h.heartbeat.phases.current() if h is not None else None
+        return p[0] if p else None
+
+    class Probe(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            seen.append(("step", current_phase()))
+            handles.append(vramwatch.current())
+
+        def on_prediction_step(self, args, state, control, **kw):
+            seen.append(("predict", current_phase()))
+
+        def on_save(self, args, state, control, **kw):  # after ours: ours closed it; the saving itself was inside
+            seen.append(("saved", current_phase()))
+
+    cb = VramwatchCallback(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05)
+    saves: list[str | None] = []
+    orig = transformers.Trainer._save_checkpoint
+
+    def save_checkpoint(self, *a, **kw):
+        saves.append(current_phase())
+        return orig(self, *a, **kw)
+
+    transformers.Trainer._save_checkpoint = save_checkpoint
+    try:
+        args = tiny_args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+        args.save_strategy = transformers.IntervalStrategy.STEPS
+        args.save_steps = 2
+        trainer = transformers.Trainer(
+            model=tiny_model(), args=args, train_dataset=TinyLM(), eval_dataset=TinyLM(), callbacks=[cb, Probe()]
+        )
+        trainer.train()
+    finally:
+        transformers.Trainer._save_checkpoint = orig
+    assert {p for what, p in seen if what == "predict"} == {"eval"}
+    assert {p for what, p in seen if what == "step"} == {None}
+    assert saves == ["save", "save"]
+    assert all(p is None for what, p in seen if what == "saved")
+    hb = handles[-1].heartbeat
+    assert hb.data_tracked and 0 < hb.data_wait < 60

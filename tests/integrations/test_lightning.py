@@ -170,3 +170,56 @@ def test_the_callback_watches_the_module_and_its_optimizer(tmp_path):
         assert w._optimizer() is t.optimizers[0]
     finally:
         vramwatch.stop()
+
+
+def test_validation_and_checkpoint_save_are_declared_phases(tmp_path):
+    """A probe after ours sees eval during validation (the sanity check too), save while the checkpoint is
+    assembled, and no phase while training batches run; the data wait is measured."""
+    from vramwatch.integrations.lightning import VramwatchCallback
+
+    seen: list[tuple[str, str | None]] = []
+    handles: list[Any] = []
+
+    def current_phase():
+        h = vramwatch.current()
+        p = h.heartbeat.phases.current() if h is not None else None
+        return p[0] if p else None
+
+    class Probe(L.Callback):
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            seen.append(("validate", current_phase()))
+
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            seen.append(("save", current_phase()))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(("train", current_phase()))
+            handles.append(vramwatch.current())
+
+    class WithValidation(Tiny):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    cb = VramwatchCallback(simulate=True, serve="external", spool_dir=str(tmp_path / "spool"), interval=0.05)
+    t = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[cb, Probe(), L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+    )
+    t.fit(WithValidation())
+    assert {p for what, p in seen if what == "validate"} == {"eval"}
+    assert [p for what, p in seen if what == "save"] and {p for what, p in seen if what == "save"} == {"save"}
+    assert {p for what, p in seen if what == "train"} == {None}
+    hb = handles[-1].heartbeat
+    assert hb.data_tracked and 0 < hb.data_wait < 60

@@ -209,12 +209,13 @@ def test_without_watch_or_tokens_the_sample_is_unchanged(start_rank):
     assert b"tokens" not in spool.encode_sample(s)
 
 
-def test_a_tensor_token_count_is_dropped_not_synced():
+def test_a_tensor_token_count_is_counted_off_the_training_thread():
     from vramwatch.rank.heartbeat import Heartbeat
 
     hb = Heartbeat()
     hb.step(tokens=torch.tensor(5))
-    assert hb.snapshot().tokens is None
+    assert hb.tokens is None  # step() set it aside: no torch op on the training thread
+    assert hb.snapshot().tokens == 5.0  # read by the sampler thread's snapshot (counts.py)
 
 
 def test_step_with_tokens_stays_cheap(start_rank):

@@ -56,6 +56,21 @@ heartbeats = st.builds(
     st.one_of(st.none(), finite, number),
     st.one_of(st.none(), finite, number),
 )
+trainings = st.one_of(
+    st.none(),
+    st.builds(
+        spool.TrainingState,
+        st.sampled_from(("", "finished", "exception", "oom", "signal")),
+        st.from_regex(r"[A-Za-z0-9_.]{0,64}", fullmatch=True),
+        st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+        st.dictionaries(st.sampled_from(("collective", "data")), finite.filter(lambda x: x >= 0), max_size=2),
+        st.sampled_from(("", "eval", "save", "other")),
+        finite.filter(lambda x: x >= 0),
+        st.dictionaries(st.sampled_from(("loss", "grad_norm")), st.integers(0, 2**40), max_size=2),
+        st.sampled_from(("", "nan", "inf", "-inf")),
+        st.sampled_from(("", "nan")),
+    ),
+)
 samples = st.builds(
     spool.RankSample,
     ids,
@@ -71,6 +86,7 @@ samples = st.builds(
     st.one_of(st.none(), st.builds(spool.OomSnapshot, text, st.one_of(finite, number))),
     st.one_of(st.none(), finite, number),
     st.one_of(st.just(""), text),  # job_id
+    trainings,
 )
 
 # what a rank publishes: only the plain types, every value finite; these must take the fast path
@@ -102,6 +118,7 @@ plain_samples = st.builds(
     st.one_of(st.none(), st.builds(spool.OomSnapshot, text, finite)),
     st.one_of(st.none(), finite),
     st.one_of(st.just(""), st.from_regex(r"[A-Za-z0-9_.-]{1,64}", fullmatch=True)),  # job_id
+    trainings,
 )
 
 
@@ -203,3 +220,41 @@ def test_a_non_finite_number_is_refused_as_before(bad):
 def test_decodes_to_the_same_sample():
     s = _rank_sample()
     assert spool.decode_sample(codec.encode_sample(s)) == s
+
+
+def test_the_training_state_round_trips_and_is_left_out_when_empty():
+    t = spool.TrainingState(
+        "exception",
+        "InjectedFault",
+        41,
+        {"collective": 1.5, "data": 0.25},
+        "eval",
+        5.0,
+        {"loss": 2, "grad_norm": 0},
+        "nan",
+        "",
+    )
+    s = _rank_sample(training=t)
+    assert spool.decode_sample(codec.encode_sample(s)) == s
+    assert b'"training"' not in codec.encode_sample(_rank_sample(training=spool.TrainingState()))
+
+
+@pytest.mark.parametrize(
+    "field,bad",
+    [
+        ("exit", {"reason": "killed", "detail": ""}),  # the server's word, never a rank's
+        ("exit", {"reason": "finished", "detail": "a b"}),
+        ("exit", {"reason": "finished", "detail": "x" * 65}),
+        ("collectives", -1),
+        ("waits", {"gpu": 1.0}),
+        ("waits", {"data": -1.0}),
+        ("phase", {"name": "lunch", "start": 1.0}),
+        ("nonfinite", {"lr": 1}),
+        ("loss", "NaN!"),
+    ],
+)
+def test_a_training_field_out_of_its_set_is_refused(field, bad):
+    doc = json.loads(codec.encode_sample(_rank_sample()))
+    doc["training"] = {field: bad}
+    with pytest.raises(spool.SampleRejected, match="training"):
+        spool.decode_sample(json.dumps(doc).encode())

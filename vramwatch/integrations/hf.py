@@ -7,7 +7,12 @@ At ``on_train_begin`` it starts the exporter (unless the script already did), la
 Trainer's process index, local process index and world size; ``on_step_end`` (once per optimiser
 step, after gradient accumulation) is the heartbeat; the Trainer's model and optimizer are watched
 (``vramwatch.watch``: memory by role); the loss and grad norm the Trainer logs
-(every ``logging_steps``) become ``vramwatch_training_loss`` / ``_grad_norm``. At ``on_train_end``
+(every ``logging_steps``) become ``vramwatch_training_loss`` / ``_grad_norm`` (NaN / Inf counted in
+``vramwatch_training_nonfinite_total``). Evaluation and checkpoint saves are declared phases
+(``vramwatch.phase``): the Trainer has no hook before either, so the phase opens at the step or epoch end
+whose flags (``should_evaluate``, ``should_save``) call for it, or at the first prediction step of an
+evaluation the script runs itself, and closes at ``on_evaluate`` / ``on_predict`` / ``on_save``. The time
+from one step's end to the next one's begin, outside those, is the data wait. At ``on_train_end``
 it stops the exporter it started, so a finished run leaves no stale heartbeat behind.
 
 Tokens: with ``TrainingArguments(include_num_input_tokens_seen=True)`` (or ``"all"`` /
@@ -31,6 +36,7 @@ from transformers import TrainerCallback
 
 import vramwatch
 from vramwatch.integrations import framework_settings, start_for_framework
+from vramwatch.integrations.phases import CallbackPhases
 
 __all__ = ["VramwatchCallback"]
 
@@ -68,6 +74,7 @@ class VramwatchCallback(TrainerCallback):
         self.handle: Any = None
         self._owned = False
         self._tokens_seen: int | None = None  # state.num_input_tokens_seen at the last step (None: not counted)
+        self.phases = CallbackPhases()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._owned and vramwatch.current() is self.handle:
@@ -98,20 +105,53 @@ class VramwatchCallback(TrainerCallback):
         except Exception:  # noqa: BLE001
             tokens = None
         vramwatch.step(tokens=tokens)
+        self._flags_set(control)
+        self.phases.step_ended()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.phases.close()  # a save with no hook after it (a failed one) ends here at the latest
+        self.phases.step_began()
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._flags_set(control)
+
+    def _flags_set(self, control: Any) -> None:
+        """The Trainer evaluates, then saves, right after the hooks that set these flags (no hook before
+        either): the phase begins now."""
+        try:
+            if getattr(control, "should_evaluate", False):
+                self.phases.open("eval")
+            elif getattr(control, "should_save", False):
+                self.phases.open("save")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.phases.open("eval")  # trainer.evaluate() / predict() called by the script: from its first batch
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.phases.close("eval")
+        if getattr(control, "should_save", False):
+            self.phases.open("save")
+
+    def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.phases.close("eval")
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.phases.close("save")
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         h = self.handle
         if h is None or not logs:
             return
         try:
-            if "loss" in logs:  # training logs only (evaluation logs carry eval_loss)
-                h.heartbeat.loss = logs["loss"]
-            if "grad_norm" in logs:
-                h.heartbeat.grad_norm = logs["grad_norm"]
+            # training logs only (evaluation logs carry eval_loss); NaN / Inf counted as step() counts them
+            h.heartbeat.note(logs.get("loss"), logs.get("grad_norm"))
         except Exception:  # noqa: BLE001
             pass
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.phases.close()
         if self._owned and self.stop_on_end:
             self._owned = False
             if vramwatch.current() is self.handle:

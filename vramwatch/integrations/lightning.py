@@ -10,7 +10,10 @@ trainer's global rank, local rank and world size. The heartbeat beats once per o
 thread; a grad norm is taken from the logged metrics when the module logs one (``grad_norm``, or
 ``grad_2.0_norm_total`` from ``lightning.pytorch.utilities.grad_norm``). At ``on_train_start`` the
 module and its (first) optimizer are watched (``vramwatch.watch``: memory by role). ``teardown`` stops the
-exporter it started.
+exporter it started. Validation (and its sanity check) is a declared ``eval`` phase, a checkpoint's save
+and load ``save`` / ``load`` phases (from ``on_save_checkpoint`` / ``on_load_checkpoint`` to the loop's
+next hook: Lightning calls none after the write); the time from one batch's end to the next one's start,
+outside those, is the data wait.
 
 Tokens and samples, per rank, summed over the micro-batches of each optimiser step and passed to
 ``vramwatch.step(tokens=..., samples=...)``. Lightning does not count them, so they come from the
@@ -35,6 +38,7 @@ from typing import Any
 
 import vramwatch
 from vramwatch.integrations import framework_settings, start_for_framework
+from vramwatch.integrations.phases import CallbackPhases
 
 
 def _callback_base() -> type:
@@ -122,6 +126,7 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
         self._last_global_step = -1
         self._tokens: int | float | None = None  # of the micro-batches since the last optimiser step
         self._samples: int | float | None = None
+        self.phases = CallbackPhases()
 
     def _add_batch(self, batch: Any) -> None:
         tokens: int | float | None
@@ -150,7 +155,7 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
             log.warning("vramwatch: callback could not start: %r", e)
         self._last_global_step = _attr(trainer, "global_step") or 0
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def _watch(self, trainer: Any, pl_module: Any) -> None:
         if self.handle is None:
             return
         try:  # the optimizers exist from here on (configure_optimizers has run)
@@ -160,7 +165,45 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
             optimizer = None
         vramwatch.watch(pl_module, optimizer)
 
+    # --- declared phases: validation (and its sanity check), checkpoint save and load ---
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self.phases.open("eval")
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self.phases.close("eval")
+
+    def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
+        self.phases.open("eval")
+
+    def on_sanity_check_end(self, trainer: Any, pl_module: Any) -> None:
+        self.phases.close("eval")
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+        # called as the checkpoint is assembled, before it is written: no hook follows the write, so the
+        # phase closes at the next hook of the loop
+        self.phases.open("save")
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+        self.phases.open("load")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.phases.close("load")
+        self._watch(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.phases.close("save")
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.phases.close("save", "load")
+        self.phases.step_began()
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        try:
+            self._batch_end(trainer, outputs, batch)
+        finally:
+            self.phases.step_ended()
+
+    def _batch_end(self, trainer: Any, outputs: Any, batch: Any) -> None:
         self._add_batch(batch)
         try:
             gs = trainer.global_step
@@ -182,6 +225,7 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
         vramwatch.step(loss=loss, grad_norm=grad_norm, tokens=tokens, samples=samples)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.phases.close()
         if stage != "fit":
             return
         if self._owned and self.stop_on_end:

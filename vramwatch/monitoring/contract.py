@@ -21,6 +21,9 @@ from prometheus_client.core import (
 from vramwatch.monitoring import xid_catalogue
 from vramwatch.monitoring.cadence import READ_MAX_GAP
 
+# the bounded label values of the rank's training families: the spool's schema checks them, so defined there
+from vramwatch.spool.schema import EXIT_REASONS, NONFINITE_VALUES, PHASES, WAIT_KINDS  # noqa: F401 - re-exported
+
 # job_id: the job a rank belongs to (vramwatch.rank.identity; bounded, at most 64 of [A-Za-z0-9_.-]), so
 # the same rank of two jobs on one node is two series. Not `job`: Prometheus's target label owns that.
 JOB_ID = "job_id"
@@ -379,7 +382,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "",
         RANK,
         f"Loss the job passed with its newest step (a GPU tensor: copied without waiting for the GPU, "
-        f"at most {READ_MAX_GAP:g} s apart, so it may trail the step counter by two of those).",
+        f"at most {READ_MAX_GAP:g} s apart, so it may trail the step counter by two of those); NaN or +-Inf "
+        f"when it read as such.",
         "heartbeat",
         "the job passes no loss",
     ),
@@ -409,6 +413,59 @@ METRICS: tuple[MetricSpec, ...] = (
         RANK + ("world_size", "hostname"),
         "A rank publishing into this target (value 1).",
         "heartbeat",
+    ),
+    # --- how each rank ended, what it waits for, what it is doing (the rank side of incidents) ---
+    _m(
+        "vramwatch_rank_exits_total",
+        "counter",
+        "",
+        RANK + ("reason", "detail"),
+        "How the rank ended (value 1), served with its final sample: reason finished, exception, oom, signal, "
+        "or killed (its process is gone and it left no final word); detail the exception's class or the "
+        "signal's name, else empty.",
+        "heartbeat",
+        "the rank is alive, or its final sample's grace window has passed",
+    ),
+    _m(
+        "vramwatch_collectives_total",
+        "counter",
+        "",
+        RANK,
+        "Collectives this rank has issued on its default process group (its collective sequence number). "
+        "In a hang, the ranks lowest in their job are the ones the others wait for.",
+        "heartbeat",
+        "torch.distributed is not initialised in the rank",
+    ),
+    _m(
+        "vramwatch_training_wait_seconds_total",
+        "counter",
+        "seconds",
+        RANK + ("kind",),
+        "Time the training thread spent waiting: kind collective (blocked off-CPU outside its data wait, "
+        "in a gloo job: waiting for its peers) or data (for its next batch, in vramwatch.track() or a "
+        "callback). In a synchronous job the slow rank is the one that waits least.",
+        "heartbeat",
+        "collective: not a gloo (CPU-collective) job, or no schedstat; data: the loop is not tracked",
+    ),
+    _m(
+        "vramwatch_training_phase_start_timestamp_seconds",
+        "gauge",
+        "seconds",
+        RANK + ("phase",),
+        "When the rank's declared non-training phase began (Unix time): vramwatch.phase('eval'), the "
+        "callbacks' evaluation and checkpoint save/load.",
+        "heartbeat",
+        "the rank is training (in no declared phase)",
+    ),
+    _m(
+        "vramwatch_training_nonfinite_total",
+        "counter",
+        "",
+        RANK + ("value",),
+        "Reads of the loss or grad norm the job passed that were NaN or +-Inf (where vramwatch reads it: "
+        "a Python number at each step, a tensor at each of its reads on the sampler thread).",
+        "heartbeat",
+        "the job has passed no such value",
     ),
     # --- NVML device readings: one series per GPU of the node ---
     _m(

@@ -38,14 +38,20 @@ def finite(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def scalar(v: Any) -> float | None:
-    """A number or a one-element host tensor as a float; never raises."""
+def raw_scalar(v: Any) -> float | None:
+    """A number or a one-element host tensor as a float, NaN and infinities included; never raises."""
     if v is None:
         return None
     try:
-        return finite(v.item() if hasattr(v, "item") else v)
-    except Exception:  # noqa: BLE001 - whatever the job passed
+        return float(v.item() if hasattr(v, "item") else v)
+    except BaseException:  # noqa: BLE001 - whatever the job passed: its .item() may raise anything (sampler thread)
         return None
+
+
+def scalar(v: Any) -> float | None:
+    """A number or a one-element host tensor as a finite float; never raises."""
+    f = raw_scalar(v)
+    return f if f is not None and math.isfinite(f) else None
 
 
 class DeviceScalar:
@@ -53,6 +59,8 @@ class DeviceScalar:
 
     __slots__ = (
         "value",
+        "raw",
+        "nonfinite",
         "_pending",
         "_copied_at",
         "_slots",
@@ -64,7 +72,9 @@ class DeviceScalar:
     )
 
     def __init__(self, sample_interval: float = 0.0) -> None:
-        self.value: float | None = None
+        self.value: float | None = None  # the newest finite value read
+        self.raw: float | None = None  # the newest value read, NaN or an infinity included
+        self.nonfinite = 0  # tensor reads that were NaN or infinite (a host number is counted by step())
         self._pending: Any = None  # (pinned host tensor, event) of the copy in flight
         self._copied_at: Any = None  # the step count the newest copy was taken at
         self._slots: dict[Any, Any] = {}  # (device, dtype) -> reused pinned buffer, event, stream
@@ -85,11 +95,17 @@ class DeviceScalar:
             return self.value
         if type(v) is float or type(v) is int:  # a host number, the common case: no attribute lookups that fail
             self._pending = self._copied_at = None
-            self.value = finite(v)
+            self._set(raw_scalar(v))
             return self.value
-        if not getattr(v, "is_cuda", False):
-            self._pending = self._copied_at = None
-            self.value = scalar(v)
+        try:
+            on_gpu = getattr(v, "is_cuda", False) is True
+        except BaseException:  # noqa: BLE001 - a hostile object's attribute
+            on_gpu = False
+        if not on_gpu:
+            self._pending = None
+            if step is None or step != self._copied_at:  # a new value: read (and count) it once
+                self._copied_at = step
+                self._set(raw_scalar(v), count=True)
             return self.value
         now = self.clock()
         if now < self._next_read:
@@ -121,7 +137,7 @@ class DeviceScalar:
                 return self.value  # the GPU has not got there yet (or is stuck): keep the last value
             self._pending = None
             if buf is not None:
-                self.value = scalar(buf)  # read before the buffer is reused below
+                self._set(raw_scalar(buf), count=True)  # read before the buffer is reused below
         if step is not None and step == self._copied_at:
             return self.value  # no step since the last copy: nothing new to read
         try:
@@ -130,6 +146,15 @@ class DeviceScalar:
         except Exception:  # noqa: BLE001 - never raise into the sampler
             self._pending = self._copied_at = None
         return self.value
+
+    def _set(self, f: float | None, count: bool = False) -> None:
+        self.raw = f
+        if f is not None and not math.isfinite(f):
+            self.value = None
+            if count:
+                self.nonfinite += 1
+        else:
+            self.value = f
 
 
 def queue_copy(t: Any, slots: dict[Any, Any]) -> tuple[Any, Any]:

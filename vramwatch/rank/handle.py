@@ -79,6 +79,7 @@ class Handle:
         # one sample assembled and published at a time: the sampler thread's ticks and an OOM's
         # publish on the allocating thread never interleave (an older sample never lands last)
         self._publish_lock = threading.Lock()
+        self._steps_at_exit = 0  # the step count when the exit reason was set (a handled signal trains on)
 
     # --- what tests, the demo and the status line's users reach for ---
     @property
@@ -145,8 +146,38 @@ class Handle:
             )
         self.tick()  # the server sees this rank at once
         self._thread.start()
+        from vramwatch.rank import exits
+
+        exits.install()  # how the rank ends, in its final sample
+
+    def ended(self, reason: str, detail: str = "", at_exit: bool = False) -> None:
+        """How this rank ends (:mod:`.exits`): the first reason stands. An exception or a signal is
+        published at once (the process may be gone the next instant); ``finished`` by :meth:`stop`."""
+        t = self._assembler.training
+        hb = self.heartbeat
+        if at_exit:
+            if t.exit_reason == "signal" and hb.steps != self._steps_at_exit:
+                t.exit_reason = t.exit_detail = ""  # the job handled the signal and trained on
+            if not t.exit_reason and self._oom_was_last():
+                t.exit_reason, t.exit_detail = "oom", ""  # a launcher caught the OOM's exception and exited
+        if t.exit_reason:
+            return
+        t.exit_reason, t.exit_detail = reason, detail
+        self._steps_at_exit = hb.steps
+        if reason != "finished":
+            self.publish_now()
+
+    def _oom_was_last(self) -> bool:
+        oom = self.plugins.oom
+        if oom is None or not oom.count:
+            return False
+        from vramwatch.rank.oom import LAST_TIME
+
+        last = max((v.get(LAST_TIME, 0.0) for v in oom.values.values()), default=0.0)
+        return last >= self.heartbeat.last_step_time
 
     def stop(self) -> None:
+        self.ended("finished")
         self._thread.stop()
         self.step_hooks = ()
         if self._publisher is not None and os.getpid() == self._pid:
@@ -156,6 +187,7 @@ class Handle:
         roles = self._assembler.roles
         if roles is not None:
             roles.close()  # no optimizer-step hook left behind in the job
+        self._assembler.training.close()
         self._spawner.release()
         if self._publisher is not None and os.getpid() == self._pid:
             self._publisher.close()

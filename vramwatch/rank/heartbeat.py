@@ -7,11 +7,14 @@ no allocation beyond a float or two. The sampler thread reads the fields.
 
 from __future__ import annotations
 
+import threading
 import time
 from bisect import bisect_left
 from typing import Any
 
+from vramwatch.rank.counts import Total
 from vramwatch.rank.device_scalar import DeviceScalar
+from vramwatch.rank.phase import PhaseStack
 from vramwatch.spool import HeartbeatSnapshot
 
 # From 1 ms launch-bound steps to stalls of minutes (a hung collective) and beyond.
@@ -48,9 +51,15 @@ class Heartbeat:
         "sum",
         "loss",
         "grad_norm",
-        "tokens",
-        "samples",
+        "token_total",
+        "sample_total",
         "_reads",
+        "thread_id",
+        "data_wait",
+        "data_tracked",
+        "nonfinite_loss",
+        "nonfinite_grad_norm",
+        "phases",
     )
 
     def __init__(self, sample_interval: float = 0.0) -> None:
@@ -61,10 +70,16 @@ class Heartbeat:
         self.sum = 0.0
         self.loss: Any = None
         self.grad_norm: Any = None
-        self.tokens: int | float | None = None  # None until the job passes any: the counter stays absent
-        self.samples: int | float | None = None
+        self.token_total = Total()  # whatever step() is passed, the totals stay publishable (counts.py)
+        self.sample_total = Total()
         # loss, grad norm: on the sampler thread only, which samples every sample_interval seconds
         self._reads = (DeviceScalar(sample_interval), DeviceScalar(sample_interval))
+        self.thread_id = 0  # the training thread (the first to step): its blocked time is the collective wait
+        self.data_wait = 0.0  # seconds waiting for the next batch (track(), the callbacks)
+        self.data_tracked = False  # whether anything measures it: else the data wait is absent
+        self.nonfinite_loss = 0  # Python numbers passed as NaN / +-Inf (tensors: counted where read)
+        self.nonfinite_grad_norm = 0
+        self.phases = PhaseStack()
 
     def step(self, loss: Any = None, grad_norm: Any = None, tokens: Any = None, samples: Any = None) -> None:
         now = time.monotonic()
@@ -73,17 +88,51 @@ class Heartbeat:
             d = now - last
             self.counts[bisect_left(BUCKETS, d)] += 1
             self.sum += d
+        else:
+            self.thread_id = threading.get_native_id()
         self._last_mono = now
         self.last_step_time = time.time()
         self.steps += 1
         if loss is not None:
+            if type(loss) is float and loss - loss != 0.0:  # NaN or an infinity (inf - inf is NaN)
+                self.nonfinite_loss += 1
             self.loss = _keep(loss)
         if grad_norm is not None:
+            if type(grad_norm) is float and grad_norm - grad_norm != 0.0:
+                self.nonfinite_grad_norm += 1
             self.grad_norm = _keep(grad_norm)
-        if tokens is not None:  # two adds: the counts are Python numbers (a tensor is dropped at the snapshot)
-            self.tokens = tokens if self.tokens is None else self.tokens + tokens
+        if tokens is not None:
+            self.token_total.add(tokens)
         if samples is not None:
-            self.samples = samples if self.samples is None else self.samples + samples
+            self.sample_total.add(samples)
+
+    def note(self, loss: Any = None, grad_norm: Any = None) -> None:
+        """A loss / grad norm a callback read from the framework's logs (host numbers), counted as step() does."""
+        if loss is not None:
+            if isinstance(loss, float) and loss - loss != 0.0:
+                self.nonfinite_loss += 1
+            self.loss = _keep(loss)
+        if grad_norm is not None:
+            if isinstance(grad_norm, float) and grad_norm - grad_norm != 0.0:
+                self.nonfinite_grad_norm += 1
+            self.grad_norm = _keep(grad_norm)
+
+    @property
+    def tokens(self) -> float | None:
+        """The token total counted so far (None: the job passed none)."""
+        return self.token_total.value
+
+    @property
+    def samples(self) -> float | None:
+        return self.sample_total.value
+
+    @property
+    def loss_read(self) -> DeviceScalar:
+        return self._reads[0]
+
+    @property
+    def grad_norm_read(self) -> DeviceScalar:
+        return self._reads[1]
 
     def snapshot(self) -> HeartbeatSnapshot:
         steps = self.steps
@@ -95,16 +144,9 @@ class Heartbeat:
             self.sum,
             self._reads[0].read(self.loss, steps),
             self._reads[1].read(self.grad_norm, steps),
-            _count(self.tokens),
-            _count(self.samples),
+            self.token_total.drain(),
+            self.sample_total.drain(),
         )
-
-
-def _count(v: Any) -> float | None:
-    """A token or sample total as published: a finite number 0 or more, else nothing (never a sync)."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"):
-        return float(v)
-    return None
 
 
 def _keep(v: Any) -> Any:

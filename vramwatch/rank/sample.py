@@ -12,6 +12,7 @@ from vramwatch.rank.heartbeat import Heartbeat
 from vramwatch.rank.identity import RankIdentity
 from vramwatch.rank.plugins import Plugins
 from vramwatch.rank.roles import RoleWalker
+from vramwatch.rank.training import TrainingReader
 from vramwatch.spool import CollectorHealth, DeviceSample, RankSample
 
 
@@ -37,6 +38,7 @@ class SampleAssembler:
         self.errors = 0
         self.roles: RoleWalker | None = None  # set by vramwatch.watch()
         self.flops_per_token: float | None = None
+        self.training = TrainingReader(heartbeat)
         # os.getpid() is a system call each time (glibc caches it no more): read once, and again in a forked
         # child (which publishes nothing: the handle checks; held weakly, so a stopped rank is not kept alive)
         self._pid = os.getpid()
@@ -65,6 +67,12 @@ class SampleAssembler:
                 self.log_once("roles:" + type(e).__name__, "vramwatch: memory by role failed: %r", e)
             collectors["roles"] = roles.health
         ident = self.identity
+        hb = self.heartbeat.snapshot()
+        try:
+            training = self.training.read()
+        except Exception as e:  # noqa: BLE001 - the sample goes out without it
+            training = None
+            self.log_once("training:" + type(e).__name__, "vramwatch: reading the training state failed: %r", e)
         # positional, in the schema's field order: keyword arguments cost a microsecond per sample here
         return RankSample(
             ident.rank,
@@ -75,11 +83,12 @@ class SampleAssembler:
             time.time(),
             tuple(merged),
             self.sampler.info() if merged else None,
-            self.heartbeat.snapshot(),
+            hb,
             collectors,
             oom_snapshot,
             self.flops_per_token,
             ident.job_id,
+            training,
         )
 
 

@@ -50,7 +50,10 @@ class SamplerThread:
                 wait(False)  # take a wake-up that came during the tick, if any
             if self._stopping:
                 return
-            self.tick()
+            try:
+                self.tick()
+            except BaseException:  # noqa: BLE001 - the job's objects may raise anything (a loss's .item()):
+                pass  # the thread that publishes the job's OOMs and hangs must outlive it
             now = clock()
             if now >= next_t:  # a regular tick (a wake-up publishes early and keeps the cadence)
                 next_t += interval

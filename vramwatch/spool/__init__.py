@@ -50,6 +50,7 @@ from vramwatch.spool.schema import (
     HeartbeatSnapshot,
     OomSnapshot,
     RankSample,
+    TrainingState,
 )
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "SpoolReader",
     "SampleRejected",
     "SpoolState",
+    "TrainingState",
     "any_rank_files",
     "decode_sample",
     "encode_sample",

@@ -16,16 +16,23 @@ from itertools import pairwise
 from typing import Any
 
 from vramwatch.spool.schema import (
+    EXIT_DETAIL,
+    EXIT_REASONS,
     JOB_ID,
     JOB_ID_MAX,
     MEMORY_ROLES,
+    NONFINITE_KINDS,
+    NONFINITE_VALUES,
+    PHASES,
     SCHEMA_VERSION,
+    WAIT_KINDS,
     AllocatorInfo,
     CollectorHealth,
     DeviceSample,
     HeartbeatSnapshot,
     OomSnapshot,
     RankSample,
+    TrainingState,
 )
 
 # One encoder for every sample: json.dumps would build a new one per call.
@@ -214,6 +221,8 @@ def _fast(s: RankSample) -> str:
         out.append(job)
     if s.oom_snapshot is not None:  # after an OOM only: encoded whole
         out += (',"oom_snapshot":', _ENCODER.encode(_oom_doc(s.oom_snapshot)))
+    if s.training:  # a few small fields, encoded whole
+        out += (',"training":', _ENCODER.encode(_training_doc(s.training)))
     out.append("}")
     return "".join(out)
 
@@ -235,6 +244,25 @@ def _allocator_info_doc(ai: AllocatorInfo) -> dict[str, Any]:
 
 def _oom_doc(oom: OomSnapshot) -> dict[str, Any]:
     return {"path": oom.path, "time": oom.time}
+
+
+def _training_doc(t: TrainingState) -> dict[str, Any]:
+    doc: dict[str, Any] = {}  # only what is set: a rank outside torch.distributed that never ends sends nothing
+    if t.exit_reason:
+        doc["exit"] = {"reason": t.exit_reason, "detail": t.exit_detail}
+    if t.collectives is not None:
+        doc["collectives"] = t.collectives
+    if t.waits:
+        doc["waits"] = dict(t.waits)
+    if t.phase:
+        doc["phase"] = {"name": t.phase, "start": t.phase_start}
+    if t.nonfinite:
+        doc["nonfinite"] = dict(t.nonfinite)
+    if t.loss:
+        doc["loss"] = t.loss
+    if t.grad_norm:
+        doc["grad_norm"] = t.grad_norm
+    return doc
 
 
 def encode_sample_reference(sample: RankSample) -> bytes:
@@ -278,6 +306,8 @@ def encode_sample_reference(sample: RankSample) -> bytes:
         doc["job_id"] = sample.job_id
     if sample.oom_snapshot is not None:
         doc["oom_snapshot"] = _oom_doc(sample.oom_snapshot)
+    if sample.training:
+        doc["training"] = _training_doc(sample.training)
     return _ENCODER.encode(doc).encode()
 
 
@@ -374,6 +404,7 @@ def _sample(doc: Mapping[str, Any]) -> RankSample:
     oom = doc.get("oom_snapshot")
     fpt = doc.get("flops_per_token")
     job_id = doc.get("job_id")
+    training = doc.get("training")
     return RankSample(
         rank=_int(_field(doc, "rank"), "rank", 0, _MAX_ID),
         local_rank=_int(_field(doc, "local_rank"), "local_rank", 0, _MAX_ID),
@@ -391,7 +422,51 @@ def _sample(doc: Mapping[str, Any]) -> RankSample:
         oom_snapshot=None if oom is None else _oom(_object(oom, "oom_snapshot")),
         flops_per_token=None if fpt is None else _float(fpt, "flops_per_token", 0.0),
         job_id="" if job_id is None else _job_id(job_id),
+        training=None if training is None else _training(_object(training, "training")),
     )
+
+
+def _training(t: Mapping[str, Any]) -> TrainingState:
+    # every value here is a label value or a number the server renders: closed sets and checked ranges only
+    w = "training."
+    reason = detail = phase = ""
+    start = 0.0
+    ex = t.get("exit")
+    if ex is not None:
+        ex = _object(ex, w + "exit")
+        reason = _one_of(_field(ex, "reason", w + "exit."), w + "exit.reason", EXIT_REASONS[:-1])
+        detail = _text(_field(ex, "detail", w + "exit."), w + "exit.detail")
+        if not EXIT_DETAIL.fullmatch(detail):
+            raise _Bad(f"{w}exit.detail must be at most 64 of [A-Za-z0-9_.], not {detail[:32]!r}")
+    ph = t.get("phase")
+    if ph is not None:
+        ph = _object(ph, w + "phase")
+        phase = _one_of(_field(ph, "name", w + "phase."), w + "phase.name", PHASES)
+        start = _float(_field(ph, "start", w + "phase."), w + "phase.start", 0.0)
+    coll = t.get("collectives")
+    waits = _object(t.get("waits", {}), w + "waits")
+    nonfinite = _object(t.get("nonfinite", {}), w + "nonfinite")
+    loss, grad_norm = t.get("loss", ""), t.get("grad_norm", "")
+    return TrainingState(
+        exit_reason=reason,
+        exit_detail=detail,
+        collectives=None if coll is None else _int(coll, w + "collectives"),
+        waits={_one_of(k, w + "waits key", WAIT_KINDS): _float(v, f"{w}waits.{k}", 0.0) for k, v in waits.items()},
+        phase=phase,
+        phase_start=start,
+        nonfinite={
+            _one_of(k, w + "nonfinite key", NONFINITE_VALUES): _int(v, f"{w}nonfinite.{k}")
+            for k, v in nonfinite.items()
+        },
+        loss="" if loss == "" else _one_of(loss, w + "loss", NONFINITE_KINDS),
+        grad_norm="" if grad_norm == "" else _one_of(grad_norm, w + "grad_norm", NONFINITE_KINDS),
+    )
+
+
+def _one_of(v: Any, where: str, allowed: tuple[str, ...]) -> str:
+    if not isinstance(v, str) or v not in allowed:
+        raise _Bad(f"{where} must be one of {', '.join(allowed)}, not {_kind(v)[:32]!r}")
+    return v
 
 
 def _job_id(v: Any) -> str:

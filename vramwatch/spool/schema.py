@@ -25,6 +25,18 @@ JOB_ID = re.compile(rf"[A-Za-z0-9_.-]{{1,{JOB_ID_MAX}}}")
 # workspaces, temporaries). The allocator's cache (reserved - allocated) is not a role.
 MEMORY_ROLES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "other")
 
+# How a rank ended (vramwatch_rank_exits_total's `reason`): killed = its process is gone with no final word.
+EXIT_REASONS: tuple[str, ...] = ("finished", "exception", "oom", "signal", "killed")
+# What the training thread waited for (vramwatch_training_wait_seconds_total's `kind`).
+WAIT_KINDS: tuple[str, ...] = ("collective", "data")
+# Declared non-training phases (vramwatch.phase(...)); any other name is published as `other`.
+PHASES: tuple[str, ...] = ("eval", "save", "load", "compile", "other")
+# The values counted when non-finite (vramwatch_training_nonfinite_total's `value`).
+NONFINITE_VALUES: tuple[str, ...] = ("loss", "grad_norm")
+# A bounded exit detail: an exception's class name or a signal's name (longer or other characters: "other").
+EXIT_DETAIL = re.compile(r"[A-Za-z0-9_.]{0,64}")
+NONFINITE_KINDS: tuple[str, ...] = ("nan", "inf", "-inf")  # how a non-finite loss / grad norm travels
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceSample:
@@ -83,6 +95,32 @@ class OomSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainingState:
+    """What the rank says of its training beyond the heartbeat; every field optional (empty: not known)."""
+
+    exit_reason: str = ""  # EXIT_REASONS but killed (the server's word for no final sample); "": not ended
+    exit_detail: str = ""  # EXIT_DETAIL: the exception's class or the signal's name
+    collectives: int | None = None  # the default process group's collective sequence number
+    waits: Mapping[str, float] = field(default_factory=dict)  # WAIT_KINDS -> seconds
+    phase: str = ""  # PHASES, "": training
+    phase_start: float = 0.0  # unix seconds the phase began
+    nonfinite: Mapping[str, int] = field(default_factory=dict)  # NONFINITE_VALUES -> count
+    loss: str = ""  # NONFINITE_KINDS: the newest loss read as such (the heartbeat's loss is then None)
+    grad_norm: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.exit_reason
+            or self.collectives is not None
+            or self.waits
+            or self.phase
+            or self.nonfinite
+            or self.loss
+            or self.grad_norm
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RankSample:
     """One rank's state at ``time``."""
 
@@ -99,6 +137,8 @@ class RankSample:
     oom_snapshot: OomSnapshot | None = None
     flops_per_token: float | None = None  # the model's, as vramwatch.watch() was told; None: not told
     job_id: str = ""  # the job the rank belongs to (rank.identity); "": a rank of a version before it
+
+    training: TrainingState | None = None  # how it ended, collectives, waits, phase, non-finite values
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.time)

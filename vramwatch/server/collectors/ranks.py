@@ -1,9 +1,10 @@
 """Families from the ranks' published samples: allocator, heartbeat, staleness.
 
 Live ranks export everything. A dead rank's final sample (inside its grace window, see
-:mod:`.rank_view`) exports only what describes how it ended: its counters (OOMs, retries, steps),
-the last OOM's values and its OOM snapshot; no memory gauges, heartbeat or sample age, which
-would page for memory no process holds or a stall of a job that is gone. Each label set appears
+:mod:`.rank_view`) exports only what describes how it ended: how (``vramwatch_rank_exits_total``:
+its own word, or ``killed`` when it left none; shown even once a successor runs), its counters (OOMs,
+retries, steps, collectives), the last OOM's values and its OOM snapshot; no memory gauges, heartbeat
+or sample age, which would page for memory no process holds or a stall of a job that is gone. Each label set appears
 once per exposition: a live rank wins over a dead one of the same rank and job, the newest dead one over
 older ones, and counters carry what the dead processes of that label set counted. A rank is one of
 its job (``job_id``): rank 0 of two jobs on the node are two ranks.
@@ -19,7 +20,8 @@ from prometheus_client.core import Metric
 from vramwatch.monitoring import contract
 from vramwatch.server.collectors import ScrapeContext
 from vramwatch.server.collectors.rank_view import CARRIED, DeviceKey, RankKey, device_key, rank_key
-from vramwatch.spool import MEMORY_ROLES, CollectorHealth, OomSnapshot, RankSample
+from vramwatch.spool import MEMORY_ROLES, CollectorHealth, OomSnapshot, RankSample, TrainingState
+from vramwatch.spool.schema import NONFINITE_VALUES, WAIT_KINDS
 
 DEVICE_METRICS = [m for m in contract.METRICS if m.collector == "allocator" and m.labels == contract.RANK_DEVICE]
 # what a dead rank's device exports besides its counters: the values of the OOM that ended it
@@ -50,7 +52,13 @@ _RANK_FAMILIES = (
     "vramwatch_training_grad_norm",
     "vramwatch_sample_age_seconds",
     "vramwatch_rank_info",
+    "vramwatch_rank_exits_total",
+    "vramwatch_collectives_total",
+    "vramwatch_training_wait_seconds_total",
+    "vramwatch_training_phase_start_timestamp_seconds",
+    "vramwatch_training_nonfinite_total",
 )
+_NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
 def _empty() -> dict[str, Any]:
@@ -84,6 +92,8 @@ def families(ctx: ScrapeContext, failed: RankFailed | None = None) -> Iterable[M
         for rk, s in finals.rank.items():  # ranks with no live process now
             if rk not in live_ranks:
                 add(s, _dead_rank, rk, s, finals)
+            else:  # restarted within the grace window: how the previous process ended still shows
+                add(s, _exit, s)
         for key, values in finals.devices.items():  # devices no live rank exports now
             if key not in live_devices:
                 owner = finals.rank[(key[4], key[2], key[3])]
@@ -126,12 +136,38 @@ def _live_rank(fams: dict[str, Any], s: RankSample, ctx: ScrapeContext, finals: 
             acc += c
             cum.append((_le(le), acc))
         fams["vramwatch_training_step_duration_seconds"].add_metric(rl, cum, hb.sum)
-    if hb.loss is not None:
-        fams["vramwatch_training_loss"].add_metric(rl, hb.loss)
-    if hb.grad_norm is not None:
-        fams["vramwatch_training_grad_norm"].add_metric(rl, hb.grad_norm)
+    t = s.training
+    loss = _NONFINITE[t.loss] if t is not None and t.loss else hb.loss  # NaN / +-Inf exported as they are
+    if loss is not None:
+        fams["vramwatch_training_loss"].add_metric(rl, loss)
+    grad_norm = _NONFINITE[t.grad_norm] if t is not None and t.grad_norm else hb.grad_norm
+    if grad_norm is not None:
+        fams["vramwatch_training_grad_norm"].add_metric(rl, grad_norm)
     fams["vramwatch_sample_age_seconds"].add_metric(rl, s.age(ctx.now))
     _rank_info(fams, rl, s)
+    if t is not None:
+        _training(fams, rl, t)
+
+
+def _training(fams: dict[str, Any], rl: list[str], t: TrainingState) -> None:
+    """A live rank's collectives, waits, phase and non-finite counts (the codec admits only bounded names)."""
+    if t.collectives is not None:
+        fams["vramwatch_collectives_total"].add_metric(rl, float(t.collectives))
+    for kind in WAIT_KINDS:
+        if kind in t.waits:
+            fams["vramwatch_training_wait_seconds_total"].add_metric(rl + [kind], t.waits[kind])
+    if t.phase:
+        fams["vramwatch_training_phase_start_timestamp_seconds"].add_metric(rl + [t.phase], t.phase_start)
+    for value in NONFINITE_VALUES:
+        if value in t.nonfinite:
+            fams["vramwatch_training_nonfinite_total"].add_metric(rl + [value], float(t.nonfinite[value]))
+
+
+def _exit(fams: dict[str, Any], s: RankSample) -> None:
+    """How a dead rank ended: its own word, or ``killed`` when its final sample carries none."""
+    t = s.training
+    reason, detail = (t.exit_reason, t.exit_detail) if t is not None and t.exit_reason else ("killed", "")
+    fams["vramwatch_rank_exits_total"].add_metric(_rank_labels(s) + [reason, detail], 1.0)
 
 
 def _dead_rank(fams: dict[str, Any], rk: RankKey, s: RankSample, finals: _FinalIndex) -> None:
@@ -139,6 +175,10 @@ def _dead_rank(fams: dict[str, Any], rk: RankKey, s: RankSample, finals: _FinalI
     _snapshot(fams, rl, finals.snapshot.get(rk))
     fams["vramwatch_training_steps_total"].add_metric(rl, float(s.heartbeat.steps))
     _rank_info(fams, rl, s)
+    _exit(fams, s)
+    t = s.training
+    if t is not None and t.collectives is not None:  # where it stopped: lowest of its job in a hang it caused
+        fams["vramwatch_collectives_total"].add_metric(rl, float(t.collectives))
 
 
 def _dead_device(
