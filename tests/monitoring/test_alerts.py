@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from harness import ROOT, tool
-from vramwatch.monitoring import contract, dashboard_ids, promql
+from vramwatch.monitoring import contract, dashboard_ids
 from vramwatch.monitoring.alerts import cli
 from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml
 from vramwatch.monitoring.alerts.rules import alert_names, alerts, anchor, groups
@@ -157,7 +157,7 @@ def test_every_metric_in_every_expr_is_in_the_contract():
                 continue
             base = re.sub(r"_(sum|count|bucket)$", "", name) if name not in contract.BY_NAME else name
             what = r.get("alert") or r["record"]
-            known = base in contract.BY_NAME or base in promql.AWAITED or name == "up"
+            known = base in contract.BY_NAME or name == "up"
             assert known, f"{what}: {name} is not in the contract"
             used.add(base)
     # the scanner is not vacuous: the families the alerts are built on are all found
@@ -170,11 +170,6 @@ def test_every_metric_in_every_expr_is_in_the_contract():
         "gpu_clock_throttle",
         "up",
     } <= used
-
-
-def test_the_awaited_families_are_not_in_the_contract_yet():
-    # the rank side adds them (helpers' CONTRACT-NEW); once it has, delete them from promql.AWAITED
-    assert promql.AWAITED and not promql.AWAITED & set(contract.BY_NAME)
 
 
 def test_the_pager_groups_a_jobs_alerts_by_the_rules_job_identity():

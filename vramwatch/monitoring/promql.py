@@ -16,19 +16,6 @@ WARNING = "warning"  # a ticket, not a page
 RANK_DEVICE = ",".join(contract.RANK_DEVICE)
 _HISTOGRAM_SUFFIXES = ("_sum", "_count", "_bucket")
 
-# Families the rank side adds to the contract next (helpers/CONTRACT-NEW.md: rank exits, collective counts,
-# wait seconds, phases, non-finite counts); the rules are written against them before they land. Once the
-# contract has one, tests/monitoring/test_alerts.py fails until it is removed here.
-AWAITED = frozenset(
-    {
-        "vramwatch_rank_exits_total",
-        "vramwatch_collectives_total",
-        "vramwatch_training_wait_seconds_total",
-        "vramwatch_training_phase_start_timestamp_seconds",
-        "vramwatch_training_nonfinite_total",
-    }
-)
-
 
 def metric(cfg: MonitoringConfig, name: str, *matchers: str) -> str:
     """``name{selector,matchers}`` for a family of the contract (histogram series included)."""
@@ -36,8 +23,7 @@ def metric(cfg: MonitoringConfig, name: str, *matchers: str) -> str:
     for suffix in _HISTOGRAM_SUFFIXES:
         if name.endswith(suffix) and name[: -len(suffix)] in contract.BY_NAME:
             base = name[: -len(suffix)]
-    if base not in AWAITED:
-        contract.spec(base)  # KeyError: not in the contract
+    contract.spec(base)  # KeyError: not in the contract
     parts = [m for m in (cfg.selector, *matchers) if m]
     return name + ("{" + ", ".join(parts) + "}" if parts else "")
 
