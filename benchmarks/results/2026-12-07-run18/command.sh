@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# run 18, two calls: `bench` (collective progress on NCCL and gloo, the recovery-action test, the scrape
+# budgets of the asyncio server beside nvitop-exporter, 8 ranks on 8 simulated GPUs, RSS step by step) and
+# `w46` (issue 46: the walks, the Trainer A/B pairs, GPM's cost; run_gpu.sh part5). Wheels travel in .whl.
+set -u
+stage=${1:?bench or w46}
+S=$(date +%s); say() { echo "[run18 $stage $(( $(date +%s) - S ))s] $*"; }
+PY=python3
+need=$($PY -c 'import importlib.util as u; print(" ".join(m for m in ("nvitop", "nvitop_exporter", "psutil", "pytest", "yaml", "pluggy", "iniconfig", "packaging", "pygments") if u.find_spec(m) is None))')
+say "missing: $need"
+for n in $need; do w=$n; [ "$n" = yaml ] && w=pyyaml
+  for f in .whl/${w}-*.whl; do $PY -m pip install -q --no-deps --target /tmp/site "$f" 2>&1 | tail -1; done; done
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+mkdir -p "$OUT/$stage"; O=$OUT/$stage
+{ date -u +%FT%TZ; $PY --version; $PY -c "import torch; print(torch.__version__)"; nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,pstate --format=csv; nproc; echo "commit ${VW_BENCH_COMMIT:-?}"; } > $O/environment.txt 2>&1
+cat $O/environment.txt
+if [ "$stage" = bench ]; then
+  say "collectives"
+  { timeout 60 $PY benchmarks/collectives_gpu.py --backend nccl; echo "nccl rc=$?"; timeout 60 $PY benchmarks/collectives_gpu.py --backend gloo; echo "gloo rc=$?"; } > $O/collectives.log 2>&1; tail -n 12 $O/collectives.log
+  say "recovery-action test"
+  timeout 90 $PY -m pytest -m gpu tests/gpu/test_gpu_nvml.py -q -rfEs -p no:cacheprovider -k recovery > $O/pytest-recovery.txt 2>&1; echo "pytest rc=$?"; tail -n 4 $O/pytest-recovery.txt
+  say "scrape"
+  timeout 270 $PY benchmarks/scrape.py --ranks 1,8 --idle-seconds 3 --busy-seconds 3 --concurrency 10 --concurrent-seconds 5 --mixed-clients 0 --out $O/scrape.json > $O/scrape.log 2>&1; echo "scrape rc=$?"; grep -i "target\|budget" $O/scrape.log | tail -n 20
+  say "scale 8x8"
+  timeout 90 $PY benchmarks/scrape_scale.py --gpus 8 --ranks 8 --out $O/scale-8x8.json > $O/scale.log 2>&1; echo "scale rc=$?"; tail -n 6 $O/scale.log
+  say "rss_floor"
+  timeout 110 $PY benchmarks/rss_floor.py --repeats 1 --settle 3 --out $O/rss_floor.json > $O/rss_floor.log 2>&1; echo "rss rc=$?"; tail -n 14 $O/rss_floor.log
+else
+  say "part5"
+  BUDGET=${BUDGET:-560} OUT=$O bash benchmarks/run_gpu.sh --full part5 > $O/part5.log 2>&1; echo "part5 rc=$?"; tail -n 40 $O/part5.log
+fi
+say done
