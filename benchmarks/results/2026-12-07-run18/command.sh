@@ -26,6 +26,8 @@ if [ "$stage" = bench ]; then
   say "rss_floor"
   timeout 110 $PY benchmarks/rss_floor.py --repeats 1 --settle 3 --out $O/rss_floor.json > $O/rss_floor.log 2>&1; echo "rss rc=$?"; tail -n 14 $O/rss_floor.log
 else
+  say "NVML-only RSS (the floor of issue 43's RSS budget), three fresh processes"
+  for i in 1 2 3; do $PY -c 'import pynvml, time; pynvml.nvmlInit(); time.sleep(1); f = open("/proc/self/status").read(); print({k: v.strip() for k, v in (l.split(":", 1) for l in f.splitlines()) if k in ("VmRSS", "RssAnon", "RssFile")})'; done > $O/nvml_only_rss.txt 2>&1; cat $O/nvml_only_rss.txt
   say "part5"
   BUDGET=${BUDGET:-560} OUT=$O bash benchmarks/run_gpu.sh --full part5 > $O/part5.log 2>&1; echo "part5 rc=$?"; tail -n 40 $O/part5.log
 fi
