@@ -48,6 +48,7 @@ RUNTIME_CALLS = {
     "nvmlDeviceGetTotalEccErrors": "nvml",
     "nvmlDeviceGetRemappedRows": "nvml",
     "nvmlDeviceGetPcieReplayCounter": "nvml",
+    "nvmlDeviceGetFieldValues": "nvml",  # the GPU recovery action
     "nvmlDeviceGetComputeRunningProcesses": "processes",
     "nvmlEventSetWait": "xid",
 }

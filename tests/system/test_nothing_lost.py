@@ -276,6 +276,10 @@ LABEL_NAMES = {
     "compute_instance_id",
     "profile",
     "mode",  # vramwatch_server_mode: node or job, set by the server itself
+    "action",  # an Xid's catalogue action, NVML's recovery action: fixed sets
+    "detail",  # a rank's exit: an exception's class name (bounded, never its message) or a signal's name
+    "phase",  # a declared phase: spool.PHASES
+    "value",  # loss or grad_norm: spool.NONFINITE_VALUES
 }
 
 
