@@ -51,6 +51,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 FILE_SECONDS = {
     "test_benchmarks.py": 122,
     "system/test_soak.py": 75,
+    "distributed/test_culprits.py": 70,
     "test_report.py": 56,
     "system/test_nothing_lost.py": 45,
     "system/test_e2e_alerting.py": 37,

@@ -7,15 +7,15 @@ scenarios run at once, each its own job (``job_id`` ``gloo-<scenario>``: never p
 module waits for the slowest of them, not for their sum; each test asserts the series and the alerts of its
 own job, in the order their alerts fire (a dead rank's exit is served for 90 s, so its alert is asserted first):
 
+- a rank that raises: ``vramwatch_rank_exits_total{reason="exception", detail="InjectedFault"}`` for it, and
+  ``TrainingRankExited`` names it while its peers wait in their collective;
 - a rank that stops before its collective has the lowest ``vramwatch_collectives_total`` of its job while
   the others wait inside theirs (their counts one above it), and the job's stall alert (on CPU the per-rank
   idle-stall warning: no GPU, no busy-stall page) names it as the rank the others wait for;
 - a rank whose own compute is 30% slower: the step times of all ranks stay equal, its collective wait
   stands out (it waits least), and ``TrainingRankStraggler`` fires for it alone;
 - a job that slows evenly: no rank's collective wait stands out, and no ``TrainingRankStraggler`` fires for
-  it, while the straggler job's does (the same window: the jobs started together);
-- a rank that raises: ``vramwatch_rank_exits_total{reason="exception", detail="InjectedFault"}`` for it, and
-  ``TrainingRankExited`` names it while its peers wait in their collective.
+  it, while the straggler job's does (the same window: the jobs started together).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ WORLD = 4
 SCENARIOS = ("raise", "block", "straggler", "even_slow")
 # the shipped rules, 60x faster; the stall floor kept above a loaded CI host's scheduling noise
 CFG = dataclasses.replace(DEFAULT.scaled(1 / 60), selector='job="vramwatch"', stall_min_seconds=4.0)
-# a loaded CI host takes a while to import torch (four launchers at once); each wait bounded
+# a loaded CI host takes a while to import torch (four launchers at once); each wait bounded (measured:
+# the module takes about 70 s on a 2-core host at load 6)
 START_S = 180.0
 # straggler_window 10 s + straggler_for 15 s + the ranks' staggered start, on a noisy host
 STRAGGLER_S = 120.0
