@@ -3,22 +3,35 @@
     python -m harness.gloo_job --rank R --world-size N --store FILE --spool DIR --scenario NAME [--duration S]
 
 Each step a rank waits for its batch (a loader that sleeps ``LOADER_S``, through ``vramwatch.track``: the
-data wait), computes (burns ``COMPUTE_CPU_S`` of its own thread's CPU time, so CPU contention on a shared
-host stretches it in wall time but never changes whose work is larger), then all-reduces one tensor and
-reports the step. The scenarios (:data:`SCENARIOS`) make one rank the culprit:
+data wait), computes for ``COMPUTE_S`` of wall time, then all-reduces one tensor, which takes ``COMM_S`` on
+every rank (a sleep: the thread blocked, as in a real gradient all-reduce; vramwatch counts it as collective
+wait) and reports the step. A rank's own work per step (step time less collective wait: what
+``TrainingRankStraggler`` compares) is its loader and its compute, mostly compute, so a rank whose compute
+is about 1.3x the others' in own work (the wake-ups after its sleeps add to every rank's: measured at load
+8 on 2 cores, the straggler's own work is 1.2x-1.3x its job's median).
+
+The compute runs until a wall-clock deadline, yielding the CPU while others want it: the thread never
+sleeps (a sleep would count as collective wait), a loaded CI host cannot stretch it, and it takes only the
+CPU left over. Burning a fixed amount of CPU time instead does not keep the ratio on a loaded host: the
+slow rank's extra work runs while its peers sleep in the all-reduce, with the CPU to itself (measured at
+load 7 on 2 cores: 1.04x its job's median own work, not 1.3x). The scenarios (:data:`SCENARIOS`) make one
+rank the culprit:
 
 - ``steady``: every rank alike;
 - ``even_slow``: every rank computes 30% more (the job slows evenly: no rank stands out);
 - ``straggler``: rank ``CULPRIT`` computes 30% more (every step time stays equal: the others wait for it);
 - ``block``: rank ``CULPRIT`` stops before its collective at step ``AT_STEP`` (sleeps until the end): the
   others wait inside the all-reduce, their collective count one above its;
-- ``raise``: rank ``CULPRIT`` raises ``InjectedFault`` at step ``AT_STEP``.
+- ``raise``: rank ``CULPRIT`` raises ``InjectedFault`` at step ``AT_STEP``. Gloo's peers see it gone at
+  once and raise; NCCL's wait in the collective until the job's collective timeout. The peers here do
+  as NCCL's: they hold until ``--duration`` ends, then raise the collective's error.
 
 :func:`start_job` launches the ranks against a running :class:`~harness.exporter.Exporter` (its spool): one
 launcher imports torch and forks the ranks (accelerate's ``notebook_launcher`` with ``start_method="fork"``
 does the same), so the job costs one torch import;
-the tests in tests/distributed/ assert on what a real Prometheus scraped, and the shipped alerts can be
-checked against the same scenarios. Every wait has a deadline: a rank exits after ``--duration`` seconds
+each job's ``job_id`` is ``gloo-<scenario>`` (:func:`job_id`), so several jobs can share one server and one
+Prometheus. The tests in tests/distributed/ assert on what a real Prometheus scraped and on the shipped
+alerts it evaluated. Every wait has a deadline: a rank exits after ``--duration`` seconds
 whatever its peers do (the process group's own timeout is shorter than the test's).
 """
 
@@ -39,26 +52,30 @@ from harness.procs import ROOT, child_env, die_with
 SCENARIOS = ("steady", "even_slow", "straggler", "block", "raise")
 CULPRIT = 2
 AT_STEP = 15
-LOADER_S = 0.3
-COMPUTE_CPU_S = 0.1
+LOADER_S = 0.0  # each sleep's wake-up on a loaded host is own work too: noise against the 30%
+COMPUTE_S = 0.3
+COMM_S = 0.5
 SLOWER = 1.3
-JOB_ID = "gloojob"
 
 
 class InjectedFault(Exception):
     """What the ``raise`` scenario's culprit raises (its class name is the exit's detail)."""
 
 
+def job_id(scenario: str) -> str:
+    return f"gloo-{scenario}"
+
+
 def compute_seconds(scenario: str, rank: int) -> float:
     if scenario == "even_slow" or (scenario == "straggler" and rank == CULPRIT):
-        return COMPUTE_CPU_S * SLOWER
-    return COMPUTE_CPU_S
+        return COMPUTE_S * SLOWER
+    return COMPUTE_S
 
 
-def _burn(cpu_s: float, deadline: float) -> None:
-    end = time.thread_time() + cpu_s
-    while time.thread_time() < end and time.monotonic() < deadline:
-        pass
+def _compute(seconds: float, deadline: float) -> None:
+    end = min(time.monotonic() + seconds, deadline)
+    while time.monotonic() < end:
+        os.sched_yield()  # runnable, never asleep: own work, not a wait
 
 
 def _loader(deadline: float) -> Iterator[int]:
@@ -83,7 +100,7 @@ def run_rank(args: argparse.Namespace) -> int:
         rank=args.rank,
         local_rank=args.rank,
         world_size=args.world_size,
-        job_id=JOB_ID,
+        job_id=job_id(args.scenario),
         interval=args.interval,
     )
     dist.init_process_group(
@@ -97,7 +114,7 @@ def run_rank(args: argparse.Namespace) -> int:
     work = compute_seconds(args.scenario, args.rank)
     culprit = args.rank == CULPRIT
     for step in vramwatch.track(_loader(deadline)):
-        _burn(work, deadline)
+        _compute(work, deadline)
         if culprit and step == AT_STEP:
             if args.scenario == "block":
                 while time.monotonic() < deadline:  # stuck before its collective until the job's end
@@ -107,7 +124,13 @@ def run_rank(args: argparse.Namespace) -> int:
                 raise InjectedFault(f"rank {args.rank} fails at step {step}")
         if time.monotonic() >= deadline:
             break
-        dist.all_reduce(t)
+        try:
+            dist.all_reduce(t)
+            time.sleep(COMM_S)
+        except RuntimeError:  # a peer is gone: wait as NCCL's ranks do, until the collective timeout
+            while time.monotonic() < deadline:
+                time.sleep(0.2)
+            raise
     vramwatch.stop()
     return 0
 

@@ -211,6 +211,20 @@ class Prometheus(Server):
     def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict[str, Any]]:
         return self._api("query_range", {"query": expr, "start": str(start), "end": str(end), "step": str(step)})
 
+    def alerts(self, alertname: str, state: str = "firing", **labels: str) -> list[dict[str, Any]]:
+        """The alerts of ``alertname`` in ``state`` (firing, pending; "" for both) whose labels include
+        ``labels``, as its rule evaluation holds them (/api/v1/alerts: labels, annotations, state, value)."""
+        code, body = http_get(f"{self.url}/api/v1/alerts")
+        data = json.loads(body)
+        if data.get("status") != "success":
+            raise AssertionError(f"/api/v1/alerts failed: {data}")
+        want = {"alertname": alertname, **labels}
+        return [
+            a
+            for a in data["data"]["alerts"]
+            if (not state or a["state"] == state) and all(a["labels"].get(k) == v for k, v in want.items())
+        ]
+
     def wait_for(self, expr: str, timeout: float = 30.0, check: Callable[[list], bool] = bool) -> list:
         def attempt() -> tuple[list] | None:
             r = self.query(expr)

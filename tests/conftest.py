@@ -49,8 +49,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # time (refresh from a run's per-file sums of `--durations=0` when files grow or move).
 # (`make test` passes --no-loadscope-reorder: xdist's own order, by test count, started the soak last.)
 FILE_SECONDS = {
+    "system/test_e2e_incidents.py": 160,
     "test_benchmarks.py": 122,
     "system/test_soak.py": 75,
+    "distributed/test_culprits.py": 70,
     "test_report.py": 56,
     "system/test_nothing_lost.py": 45,
     "system/test_e2e_alerting.py": 37,

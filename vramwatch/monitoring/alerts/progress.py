@@ -12,7 +12,8 @@ series, which carry both the rank and the GPU):
   its floor (``busy_stall_min_seconds``) and ``for`` (``busy_stall_for``) are short: the page comes
   within floor + for + one evaluation interval of the last step (docs/runbooks.md#trainingstalled);
 - idle stall (warning): anything else, including ranks without an NVML reading, on the longer
-  ``stall_min_seconds`` and ``stall_for`` (input pipeline, evaluation, checkpointing).
+  ``stall_min_seconds`` and ``stall_for`` (input pipeline, evaluation, checkpointing). A job without
+  GPUs (gloo on CPU) can only stall this way, so it names the culprit as the page does (:func:`culprit`).
 
 Neither fires for one slow step of up to ``stall_factor`` x the mean: the bound is at least that.
 """
@@ -194,7 +195,7 @@ def idle_stall(cfg: MonitoringConfig) -> dict:
         "A rank stopped making progress.",
         f"{RANK_WHERE} has not completed a step for {VALUE_DURATION} {_why(cfg, cfg.stall_min_seconds)}; "
         "its GPU does not show the busy-at-low-power hang signature (idle, input pipeline, an undeclared "
-        "evaluation or checkpoint, or no NVML reading)." + first_stopped(cfg) + " Declared phases "
+        "evaluation or checkpoint, or no NVML reading)." + culprit(cfg) + " Declared phases "
         f"(`vramwatch.phase(...)`) keep this quiet for {cfg.phase_quiet_window}.",
         cfg.stall_for,
     )
