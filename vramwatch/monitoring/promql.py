@@ -128,10 +128,7 @@ def stall_mean(cfg: MonitoringConfig) -> str:
 STEP_MEAN_RECORD = "vramwatch:training_step_duration_seconds:mean"
 STEP_SKEW_RECORD = "vramwatch:training_step_duration_seconds:skew_ratio"
 STALL_MEAN_RECORD = "vramwatch:training_step_duration_seconds:stall_window_mean"
-# panels group: per rank, the step-time histogram's quantiles over STEP_QUANTILE_WINDOW: about what Grafana's
-# $__rate_interval is over hours at a 15 s scrape (four scrapes; a step of 30 s or more), short so that one
-# slow step shows in the p99
-STEP_QUANTILE_WINDOW = "2m"
+# panels group: per rank, the step-time histogram's quantiles over step_quantile_window
 STEP_QUANTILE_RECORDS = {
     0.5: "vramwatch:training_step_duration_seconds:p50",
     0.99: "vramwatch:training_step_duration_seconds:p99",

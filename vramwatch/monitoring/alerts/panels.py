@@ -6,13 +6,14 @@ A group of their own, so that their cost never delays an alert's group."""
 from __future__ import annotations
 
 from vramwatch.monitoring.config import MonitoringConfig
-from vramwatch.monitoring.promql import STEP_QUANTILE_RECORDS, STEP_QUANTILE_WINDOW, metric
+from vramwatch.monitoring.promql import STEP_QUANTILE_RECORDS, duration, metric
 
 
 def step_quantile(cfg: MonitoringConfig, quantile: float) -> str:
-    """Per rank: the ``quantile`` of its step times over STEP_QUANTILE_WINDOW (NaN while it makes no steps)."""
+    """Per rank: the ``quantile`` of its step times over ``step_quantile_window`` (NaN while it makes no
+    steps)."""
     buckets = metric(cfg, "vramwatch_training_step_duration_seconds_bucket")
-    return f"histogram_quantile({quantile:g}, rate({buckets}[{STEP_QUANTILE_WINDOW}]))"
+    return f"histogram_quantile({quantile:g}, rate({buckets}[{duration(cfg.step_quantile_window)}]))"
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:

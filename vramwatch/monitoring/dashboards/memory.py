@@ -244,7 +244,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
         ts(
             "Step time",
             "Mean step time and the 50th / 99th percentile (from the step-time histogram, over the last "
-            f"{promql.STEP_QUANTILE_WINDOW}, recorded by the shipped rules). A spike is a signal, not always a "
+            f"{cfg.step_quantile_window}, recorded by the shipped rules). A spike is a signal, not always a "
             "reason to kill: runs have spiked and recovered by themselves.",
             units.Seconds,
             [
