@@ -12,9 +12,9 @@ from harness import tool
 
 pytest.importorskip("grafana_foundation_sdk")
 
-from vramwatch.monitoring.config import DEFAULT  # noqa: E402
-from vramwatch.monitoring.dashboards.common import Scope  # noqa: E402
-from vramwatch.monitoring.dashboards.fleet import xid_count_since  # noqa: E402
+from vramwatch.monitoring.config import DEFAULT
+from vramwatch.monitoring.dashboards.common import Scope
+from vramwatch.monitoring.dashboards.fleet import xid_count_since
 
 
 def test_events_in_the_range_count_through_a_restart_and_from_a_new_series(tmp_path: Path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/
 
-import fleet  # noqa: E402
+import fleet
 
 STAND_IN = " (stand-in)"
 
