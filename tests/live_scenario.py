@@ -3,8 +3,8 @@
 Two ranks on two simulated GPUs of one node. Within ~15 seconds: rank 0 leaks a little every step,
 fragments its cache, hits a caught OOM (a cudaMalloc retry with it), then stalls while GPU 0 reads
 busy at low power (the hang signature); GPU 1 gets a foreign process, a throttle reason, a corrected
-ECC error; GPU 0 an Xid 13. Prometheus scrapes every second and evaluates one always-firing rule, so
-that every panel of every dashboard has something to show.
+ECC error; GPU 0 an Xid 13. Prometheus scrapes every second and evaluates one always-firing rule and the shipped
+rules' recorded series, so that every panel of every dashboard has something to show.
 
 Run as a script it is one simulated rank (the test starts two).
 """
@@ -94,6 +94,17 @@ def _drive(exp, t0: float, stop: threading.Event, stall_at: float) -> None:
         stop.wait(0.5)
 
 
+def _recording_rules(tmp: Path) -> Path:
+    """The shipped rules' recorded series (the dashboards read some of them), without their alerts."""
+    from vramwatch.monitoring.alerts.render import to_yaml
+    from vramwatch.monitoring.alerts.rules import groups
+
+    path = tmp / "records.yml"
+    records = [{**g, "rules": [r for r in g["rules"] if "record" in r]} for g in groups()]
+    path.write_text(to_yaml({"groups": [g for g in records if g["rules"]]}))
+    return path
+
+
 def start(tmp: Path, duration: float = 14.0, wait_for: tuple[str, ...] | None = None, **settings) -> Live:
     """Start the node, the ranks and Prometheus; returns once every family has data (about duration s).
 
@@ -106,7 +117,8 @@ def start(tmp: Path, duration: float = 14.0, wait_for: tuple[str, ...] | None = 
     rules = tmp / "rules.yml"
     rules.write_text(RULE)
     target = {"targets": [f"127.0.0.1:{exp.port}"], "labels": TARGET_LABELS}
-    prom = Prometheus(tmp, rule_files=[str(rules)], extra_scrape={"static_configs": [target]}).start()
+    rule_files = [str(rules), str(_recording_rules(tmp))]
+    prom = Prometheus(tmp, rule_files=rule_files, extra_scrape={"static_configs": [target]}).start()
     # Prometheus applies discovered targets after ~5 s: start the story once it scrapes, so that
     # every counter has samples from before its first event (increase() needs them)
     prom.wait_for("up == 1", timeout=30)

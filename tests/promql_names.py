@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from vramwatch.monitoring import contract
+from vramwatch.monitoring import contract, promql
 
 _FUNCS = {
     "abs",
@@ -82,7 +82,8 @@ def metric_names(expr: str) -> set[str]:
 
 
 def in_contract(name: str) -> bool:
-    if name in contract.BY_NAME or name in _PROMETHEUS_OWN:
+    """A family of the contract, Prometheus' own, or a series the shipped rules record."""
+    if name in contract.BY_NAME or name in _PROMETHEUS_OWN or name in promql.RECORDS:
         return True
     for suffix in ("_bucket", "_sum", "_count"):
         base = name[: -len(suffix)]

@@ -94,9 +94,10 @@ def test_stall_bound_floor_and_step_statistics():
     out = promql.stall_bound(cfg, lambda n: n)
     h = "vramwatch_training_step_duration_seconds"
     assert out == (
-        f"clamp_min(4 * (rate({h}_sum[10m]) / rate({h}_count[10m]) > 0), 120)\n"
+        f"clamp_min(4 * ({promql.STALL_MEAN_RECORD} > 0), 120)\n"
         "  or vramwatch_training_last_step_timestamp_seconds * 0 + 120"
     )
+    assert promql.stall_mean(cfg) == f"rate({h}_sum[10m]) / rate({h}_count[10m])"
     assert promql.stall_bound(cfg, lambda n: n, floor=600.0).endswith("* 0 + 600")
     cfg = dataclasses.replace(BARE, straggler_window="15m", job_labels=("namespace", "job"))
     mean = promql.step_mean(cfg, lambda n: n)
@@ -192,10 +193,12 @@ def test_each_alert_links_its_own_dashboard_scoped_by_its_labels():
     assert rules.anchor("GPULost") == "gpulost"
 
 
-def test_disabled_alerts_go_and_an_emptied_group_with_them():
+def test_disabled_alerts_go_and_a_group_keeps_only_its_records():
     names = ("GPUMemoryUsageHigh", "TorchMemoryBudgetHigh")  # the whole memory group
     cfg = dataclasses.replace(DEFAULT, disabled_alerts=names)
-    assert [g["name"] for g in rules.groups(cfg)] == [g for g, _, _ in rules.AREAS if g != "vramwatch-memory"]
+    assert [g["name"] for g in rules.groups(cfg)] == [g for g, _, _ in rules.AREAS]
+    memory = next(g for g in rules.groups(cfg) if g["name"] == "vramwatch-memory")
+    assert [r.get("record") for r in memory["rules"]] == [promql.MEMORY_RATIO_RECORD]  # the dashboards read it
     assert not set(names) & set(rules.alert_names(cfg))
     assert set(rules.alert_names(DEFAULT)) - set(names) == set(rules.alert_names(cfg))
 

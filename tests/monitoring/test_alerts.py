@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from harness import ROOT, tool
-from vramwatch.monitoring import contract, dashboard_ids
+from vramwatch.monitoring import contract, dashboard_ids, promql
 from vramwatch.monitoring.alerts import cli
 from vramwatch.monitoring.alerts.render import prometheus_rule, rule_file, to_yaml
 from vramwatch.monitoring.alerts.rules import alert_names, alerts, anchor, groups
@@ -56,12 +56,17 @@ def test_the_issue_rule_set_is_there():
         warn, crit = by[(name, "warning")], by[(name, "critical")]
         assert "> 0.85" in warn["expr"] and warn["for"] == "5m"
         assert "> 0.95" in crit["expr"] and parse_duration(crit["for"]) <= 60
-    assert "gpu_memory_used_bytes / gpu_memory_total_bytes" in by[("GPUMemoryUsageHigh", "critical")]["expr"]
+    recorded = {r["record"]: r["expr"] for g in groups() for r in g["rules"] if "record" in r}
+    assert by[("GPUMemoryUsageHigh", "critical")]["expr"].startswith(f"{promql.MEMORY_RATIO_RECORD} > 0.95")
+    assert "gpu_memory_used_bytes / gpu_memory_total_bytes" in recorded[promql.MEMORY_RATIO_RECORD]
     assert (
         "torch_cuda_memory_reserved_bytes / torch_cuda_memory_limit_bytes"
         in by[("TorchMemoryBudgetHigh", "critical")]["expr"]
     )
-    assert "predict_linear(torch_cuda_memory_step_peak_allocated_bytes" in by[("TorchMemoryLeak", "warning")]["expr"]
+    assert by[("TorchMemoryLeak", "warning")]["expr"].startswith(promql.LEAK_PROJECTION_RECORD)
+    assert recorded[promql.LEAK_PROJECTION_RECORD].startswith(
+        "predict_linear(torch_cuda_memory_step_peak_allocated_bytes"
+    )
     assert {
         ("TrainingStalled", "critical"),
         ("TrainingStalled", "warning"),
@@ -185,10 +190,10 @@ def test_the_pager_groups_a_jobs_alerts_by_the_rules_job_identity():
 
 def test_selector_reaches_every_vramwatch_series():
     cfg = dataclasses.replace(DEFAULT, selector='job="train"')
-    for r in alerts(cfg):
+    for r in (r for g in groups(cfg) for r in g["rules"]):  # records too: they read the raw families
         e = re.sub(r"\[[^\]]*\]", "", r["expr"])
-        for m in re.finditer(r"(?<![\w.])((?:torch_cuda|gpu|vramwatch)_[a-z0-9_]+)(\{[^}]*\})?", e):
-            assert m.group(2) and 'job="train"' in m.group(2), f"{r['alert']}: {m.group(0)}"
+        for m in re.finditer(r"(?<![\w.:])((?:torch_cuda|gpu|vramwatch)_[a-z0-9_]+)(\{[^}]*\})?", e):
+            assert m.group(2) and 'job="train"' in m.group(2), f"{r.get('alert') or r['record']}: {m.group(0)}"
 
 
 def test_throttle_reasons_are_the_nvml_collectors_names():
@@ -282,7 +287,8 @@ def test_scaled_config_shrinks_every_time_and_nothing_else():
     assert fast.memory_warning_ratio == DEFAULT.memory_warning_ratio and fast.target_absent_for == ""
     by = {(r["alert"], r["labels"]["severity"]): r for r in alerts(fast)}
     assert by[("GPUMemoryUsageHigh", "warning")]["for"] == "5s"
-    assert "[15s]" in by[("GPUXidError", "critical")]["expr"]
+    xids = next(r for g in groups(fast) for r in g["rules"] if r.get("record") == promql.XID_EVENTS_RECORD)
+    assert "[15s]" in xids["expr"] and promql.XID_EVENTS_RECORD in by[("GPUXidError", "critical")]["expr"]
 
 
 @pytest.mark.parametrize("text,seconds", [("5m", 300), ("1h30m", 5400), ("500ms", 0.5), ("1d", 86400), ("90s", 90)])

@@ -16,6 +16,8 @@ pytest.importorskip("grafana_foundation_sdk")
 
 from promql_names import in_contract, metric_names
 
+from vramwatch.monitoring import promql
+from vramwatch.monitoring.alerts.rules import groups
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
 from vramwatch.monitoring.dashboards import build_all, render
 from vramwatch.monitoring.dashboards import cli as dcli
@@ -310,6 +312,9 @@ def test_every_metric_in_every_query_is_in_the_contract(dashboards):
             bad = {n for n in names if not in_contract(n)}
             assert not bad, f"{uid}: {sorted(bad)} not in vramwatch.monitoring.contract, in {expr!r}"
             used |= names
+    # a recorded series shows the families its rule reads
+    recorded = {r["record"]: r["expr"] for g in groups() for r in g["rules"] if "record" in r}
+    used |= {n for name in used & recorded.keys() for n in metric_names(recorded[name])}
     # the families the dashboards must show
     for name in (
         "torch_cuda_memory_allocated_bytes",
@@ -389,14 +394,23 @@ def _check_thresholds(cfg: MonitoringConfig) -> None:
     props = {p["id"]: p["value"] for p in right["properties"]}
     assert props["custom.axisPlacement"] == "right" and props["unit"] == "percentunit"
     assert [s["value"] for s in props["thresholds"]["steps"] if s["value"] is not None] == [cfg.busy_utilization_ratio]
-    # the leak projection looks as far ahead as the leak alert, over the alert's window
+    # the leak projection is the leak alert's own (recorded): as far ahead, over the alert's window
     leak = {t["refId"]: t["expr"] for t in _panel(mem, "Per-step peak and leak projection")["targets"]}
     horizon = cfg.leak_horizon_hours * 3600
-    assert leak["B"].endswith(f"[{cfg.leak_window}], {int(horizon) if horizon.is_integer() else horizon!r})")
-    # the stall bound uses the alert's factor, window and minimum
+    assert leak["B"].startswith(f"({promql.LEAK_PROJECTION_RECORD}{{")
+    recorded = {r["record"]: r["expr"] for g in groups(cfg) for r in g["rules"] if "record" in r}
+    assert recorded[promql.LEAK_PROJECTION_RECORD].endswith(
+        f"[{cfg.leak_window}], {int(horizon) if horizon.is_integer() else horizon!r})"
+    )
+    # the stall bound uses the alert's factor, window (its recorded mean) and minimum
     bound = {t["refId"]: t["expr"] for t in _panel(mem, "Heartbeat age")["targets"]}["B"]
-    assert bound.startswith(f"clamp_min({cfg.stall_factor:g} * (") and f"[{cfg.stall_window}]" in bound
+    assert bound.startswith(f"clamp_min({cfg.stall_factor:g} * ({promql.STALL_MEAN_RECORD}{{")
+    assert f"[{cfg.stall_window}]" in recorded[promql.STALL_MEAN_RECORD]
     assert bound.endswith(f"* 0 + {cfg.stall_min_seconds:g}")
+    # the step-time quantiles are recorded over the config's window
+    step = {t["refId"]: t["expr"] for t in _panel(mem, "Step time")["targets"]}
+    assert [step["B"].split("{")[0], step["C"].split("{")[0]] == list(promql.STEP_QUANTILE_RECORDS.values())
+    assert all(f"[{cfg.step_quantile_window}]" in recorded[n] for n in promql.STEP_QUANTILE_RECORDS.values())
 
 
 def test_thresholds_are_the_monitoring_config_values():
@@ -417,6 +431,7 @@ def test_thresholds_follow_a_changed_config():
         leak_horizon_hours=2.5,
         leak_window="45m",
         stall_window="20m",
+        step_quantile_window="3m",
         selector='cluster="a"',
         dashboard_tags=("x",),
     )

@@ -10,16 +10,19 @@ import yaml
 from harness import tool
 from vramwatch.monitoring.alerts.render import rule_file, to_yaml
 from vramwatch.monitoring.config import DEFAULT
+from vramwatch.monitoring.promql import LEAK_PROJECTION_RECORD
 
 LABELS = 'instance="n1:9488", job="vramwatch", uuid="GPU-a", device="0", rank="0", local_rank="0"'
 
 
 def _leak_rule_only() -> dict:
+    """The leak alert (its description alone) and the projection it reads, recorded."""
     for group in rule_file(DEFAULT)["groups"]:
         for rule in group["rules"]:
             if rule.get("alert") == "TorchMemoryLeak":
                 rule = dict(rule, annotations={"description": rule["annotations"]["description"]})
-                return {"groups": [{"name": "leak", "rules": [rule]}]}
+                (projection,) = [r for r in group["rules"] if r.get("record") == LEAK_PROJECTION_RECORD]
+                return {"groups": [{"name": "leak", "rules": [projection, rule]}]}
     raise AssertionError("no TorchMemoryLeak rule")
 
 

@@ -11,12 +11,13 @@ import yaml
 from harness import tool
 from vramwatch.monitoring.config import DEFAULT
 from vramwatch.monitoring.dashboards.memory import PROJECTION_CAP, capped_projection
+from vramwatch.monitoring.promql import LEAK_PROJECTION_RECORD
 
 CFG = dataclasses.replace(DEFAULT, leak_window="10m", leak_horizon_hours=1.0)
 
 
 def test_the_projection_is_capped_at_the_limit_multiple_and_uncapped_without_a_limit(tmp_path: Path):
-    expr = capped_projection("peak", "limit", CFG)
+    expr = capped_projection("predict_linear(peak[10m], 3600)", "limit")
     # at 20m over a 10m window, 1 h ahead: a slope of 1/min reaches 20 + 60 = 80, of 10/min 200 + 600 = 800
     tests = {
         "rule_files": [],
@@ -56,4 +57,5 @@ def test_the_memory_dashboard_draws_the_capped_projection():
     built = memory.build(CFG).build()
     (panel,) = [p for p in built.panels if getattr(p, "title", "") == "Per-step peak and leak projection"]
     (b,) = [t for t in panel.targets if t.ref_id == "B"]
-    assert b.expr.startswith("(predict_linear(") and f"< ({PROJECTION_CAP:g} * torch_cuda_memory_limit_bytes" in b.expr
+    assert b.expr.startswith(f"({LEAK_PROJECTION_RECORD}{{")  # the leak alert's own projection, recorded
+    assert f"< ({PROJECTION_CAP:g} * torch_cuda_memory_limit_bytes" in b.expr

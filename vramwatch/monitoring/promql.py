@@ -18,12 +18,14 @@ _HISTOGRAM_SUFFIXES = ("_sum", "_count", "_bucket")
 
 
 def metric(cfg: MonitoringConfig, name: str, *matchers: str) -> str:
-    """``name{selector,matchers}`` for a family of the contract (histogram series included)."""
+    """``name{selector,matchers}`` for a family of the contract (histogram series included) or a recorded
+    series of :data:`RECORDS` (which keeps its sources' labels, so the selector matches it too)."""
     base = name
     for suffix in _HISTOGRAM_SUFFIXES:
         if name.endswith(suffix) and name[: -len(suffix)] in contract.BY_NAME:
             base = name[: -len(suffix)]
-    contract.spec(base)  # KeyError: not in the contract
+    if base not in RECORDS:
+        contract.spec(base)  # KeyError: not in the contract
     parts = [m for m in (cfg.selector, *matchers) if m]
     return name + ("{" + ", ".join(parts) + "}" if parts else "")
 
@@ -106,17 +108,49 @@ def stall_bound(cfg: MonitoringConfig, series: Callable[[str], str], floor: floa
     no step completed in the whole window the mean is undefined (0/0) and the bound is the floor.
     ``series(name)`` renders a family with its label matchers.
     """
-    w = duration(cfg.stall_window)
-    h = "vramwatch_training_step_duration_seconds"
-    mean = f"rate({series(h + '_sum')}[{w}]) / rate({series(h + '_count')}[{w}])"
     low = num(cfg.stall_min_seconds if floor is None else floor)
     last = series("vramwatch_training_last_step_timestamp_seconds")
-    return f"clamp_min({num(cfg.stall_factor)} * ({mean} > 0), {low})\n  or {last} * 0 + {low}"
+    return f"clamp_min({num(cfg.stall_factor)} * ({series(STALL_MEAN_RECORD)} > 0), {low})\n  or {last} * 0 + {low}"
 
 
-# recorded by the progress group (vramwatch_training_step_duration_seconds over straggler_window)
+def stall_mean(cfg: MonitoringConfig) -> str:
+    """Per rank: the mean step time over ``stall_window`` (NaN where no step completed in it), recorded as
+    :data:`STALL_MEAN_RECORD` for :func:`stall_bound`."""
+    w = duration(cfg.stall_window)
+    h = "vramwatch_training_step_duration_seconds"
+    return f"rate({metric(cfg, h + '_sum')}[{w}]) / rate({metric(cfg, h + '_count')}[{w}])"
+
+
+# Recorded series that rules and dashboards share (level:metric:operations). Each is computed once per
+# evaluation, so that alerts and panels over long ranges read one small series instead of the raw families.
+# progress group: per rank, vramwatch_training_step_duration_seconds' mean over straggler_window, its skew
+# against the job's median, and its mean over stall_window (the stall bound's)
 STEP_MEAN_RECORD = "vramwatch:training_step_duration_seconds:mean"
 STEP_SKEW_RECORD = "vramwatch:training_step_duration_seconds:skew_ratio"
+STALL_MEAN_RECORD = "vramwatch:training_step_duration_seconds:stall_window_mean"
+# panels group: per rank, the step-time histogram's quantiles over step_quantile_window
+STEP_QUANTILE_RECORDS = {
+    0.5: "vramwatch:training_step_duration_seconds:p50",
+    0.99: "vramwatch:training_step_duration_seconds:p99",
+}
+# allocator group: per rank, the step peak extrapolated over leak_window to leak_horizon_hours ahead
+LEAK_PROJECTION_RECORD = "vramwatch:torch_cuda_memory_step_peak_allocated_bytes:predict_linear"
+# health group: per GPU and Xid, the events of the last xid_window (only where there were any)
+XID_EVENTS_RECORD = "vramwatch:gpu_xid_errors:recent"
+# health group: per GPU, the job identity of the ranks that used it lately (incidents.gpu_jobs)
+GPU_JOB_RECORD = "vramwatch:gpu_job:newest"
+# memory group: per card or MIG instance, NVML used / total
+MEMORY_RATIO_RECORD = "vramwatch:gpu_memory_used_bytes:ratio"
+RECORDS = (
+    STEP_MEAN_RECORD,
+    STEP_SKEW_RECORD,
+    STALL_MEAN_RECORD,
+    *STEP_QUANTILE_RECORDS.values(),
+    LEAK_PROJECTION_RECORD,
+    XID_EVENTS_RECORD,
+    GPU_JOB_RECORD,
+    MEMORY_RATIO_RECORD,
+)
 
 
 def step_mean(cfg: MonitoringConfig, series: Callable[[str], str]) -> str:

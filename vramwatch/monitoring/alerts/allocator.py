@@ -9,6 +9,7 @@ from vramwatch.monitoring.alerts.progress import _go_string as go_string  # one 
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
     DEVICE_WHERE,
+    LEAK_PROJECTION_RECORD,
     VALUE_BYTES,
     VALUE_INT,
     VALUE_PERCENT,
@@ -38,6 +39,12 @@ def _time_to_limit(cfg: MonitoringConfig) -> str:
     )
 
 
+def leak_projection(cfg: MonitoringConfig) -> str:
+    """Per rank: the step peak extrapolated over ``leak_window`` to ``leak_horizon_hours`` ahead."""
+    peak = metric(cfg, "torch_cuda_memory_step_peak_allocated_bytes")
+    return f"predict_linear({peak}[{duration(cfg.leak_window)}], {num(cfg.leak_horizon_seconds)})"
+
+
 def rules(cfg: MonitoringConfig) -> list[dict]:
     retries = metric(cfg, "torch_cuda_memory_alloc_retries_total")
     ooms = metric(cfg, "torch_cuda_memory_ooms_total")
@@ -47,6 +54,8 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
     peak = metric(cfg, "torch_cuda_memory_step_peak_allocated_bytes")
     leak_w = duration(cfg.leak_window)
     return [
+        # first: the leak alert reads it in the same evaluation; the dashboard's projection reads it too
+        {"record": LEAK_PROJECTION_RECORD, "expr": leak_projection(cfg)},
         alert(
             "TorchAllocatorRetries",
             f"increase({retries}[{duration(cfg.alloc_retry_window)}]) > {num(cfg.alloc_retries_max)}",
@@ -79,7 +88,7 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
         ),
         alert(
             "TorchMemoryLeak",
-            f"predict_linear({peak}[{leak_w}], {num(cfg.leak_horizon_seconds)}) > {limit}\nand {peak} offset {leak_w}",
+            f"{metric(cfg, LEAK_PROJECTION_RECORD)} > {limit}\nand {peak} offset {leak_w}",
             WARNING,
             f"A rank's per-step peak memory is on course to exhaust its budget within "
             f"{cfg.leak_horizon_hours:g} hours.",

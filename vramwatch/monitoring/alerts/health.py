@@ -14,13 +14,16 @@ of it never pages. ``xid_critical`` / ``xid_warning`` move single codes whatever
 from __future__ import annotations
 
 from vramwatch.monitoring import xid_catalogue
+from vramwatch.monitoring.alerts import incidents
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
     CRITICAL,
+    GPU_JOB_RECORD,
     GPU_WHERE,
     VALUE,
     VALUE_INT,
     WARNING,
+    XID_EVENTS_RECORD,
     alert,
     duration,
     job_gpus,
@@ -32,11 +35,17 @@ from vramwatch.monitoring.promql import (
 )
 
 
-def xid_events(cfg: MonitoringConfig, *matchers: str) -> str:
+def recent_xids(cfg: MonitoringConfig) -> str:
+    """Per GPU and Xid: the events of the last ``xid_window``, where there were any. Recorded once as
+    XID_EVENTS_RECORD, so that the alerts below read both Xid families once per evaluation, not once per arm."""
     w = duration(cfg.xid_window)
-    count = metric(cfg, "gpu_xid_errors_total", *matchers)
-    last = metric(cfg, "gpu_last_xid_timestamp_seconds", *matchers)
+    count = metric(cfg, "gpu_xid_errors_total")
+    last = metric(cfg, "gpu_last_xid_timestamp_seconds")
     return f"increase({count}[{w}]) > 0\nor ((time() - {last}) < {num(parse_duration(cfg.xid_window))}) * 0 + 1"
+
+
+def xid_events(cfg: MonitoringConfig, *matchers: str) -> str:
+    return metric(cfg, XID_EVENTS_RECORD, *matchers)
 
 
 def _either(*exprs: str) -> str:
@@ -72,6 +81,8 @@ def xid_rules(cfg: MonitoringConfig) -> list[dict]:
     events = f"(about {VALUE_INT} event(s) in the last {cfg.xid_window})"
     todo = _advice("action", xid_catalogue.ADVICE)
     return [
+        # first: the alerts below read it in the same evaluation
+        {"record": XID_EVENTS_RECORD, "expr": recent_xids(cfg)},
         alert(
             "GPUXidError",
             page,
@@ -104,6 +115,8 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
     remapped = metric(cfg, "gpu_remapped_rows", 'kind=~"pending|failure"')
     throttle = metric(cfg, "gpu_clock_throttle", f'reason=~"{regex(cfg.throttle_reasons)}"')
     return [
+        # first: the cause alerts (incidents.GPU_CAUSES) read it in the same evaluation
+        {"record": GPU_JOB_RECORD, "expr": incidents.gpu_jobs(cfg)},
         *xid_rules(cfg),
         alert(
             "GPULost",

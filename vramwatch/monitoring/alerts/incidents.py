@@ -18,6 +18,7 @@ from vramwatch.monitoring.alerts.progress import peers
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
     CRITICAL,
+    GPU_JOB_RECORD,
     RANK_WHERE,
     alert,
     duration,
@@ -29,18 +30,24 @@ from vramwatch.monitoring.promql import (
 GPU_CAUSES = ("GPULost", "GPUXidError", "GPURecoveryAction")
 
 
-def with_job(cfg: MonitoringConfig, expr: str) -> str:
-    """A per-GPU expression (labelled ``uuid``) with the job identity of the ranks that used the GPU within
-    ``incident_window`` (the newest job where two used it); a GPU no rank used keeps its labels alone.
+def gpu_jobs(cfg: MonitoringConfig) -> str:
+    """Per GPU (``uuid``): the job identity of the ranks that used it within ``incident_window``, the newest
+    where two did (1: a rank uses it now, 0: one did within the window). Recorded once per evaluation as
+    GPU_JOB_RECORD by the health group, whose cause alerts read it (:func:`with_job`).
 
     A GPU that falls off the bus takes its rank with it: the rank's series are gone by the time the GPU
     alert fires, so the GPU's job is read back over the window."""
     alloc = metric(cfg, "torch_cuda_memory_allocated_bytes")
     w = duration(cfg.incident_window)
     by = f"uuid, {peers(cfg)}"
-    # a job using the GPU now (1) before one that used it within the window (0)
     jobs = f"max by ({by}) ({alloc} * 0 + 1)\nor max by ({by}) (last_over_time({alloc}[{w}]) * 0)"
-    newest = f"topk by (uuid) (1, {' '.join(jobs.splitlines())})"
+    return f"topk by (uuid) (1, {' '.join(jobs.splitlines())})"
+
+
+def with_job(cfg: MonitoringConfig, expr: str) -> str:
+    """A per-GPU expression (labelled ``uuid``) with the job identity of :func:`gpu_jobs`; a GPU no rank used
+    keeps its labels alone."""
+    newest = metric(cfg, GPU_JOB_RECORD)
     return (
         f"(\n{expr}\n) * on(uuid) group_left({peers(cfg)}) ({newest} * 0 + 1)\nor (\n{expr}\n) unless on(uuid) {newest}"
     )

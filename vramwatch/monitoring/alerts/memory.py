@@ -20,6 +20,7 @@ from vramwatch.monitoring.promql import (
     CRITICAL,
     DEVICE_WHERE,
     GPU_WHERE,
+    MEMORY_RATIO_RECORD,
     VALUE_PERCENT,
     WARNING,
     alert,
@@ -45,12 +46,13 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
     ratio_expr = memory_ratio(
         used, total, metric(cfg, "gpu_mig_memory_used_bytes"), metric(cfg, "gpu_mig_memory_total_bytes")
     )
-    out = []
+    # first: the alerts read it in the same evaluation; the fleet dashboard reads it over long ranges
+    out: list[dict] = [{"record": MEMORY_RATIO_RECORD, "expr": ratio_expr}]
     for severity, ratio, for_ in _levels(cfg):
         out.append(
             alert(
                 "GPUMemoryUsageHigh",
-                job_gpus(cfg, f"{ratio_expr} > {num(ratio)}"),
+                job_gpus(cfg, f"{metric(cfg, MEMORY_RATIO_RECORD)} > {num(ratio)}"),
                 severity,
                 f"GPU memory is above {percent(ratio)} of the card.",
                 f"{GPU_WHERE} has {VALUE_PERCENT} of its memory in use (NVML used / total, every process "

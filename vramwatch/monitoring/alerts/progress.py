@@ -25,6 +25,7 @@ from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
     CRITICAL,
     RANK_WHERE,
+    STALL_MEAN_RECORD,
     STEP_MEAN_RECORD,
     STEP_SKEW_RECORD,
     VALUE_DURATION,
@@ -41,6 +42,7 @@ from vramwatch.monitoring.promql import (
     percent,
     regex,
     stall_bound,
+    stall_mean,
     step_mean,
     step_skew,
 )
@@ -303,6 +305,8 @@ def throughput_drop(cfg: MonitoringConfig) -> dict:
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
     return [
+        # first: the stall bounds below read it in the same evaluation
+        {"record": STALL_MEAN_RECORD, "expr": stall_mean(cfg)},
         {"record": BUSY_STALL_RECORD, "expr": busy_stalls(cfg)},
         hang_page(cfg),
         idle_stall(cfg),

@@ -9,7 +9,7 @@ from typing import Any
 
 from vramwatch.errors import ConfigError
 from vramwatch.monitoring import dashboard_ids
-from vramwatch.monitoring.alerts import allocator, contention, exporter, health, incidents, memory, progress
+from vramwatch.monitoring.alerts import allocator, contention, exporter, health, incidents, memory, panels, progress
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, shown
 
 # (group name, module, the dashboard its alerts link to): the order of the rule file
@@ -21,6 +21,7 @@ AREAS = (
     ("vramwatch-health", health, dashboard_ids.GPU_HEALTH_UID),
     ("vramwatch-contention", contention, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-exporter", exporter, dashboard_ids.FLEET_UID),
+    ("vramwatch-panels", panels, dashboard_ids.TRAINING_MEMORY_UID),  # recorded series only
 )
 # alerts whose dashboard is not their area's
 DASHBOARD_OF = {"GPUForeignProcess": dashboard_ids.GPU_HEALTH_UID}

@@ -55,6 +55,7 @@ __all__ = [
     "base_dashboard",
     "dashboard_links",
     "xid_annotation",
+    "memory_pressure",
     "JSONEncoder",
 ]
 
@@ -83,8 +84,8 @@ HOST, GPU, JOB, RANK = "host", "gpu", contract.JOB_ID, "rank"
 
 
 def m(name: str) -> str:
-    """A metric name, checked against the contract."""
-    return contract.spec(name).name
+    """A metric name, checked against the contract, or a series the shipped rules record (promql.RECORDS)."""
+    return name if name in promql.RECORDS else contract.spec(name).name
 
 
 def target_variables(cfg: MonitoringConfig) -> list[tuple[str, str]]:
@@ -473,6 +474,11 @@ def heartbeat_age(s: Scope) -> str:
 def mean_step_seconds(s: Scope, window: str) -> str:
     h = m("vramwatch_training_step_duration_seconds")
     return f"rate({h}_sum{s.rank}[{window}]) / rate({h}_count{s.rank}[{window}])"
+
+
+def memory_pressure(s: Scope) -> str:
+    """NVML used / total of every card and MIG instance (recorded by the memory rules)."""
+    return f"{m(promql.MEMORY_RATIO_RECORD)}{s.gpu}"
 
 
 def stall_bound(cfg: MonitoringConfig, s: Scope) -> str:

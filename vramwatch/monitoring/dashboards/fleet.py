@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vramwatch.monitoring import dashboard_ids
+from vramwatch.monitoring import dashboard_ids, promql
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.dashboards.common import (
     Scope,
@@ -11,8 +11,8 @@ from vramwatch.monitoring.dashboards.common import (
     dashboard,
     heartbeat_age,
     m,
-    mean_step_seconds,
     memory_limits,
+    memory_pressure,
     num,
     q,
     qt,
@@ -24,7 +24,6 @@ from vramwatch.monitoring.dashboards.common import (
     units,
     xid_annotation,
 )
-from vramwatch.monitoring.mig import memory_ratio
 
 UID = dashboard_ids.FLEET_UID
 TITLE = "vramwatch / Fleet overview"
@@ -32,12 +31,18 @@ TITLE = "vramwatch / Fleet overview"
 ALERTS = "ALERTS"
 
 
+def xid_count_since(s: Scope, ago: str) -> str:
+    """Per GPU and Xid: the events of the last ``ago``. The counter now less the counter then reads two
+    samples a series where increase() reads every one in the range (at All, every GPU's every Xid over
+    hours); a counter that restarted in the range (lower now) or appeared in it counts from zero."""
+    xids = f"{m('gpu_xid_errors_total')}{s.gpu}"
+    return f"({xids} - {xids} offset {ago}) >= 0 or {xids}"
+
+
 def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     s = Scope(cfg)
-    used, total = m("gpu_memory_used_bytes"), m("gpu_memory_total_bytes")
-    mig_used, mig_total = m("gpu_mig_memory_used_bytes"), m("gpu_mig_memory_total_bytes")
     # every card and every MIG instance, each against its own total
-    pressure = memory_ratio(f"{used}{s.gpu}", f"{total}{s.gpu}", f"{mig_used}{s.gpu}", f"{mig_total}{s.gpu}")
+    pressure = memory_pressure(s)
     reserved, limit = m("torch_cuda_memory_reserved_bytes"), m("torch_cuda_memory_limit_bytes")
     stalled = f"({heartbeat_age(s)}) > ({stall_bound(cfg, s)})"
     firing = f'{ALERTS}{{alertstate="firing", {s.alerts}}}'
@@ -120,7 +125,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             f"A rank above its bound is stalled.",
             [
                 qt(f"sort_desc({heartbeat_age(s)})", ref="A"),
-                qt(mean_step_seconds(s, cfg.stall_window), ref="B"),
+                qt(f"{m(promql.STALL_MEAN_RECORD)}{s.rank}", ref="B"),
                 qt(stall_bound(cfg, s), ref="C"),
             ],
             columns={"A": "heartbeat age", "B": "mean step", "C": "stall bound"},
@@ -136,7 +141,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "Xid events by host",
             "Xid events in the selected time range on each host (counted from the counters the exporter "
             "pre-initialises for the Xids that matter; the GPU health dashboard lists every event).",
-            qt(f"sum by (instance) (increase({m('gpu_xid_errors_total')}{s.gpu}[$__range]))", "{{instance}}"),
+            qt(f"sum by (instance) ({xid_count_since(s, '$__range')})", "{{instance}}"),
             limits=thresholds((1, "red")),
         )
     )

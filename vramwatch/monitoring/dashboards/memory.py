@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vramwatch.monitoring import contract, dashboard_ids
+from vramwatch.monitoring import dashboard_ids, promql
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.dashboards.common import (
     PROM,
@@ -14,6 +14,7 @@ from vramwatch.monitoring.dashboards.common import (
     m,
     mean_step_seconds,
     memory_limits,
+    memory_pressure,
     num,
     q,
     qt,
@@ -28,7 +29,6 @@ from vramwatch.monitoring.dashboards.common import (
     units,
 )
 from vramwatch.monitoring.dashboards.health import bound_panel
-from vramwatch.monitoring.mig import memory_ratio
 
 UID = dashboard_ids.TRAINING_MEMORY_UID
 TITLE = "vramwatch / Training memory"
@@ -41,10 +41,9 @@ RANK_DEVICE_ON = "job, instance, uuid, device, rank, local_rank"
 PROJECTION_CAP = 1.25
 
 
-def capped_projection(step_peak: str, limit: str, cfg: MonitoringConfig) -> str:
-    """``predict_linear`` of the step peak over the leak alert's window and horizon, held at PROJECTION_CAP x
-    the limit; where a rank has no limit series the projection is drawn uncapped."""
-    projected = f"predict_linear({step_peak}[{cfg.leak_window}], {num(cfg.leak_horizon_hours * 3600)})"
+def capped_projection(projected: str, limit: str) -> str:
+    """The leak alert's projection of the step peak (recorded by the allocator rules), held at PROJECTION_CAP
+    x the limit; where a rank has no limit series the projection is drawn uncapped."""
     cap = f"({num(PROJECTION_CAP)} * {limit})"
     return f"({projected} < {cap}) or ({cap} and {projected}) or {projected}"
 
@@ -137,16 +136,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             units.PercentUnit,
             [
                 q(f"{reserved}{s.device} / {limit}{s.device}", f"{RANK} reserved / limit", "A"),
-                q(
-                    memory_ratio(
-                        f"{m('gpu_memory_used_bytes')}{s.gpu}",
-                        f"{m('gpu_memory_total_bytes')}{s.gpu}",
-                        f"{m('gpu_mig_memory_used_bytes')}{s.gpu}",
-                        f"{m('gpu_mig_memory_total_bytes')}{s.gpu}",
-                    ),
-                    "gpu{{gpu}} used / total",
-                    "B",
-                ),
+                q(memory_pressure(s), "gpu{{gpu}} used / total", "B"),
             ],
             min_=0,
             max_=1,
@@ -222,6 +212,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
         )
     )
     step_peak = f"{m('torch_cuda_memory_step_peak_allocated_bytes')}{s.device}"
+    projected = f"{m(promql.LEAK_PROJECTION_RECORD)}{s.device}"
     hours = num(cfg.leak_horizon_hours)
     d = d.with_panel(
         dashed(
@@ -236,7 +227,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                     units.BytesIEC,
                     [
                         q(step_peak, f"step peak {RANK}", "A"),
-                        q(capped_projection(step_peak, f"{limit}{s.device}", cfg), f"in {hours} h {RANK}", "B"),
+                        q(capped_projection(projected, f"{limit}{s.device}"), f"in {hours} h {RANK}", "B"),
                         q(f"{limit}{s.device}", f"limit {RANK}", "C"),
                     ],
                     min_=0,
@@ -249,25 +240,18 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     )
 
     d = d.with_row(dashboard.Row("Progress"))
-    h = m("vramwatch_training_step_duration_seconds")
-    by = "job, instance, " + ", ".join(contract.RANK)  # the heartbeat's labels and the target's
     d = d.with_panel(
         ts(
             "Step time",
-            "Mean step time and the 50th / 99th percentile (from the step-time histogram). A spike is a signal, "
-            "not always a reason to kill: runs have spiked and recovered by themselves.",
+            "Mean step time and the 50th / 99th percentile (from the step-time histogram, over the last "
+            f"{cfg.step_quantile_window}, recorded by the shipped rules). A spike is a signal, not always a "
+            "reason to kill: runs have spiked and recovered by themselves.",
             units.Seconds,
             [
                 q(mean_step_seconds(s, "$__rate_interval"), f"mean {RANK}", "A"),
-                q(
-                    f"histogram_quantile(0.5, sum by ({by}, le) (rate({h}_bucket{s.rank}[$__rate_interval])))",
-                    f"p50 {RANK}",
-                    "B",
-                ),
-                q(
-                    f"histogram_quantile(0.99, sum by ({by}, le) (rate({h}_bucket{s.rank}[$__rate_interval])))",
-                    f"p99 {RANK}",
-                    "C",
+                *(
+                    q(f"{m(name)}{s.rank}", f"p{num(quantile * 100)} {RANK}", ref)
+                    for (quantile, name), ref in zip(promql.STEP_QUANTILE_RECORDS.items(), "BC", strict=True)
                 ),
             ],
             min_=0,

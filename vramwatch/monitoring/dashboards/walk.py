@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramwatch.monitoring import promql
+
 
 @dataclass(frozen=True)
 class Target:
@@ -23,8 +25,9 @@ class Target:
 
     @property
     def projection(self) -> bool:
-        """A forecast (predict_linear), not data: it may run far beyond the data's range."""
-        return "predict_linear(" in self.expr
+        """A forecast (predict_linear, or the leak alert's recorded one), not data: it may run far beyond the
+        data's range."""
+        return "predict_linear(" in self.expr or promql.LEAK_PROJECTION_RECORD in self.expr
 
 
 @dataclass(frozen=True)
