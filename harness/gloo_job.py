@@ -30,7 +30,9 @@ rank the culprit:
 launcher imports torch and forks the ranks (accelerate's ``notebook_launcher`` with ``start_method="fork"``
 does the same), so the job costs one torch import;
 each job's ``job_id`` is ``gloo-<scenario>`` (:func:`job_id`), so several jobs can share one server and one
-Prometheus. The tests in tests/distributed/ assert on what a real Prometheus scraped and on the shipped
+Prometheus. With ``VW_GLOO_DEVICE=cuda`` (the GPU machine) every rank shares the one GPU: its all-reduce
+tensor lives there (gloo copies it through the host) and vramwatch reads its real allocator, not the
+simulated one. The tests in tests/distributed/ assert on what a real Prometheus scraped and on the shipped
 alerts it evaluated. Every wait has a deadline: a rank exits after ``--duration`` seconds
 whatever its peers do (the process group's own timeout is shorter than the test's).
 """
@@ -93,10 +95,11 @@ def run_rank(args: argparse.Namespace) -> int:
     import vramwatch
 
     deadline = time.monotonic() + args.duration
+    on_gpu = os.environ.get("VW_GLOO_DEVICE", "cpu") == "cuda"
     vramwatch.start(
         spool_dir=args.spool,
         serve="external",
-        simulate=True,
+        simulate=not on_gpu,
         rank=args.rank,
         local_rank=args.rank,
         world_size=args.world_size,
@@ -110,7 +113,7 @@ def run_rank(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         timeout=datetime.timedelta(seconds=args.duration + 30),
     )
-    t = torch.ones(1)
+    t = torch.ones(1, device="cuda:0" if on_gpu else "cpu")  # CUDA initialised after the fork, in each rank
     work = compute_seconds(args.scenario, args.rank)
     culprit = args.rank == CULPRIT
     for step in vramwatch.track(_loader(deadline)):
