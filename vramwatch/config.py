@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramwatch.errors import ConfigError
+from vramwatch.errors import shown as _shown
 from vramwatch.spool.schema import JOB_ID, JOB_ID_MAX
 
 __all__ = ["DEFAULT_PORT", "ENV_PREFIX", "FIELDS", "ConfigError", "Settings", "load"]
@@ -268,12 +269,6 @@ def _to_text(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return str(v)
-
-
-def _shown(v: Any) -> str:
-    """repr for messages, cut so one bad value cannot make a page-long line."""
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _coerce(name: str, raw: Any, source: str) -> Any:

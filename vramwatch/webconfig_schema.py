@@ -45,7 +45,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
-from vramwatch.errors import ConfigError
+from vramwatch.errors import ConfigError, shown
 
 __all__ = ["TLSSettings", "WebConfig", "build_ssl_context", "check_web_config", "parse_web_config", "resolve"]
 
@@ -124,14 +124,11 @@ class _Fail(Exception):
 
 def _error(origin: str, field: str, value: Any, why: str, show: bool = True) -> ConfigError:
     where = f" {field}" if field else ""
-    shown = ""
-    if field and show:
-        text = repr(value)
-        shown = "=" + (text if len(text) <= 80 else text[:77] + "...")
+    quoted = "=" + shown(value) if field and show else ""
     why = " ".join(str(why).split())  # one line, whatever YAML or OpenSSL said
     if len(origin) > 120:
         origin = "..." + origin[-117:]
-    return ConfigError(f"invalid web config{where}{shown} (from file {origin}): {why}")
+    return ConfigError(f"invalid web config{where}{quoted} (from file {origin}): {why}")
 
 
 @dataclass(frozen=True)
@@ -342,12 +339,12 @@ def build_ssl_context(cfg: WebConfig) -> ssl.SSLContext:
     assert tls is not None
     p = "tls_server_config."
     cert, key = resolve(cfg.path, tls.cert_file), resolve(cfg.path, tls.key_file)
-    for field, shown, path in ((p + "cert_file", tls.cert_file, cert), (p + "key_file", tls.key_file, key)):
+    for field, given, path in ((p + "cert_file", tls.cert_file, cert), (p + "key_file", tls.key_file, key)):
         try:
             with open(path, "rb"):
                 pass
         except OSError as e:
-            raise _error(cfg.path, field, shown, f"cannot read: {e.strerror or e}") from None
+            raise _error(cfg.path, field, given, f"cannot read: {e.strerror or e}") from None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = TLS_VERSIONS[tls.min_version]
     ctx.maximum_version = TLS_VERSIONS[tls.max_version]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramwatch.errors import ConfigError
+from vramwatch.errors import ConfigError, shown
 from vramwatch.monitoring import contract, peaks
 
 GIB = 1 << 30
@@ -436,12 +436,6 @@ EXAMPLE_PATH = "monitoring.example.yaml"
 
 # pairs that must stay ordered: (lower, higher)
 _ORDERED = (("memory_warning_ratio", "memory_critical_ratio"),)
-
-
-def shown(v: Any) -> str:
-    """A value as an error message quotes it: short, one line."""
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def validate(cfg: MonitoringConfig, source: str = "MonitoringConfig") -> MonitoringConfig:
