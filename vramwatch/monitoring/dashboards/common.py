@@ -8,6 +8,7 @@ comes from a :class:`~vramwatch.monitoring.config.MonitoringConfig` passed in.
 from __future__ import annotations
 
 import warnings
+from typing import TypeVar
 
 from vramwatch.monitoring import contract, promql
 from vramwatch.monitoring.config import MonitoringConfig
@@ -241,6 +242,14 @@ def thresholds(*steps: tuple[float, str], base: str = "green") -> dashboard.Thre
     )
 
 
+P = TypeVar("P", timeseries.Panel, table.Panel, stat.Panel, bargauge.Panel)
+
+
+def _panel(p: P, title: str, description: str, unit: str, span: int, height: int) -> P:
+    """What every panel sets: its title, description, data source, unit and place in the grid."""
+    return p.title(title).description(description).datasource(PROM).unit(unit).span(span).height(height)
+
+
 def _legend() -> cb.VizLegendOptions:
     return (
         cb.VizLegendOptions()
@@ -266,13 +275,7 @@ def ts(
     stack: bool = False,
 ) -> timeseries.Panel:
     p = (
-        timeseries.Panel()
-        .title(title)
-        .description(description)
-        .datasource(PROM)
-        .unit(unit)
-        .span(span)
-        .height(height)
+        _panel(timeseries.Panel(), title, description, unit, span, height)
         .legend(_legend())
         .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING))
         .line_width(1)
@@ -359,17 +362,7 @@ def table_panel(
     ``hide`` names label columns to leave out; ``column_units`` sets a unit per column title;
     ``limits`` colours the cells of every value column, or only of ``color_columns`` when given.
     """
-    p = (
-        table.Panel()
-        .title(title)
-        .description(description)
-        .datasource(PROM)
-        .unit(unit)
-        .span(span)
-        .height(height)
-        .show_header(True)
-        .filterable(True)
-    )
+    p = _panel(table.Panel(), title, description, unit, span, height).show_header(True).filterable(True)
     if no_value:
         p = p.no_value(no_value)
     for t in targets:
@@ -416,13 +409,7 @@ def stat_panel(
     limits: dashboard.ThresholdsConfig | None = None,
 ) -> stat.Panel:
     p = (
-        stat.Panel()
-        .title(title)
-        .description(description)
-        .datasource(PROM)
-        .unit(unit)
-        .span(span)
-        .height(height)
+        _panel(stat.Panel(), title, description, unit, span, height)
         .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
         .graph_mode(cm.BigValueGraphMode.NONE)
         .color_mode(cm.BigValueColorMode.BACKGROUND)
@@ -442,13 +429,7 @@ def bar_panel(
     limits: dashboard.ThresholdsConfig | None = None,
 ) -> bargauge.Panel:
     p = (
-        bargauge.Panel()
-        .title(title)
-        .description(description)
-        .datasource(PROM)
-        .unit(unit)
-        .span(span)
-        .height(height)
+        _panel(bargauge.Panel(), title, description, unit, span, height)
         .orientation(cm.VizOrientation.HORIZONTAL)
         .display_mode(cm.BarGaugeDisplayMode.BASIC)
         .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
