@@ -120,12 +120,8 @@ def replace_file(path: str, data: bytes, mode: int = 0o666) -> None:
     raise FileExistsError(errno.EEXIST, "no free temporary name", path)
 
 
-def lock_is_free(path: str) -> bool:
-    """True if nobody holds ``path``'s flock (we take and drop it at once)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return True
+def probe_lock(fd: int) -> bool:
+    """True if nobody holds the flock of the open file ``fd`` (we take and drop it at once); closes ``fd``."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -133,6 +129,15 @@ def lock_is_free(path: str) -> bool:
     finally:
         os.close(fd)  # closing releases the lock if we took it
     return True
+
+
+def lock_is_free(path: str) -> bool:
+    """True if nobody holds ``path``'s flock."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    return probe_lock(fd)
 
 
 def hold_lock(path: str) -> int | None:

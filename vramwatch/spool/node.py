@@ -21,7 +21,6 @@ a directory named for another uid, a writable-by-others entry, a FIFO) is refuse
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import re
@@ -173,13 +172,7 @@ class UserDir:
             return False  # there, but not ours to open (mode 0600 from another tool): never reap what may live
         if fd is None:
             return True  # no lock of this owner: its rank is gone (or it never was one)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        finally:
-            os.close(fd)
-        return True
+        return files.probe_lock(fd)
 
     def read(self, name: str, limit: int) -> bytes | None:
         fd = self._open(name)
@@ -347,13 +340,7 @@ def daemon_running(root: str) -> bool:
         fd = os.open(os.path.join(root, files.SERVER_LOCK), _OPEN)
     except OSError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return not files.probe_lock(fd)
 
 
 def user_dir(root: str) -> str:
