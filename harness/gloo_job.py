@@ -114,6 +114,9 @@ def run_rank(args: argparse.Namespace) -> int:
         timeout=datetime.timedelta(seconds=args.duration + 30),
     )
     t = torch.ones(1, device="cuda:0" if on_gpu else "cpu")  # CUDA initialised after the fork, in each rank
+    # the compute spins on the CPU: at the lowest priority it takes only what the rest of a busy test run leaves
+    # (on Linux the nice value is the calling thread's: vramwatch's sampler and gloo's threads keep theirs)
+    os.nice(19)
     work = compute_seconds(args.scenario, args.rank)
     culprit = args.rank == CULPRIT
     for step in vramwatch.track(_loader(deadline)):
