@@ -86,7 +86,7 @@ class ExporterCollector:
         for c in self.collectors:
             yield from c.collect(ctx)  # a bad snapshot drops its families, never the scrape
         yield from self._self_health(ctx)
-        # last: a cached exposition formats it per scrape, after bytes that need no further CRC32
+        # last: the one family that moves with the clock, not with the samples
         yield from age
 
     def _rank_failed(self, s: spool.RankSample, e: Exception) -> None:

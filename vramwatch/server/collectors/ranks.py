@@ -255,8 +255,9 @@ AGE_FAMILY = "vramwatch_sample_age_seconds"
 
 
 def age_family(samples: Iterable[RankSample], now: float) -> Metric:
-    """The one family that moves with the clock, not with the samples: a cached exposition renders it
-    per scrape (:mod:`vramwatch.server.exposition_cache`)."""
+    """The one family that moves with the clock, not with the samples: the cached exposition renders
+    again once its render is older than the render gap, so this family is at most that old
+    (:mod:`vramwatch.server.exposition_cache`)."""
     age = contract.family(AGE_FAMILY)
     for s in samples:
         age.add_metric(_rank_labels(s), s.age(now))
