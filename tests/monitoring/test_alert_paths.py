@@ -148,7 +148,7 @@ def test_exempt_ranks_are_never_flagged_but_count_in_the_median():
 
 
 def test_the_first_stopped_ranks_query_is_a_go_string_even_with_quotes_in_the_selector():
-    assert progress._go_string('a\\b "c"') == '"a\\\\b \\"c\\""'
+    assert promql.go_string('a\\b "c"') == '"a\\\\b \\"c\\""'
     cfg = dataclasses.replace(DEFAULT, selector='job="train"', job_labels=("job",))
     text = progress.first_stopped(cfg)
     assert text.startswith(

@@ -164,3 +164,8 @@ def step_skew(cfg: MonitoringConfig, mean: str) -> str:
     """Per rank: its mean step time over the median of its job's ranks (1: in step with them)."""
     by = ", ".join(cfg.peer_labels)
     return f"{mean}\n/ on({by}) group_left()\nquantile by ({by}) (0.5, {mean})"
+
+
+def go_string(text: str) -> str:
+    """``text`` as a Go template string literal (an annotation's ``printf "..." | query``)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

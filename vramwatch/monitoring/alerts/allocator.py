@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 from vramwatch.monitoring import contract
-from vramwatch.monitoring.alerts.progress import _go_string as go_string  # one escaping for Go templates
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
     DEVICE_WHERE,
@@ -16,6 +15,7 @@ from vramwatch.monitoring.promql import (
     WARNING,
     alert,
     duration,
+    go_string,
     metric,
     num,
     percent,

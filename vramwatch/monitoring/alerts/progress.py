@@ -35,6 +35,7 @@ from vramwatch.monitoring.promql import (
     WARNING,
     alert,
     duration,
+    go_string,
     label,
     metric,
     num,
@@ -94,7 +95,7 @@ def job_query(cfg: MonitoringConfig, template: str) -> str:
     matchers = [m for m in (cfg.selector,) if m] + [f"{name}=%q" for name in cfg.peer_labels]
     query = template.replace("{JOB}", "{" + ", ".join(matchers) + "}")
     args = " ".join(f"$labels.{name}" for name in cfg.peer_labels)
-    return f"printf {_go_string(query)}" + f" {args}" * template.count("{JOB}") + " | query"
+    return f"printf {go_string(query)}" + f" {args}" * template.count("{JOB}") + " | query"
 
 
 def first_stopped(cfg: MonitoringConfig) -> str:
@@ -122,11 +123,6 @@ def culprit(cfg: MonitoringConfig) -> str:
         " behind the rest of its job in collectives issued, it never reached the one they wait in."
         f"{{{{ else }}}}{first_stopped(cfg)}{{{{ end }}}}"
     )
-
-
-def _go_string(text: str) -> str:
-    """``text`` as a Go template string literal."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def peers(cfg: MonitoringConfig) -> str:
@@ -238,13 +234,13 @@ def _straggler_cause(cfg: MonitoringConfig) -> str:
     rank_args = "$labels.instance $labels.rank $labels.job_id"
     return (
         "{{ if $labels.uuid }}"
-        f"{{{{ with printf {_go_string(throttle)} $labels.uuid | query }}}} Cause: its GPU is throttled"
+        f"{{{{ with printf {go_string(throttle)} $labels.uuid | query }}}} Cause: its GPU is throttled"
         "{{ range . }} ({{ .Labels.reason }}){{ end }}: check its cooling and power (thermal, power brake, "
         "hardware slowdown).{{ end }}"
-        f"{{{{ with printf {_go_string('gpu_sm_clock_hertz{uuid=%q}')} $labels.uuid | query }}}}"
+        f"{{{{ with printf {go_string('gpu_sm_clock_hertz{uuid=%q}')} $labels.uuid | query }}}}"
         "{{ with first . }} Its SM clock: {{ .Value | humanize }}Hz.{{ end }}{{ end }}"
         "{{ end }}"
-        f"{{{{ with printf {_go_string(INPUT_WAIT_SKEW_RECORD + own_rank + ' > ' + num(cfg.straggler_ratio))} "
+        f"{{{{ with printf {go_string(INPUT_WAIT_SKEW_RECORD + own_rank + ' > ' + num(cfg.straggler_ratio))} "
         f'{rank_args} | query }}}}{{{{ with first . }}}} Cause: input wait: it waits {{{{ .Value | printf "%.1f" }}}}x '
         "its job's median for its next batch (its data loader or storage).{{ end }}{{ end }}"
     )
