@@ -52,7 +52,7 @@ from common import progress
 
 from harness import Prometheus, find_tool, http_get
 from harness.servers import EXPORTER_JOB
-from vramwatch.monitoring import contract
+from vramwatch.monitoring import contract, promql
 from vramwatch.monitoring.dashboards.walk import TimeContext, substitute
 from vramwatch.spool.schema import MEMORY_ROLES
 
@@ -101,6 +101,7 @@ def template(ranks: int = 8, gpus: int = 8) -> tuple[list[Series], dict[str, Any
             out.append(Series(s.name, dict(s.labels), float(s.value), _kind(s.name, fam.type, spec)))
     added = watched_job_series(out)
     out += added
+    out += recorded_series(out)
     seen = {s.name for s in out}
     absent = sorted(m.name for m in contract.METRICS if not _exposed(m, seen))
     return out, {
@@ -118,7 +119,26 @@ WATCHED = {
     "vramwatch_training_tokens_total": 1.0e9,
     "vramwatch_model_flops_per_token": 7.6e8,
     "vramwatch_training_grad_norm": 0.8,
+    # a torch.distributed job: the default group's collectives, the input wait (NCCL: no collective wait)
+    "vramwatch_collectives_total": 1.0e5,
+    "vramwatch_training_wait_seconds_total": 60.0,
+    "vramwatch_training_samples_total": 1.0e6,
 }
+WAIT_KINDS = ("data",)
+
+# The rules' recorded series whose history the dashboards or the rules' ranges read, each with the family
+# whose labels it keeps: backfilled as the rules would have recorded them, one sample per evaluation,
+# up to the time the panels are timed at (the rules record on from there). The Xid and GPU-job records are
+# read only at the evaluation instant (and the Xid one exists only where a GPU had events).
+RECORD_SOURCES = {
+    promql.STEP_MEAN_RECORD: "vramwatch_training_step_duration_seconds_count",
+    promql.STEP_SKEW_RECORD: "vramwatch_training_step_duration_seconds_count",
+    promql.STALL_MEAN_RECORD: "vramwatch_training_step_duration_seconds_count",
+    **{r: "vramwatch_training_step_duration_seconds_count" for r in promql.STEP_QUANTILE_RECORDS.values()},
+    promql.LEAK_PROJECTION_RECORD: "torch_cuda_memory_step_peak_allocated_bytes",
+    promql.MEMORY_RATIO_RECORD: "gpu_memory_used_bytes",
+}
+INSTANT_RECORDS = (promql.XID_EVENTS_RECORD, promql.GPU_JOB_RECORD)
 
 
 def watched_job_series(series: list[Series]) -> list[Series]:
@@ -134,10 +154,26 @@ def watched_job_series(series: list[Series]) -> list[Series]:
             if "role" in spec.labels:
                 for role in MEMORY_ROLES:
                     out.append(Series(name, {**base, "role": role}, value, "gauge"))
+            elif "kind" in spec.labels:
+                for kind in WAIT_KINDS:
+                    out.append(Series(name, {**base, "kind": kind}, value, "counter"))
             else:
                 kind = "counter" if spec.type == "counter" else "gauge"
                 out.append(Series(name, base, value, kind))
     return out
+
+
+def recorded_series(series: list[Series]) -> list[Series]:
+    """The records of RECORD_SOURCES, one per series of its source family (labels kept, ``le`` never there)."""
+    missing = sorted(set(promql.RECORDS) - set(RECORD_SOURCES) - set(INSTANT_RECORDS))
+    if missing:
+        raise SystemExit(f"fleet: no source family for the records {missing}: add them to RECORD_SOURCES")
+    return [
+        Series(record, dict(s.labels), 0.5, "record")
+        for record, source in RECORD_SOURCES.items()
+        for s in series
+        if s.name == source
+    ]
 
 
 def _exposed(m: contract.MetricSpec, seen: set[str]) -> bool:
@@ -200,21 +236,27 @@ def line_prefix(name: str, labels: dict[str, str]) -> str:
 class Fleet:
     """Per node, each series' line prefix and how its value moves with the sample number."""
 
-    prefixes: list[list[str]]  # [node][series]
+    prefixes: list[list[str]]  # [node][series], the recorded series last
     base: list[float]
     step: list[float]  # per sample, for counters
     kinds: list[str]
+    records_until: float = math.inf  # the recorded series' history ends here (the rules record after it)
 
     @classmethod
-    def build(cls, series: list[Series], nodes: int, per_job: int) -> Fleet:
+    def build(cls, series: list[Series], nodes: int, per_job: int, records_until: float = math.inf) -> Fleet:
         local = 1 + max((int(s.labels["local_rank"]) for s in series if s.labels.get("local_rank")), default=0)
-        with_up = [*series, Series("up", {}, 1.0, "const")]
-        prefixes = [[line_prefix(s.name, relabel(s.labels, i, per_job, local)) for s in with_up] for i in range(nodes)]
-        steps = [_counter_step(s, series) for s in with_up]
-        return cls(prefixes, [s.value for s in with_up], steps, [s.kind for s in with_up])
+        raw = [s for s in series if s.kind != "record"]
+        ordered = [*raw, Series("up", {}, 1.0, "const"), *(s for s in series if s.kind == "record")]
+        prefixes = [[line_prefix(s.name, relabel(s.labels, i, per_job, local)) for s in ordered] for i in range(nodes)]
+        steps = [_counter_step(s, series) for s in ordered]
+        return cls(prefixes, [s.value for s in ordered], steps, [s.kind for s in ordered], records_until)
 
     def per_node(self) -> int:
         return len(self.base)
+
+    def live(self) -> int:
+        """How many of a node's series are scraped ones (the rest are records)."""
+        return sum(1 for k in self.kinds if k != "record")
 
     def lines(self, node: int, k: int, t: float) -> str:
         """Node ``node``'s samples at sample number ``k`` (time ``t``), one OpenMetrics line each."""
@@ -222,7 +264,10 @@ class Fleet:
         fixed = self._fixed()[k % len(JITTER)]
         clock = repr(t - 1.0)
         out = []
-        for p, v, b, st, kind in zip(self.prefixes[node], fixed, self.base, self.step, self.kinds, strict=True):
+        n = self.per_node() if t <= self.records_until else self.live()
+        for p, v, b, st, kind in zip(
+            self.prefixes[node][:n], fixed[:n], self.base[:n], self.step[:n], self.kinds[:n], strict=True
+        ):
             if kind == "counter":
                 v = repr(b + st * k)
             elif kind == "clock":
@@ -235,7 +280,10 @@ class Fleet:
         cache = getattr(self, "_fixed_cache", None)
         if cache is None:
             cache = [
-                [repr(b * j if kind == "gauge" else b) for b, kind in zip(self.base, self.kinds, strict=True)]
+                [
+                    repr(b * j if kind in ("gauge", "record") else b)
+                    for b, kind in zip(self.base, self.kinds, strict=True)
+                ]
                 for j in JITTER
             ]
             self._fixed_cache = cache
@@ -269,67 +317,79 @@ def _counter_step(s: Series, all_series: list[Series]) -> float:
 # --- backfill ---
 
 
-def backfill(fleet: Fleet, nodes: int, start: float, end: float, tsdb: Path, work: Path, group_bytes: float) -> dict:
-    """OpenMetrics files (2 h windows x node groups) into promtool, the next written while it reads the last."""
+def backfill(
+    fleet: Fleet, nodes: range, start: float, end: float, tsdb: Path, work: Path, group_bytes: float, jobs: int
+) -> dict:
+    """OpenMetrics files (2 h windows x node groups) into ``jobs`` promtools at once, the next file written
+    while they read. Each file holds its series one after another (all of a series' samples together),
+    which promtool reads about a quarter faster than one scrape after another."""
     promtool = find_tool("promtool")
     if promtool is None:
         raise SystemExit("fleet: promtool not found (make tools, or TEST_TOOLS_DIR)")
     per_node_window = fleet.per_node() * (WINDOW / SCRAPE_INTERVAL) * 190  # ~bytes a node's 2 h window writes
-    group = max(1, min(nodes, int(group_bytes // per_node_window)))
+    group = max(1, min(len(nodes), int(group_bytes // per_node_window)))
     first = int(start // SCRAPE_INTERVAL) * SCRAPE_INTERVAL
     windows = []
     w = int(first // WINDOW) * WINDOW
     while w < end:
         windows.append((max(first, w), min(end, w + WINDOW)))
         w += WINDOW
-    chunks = [(a, b, n0, min(nodes, n0 + group)) for a, b in windows for n0 in range(0, nodes, group)]
+    chunks = [
+        (a, b, n0, min(nodes.stop, n0 + group)) for a, b in windows for n0 in range(nodes.start, nodes.stop, group)
+    ]
     progress(
-        f"fleet: backfilling {nodes} nodes x {fleet.per_node()} series, {len(windows)} windows, {len(chunks)} files"
+        f"fleet: backfilling nodes {nodes.start}-{nodes.stop - 1} x {fleet.per_node()} series, "
+        f"{len(windows)} windows, {len(chunks)} files, {jobs} promtools at once"
     )
     t0 = time.monotonic()
-    pending: subprocess.Popen | None = None
-    pending_file: Path | None = None
+    running: list[tuple[subprocess.Popen, Path]] = []
     samples = 0
     written = 0
 
-    def finish() -> None:
-        nonlocal pending, pending_file
-        if pending is not None:
-            _, err = pending.communicate()
-            if pending.returncode != 0:
-                raise SystemExit(f"fleet: promtool failed on {pending_file}: {err.decode()[-2000:]}")
-            assert pending_file is not None
-            pending_file.unlink()
-        pending, pending_file = None, None
+    def reap(keep: int) -> None:
+        while len(running) > keep:
+            proc, path = running.pop(0)
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                raise SystemExit(f"fleet: promtool failed on {path}: {err.decode()[-2000:]}")
+            path.unlink()
 
-    for n, (a, b, n0, n1) in enumerate(chunks):
-        path = work / f"chunk-{n:04d}.om"
-        with open(path, "w", encoding="utf-8", buffering=1 << 22) as fh:
-            k0 = int(round((a - first) / SCRAPE_INTERVAL))
-            t = a
-            k = k0
-            while t < b:
+    try:
+        for n, (a, b, n0, n1) in enumerate(chunks):
+            path = work / f"chunk-{n:04d}.om"
+            with open(path, "w", encoding="utf-8", buffering=1 << 22) as fh:
+                k0 = int(round((a - first) / SCRAPE_INTERVAL))
+                count = int(math.ceil((b - a) / SCRAPE_INTERVAL - 1e-9))
                 for node in range(n0, n1):
-                    fh.write(fleet.lines(node, k, t))
-                t += SCRAPE_INTERVAL
-                k += 1
-            fh.write("# EOF\n")
-            samples += (k - k0) * (n1 - n0) * fleet.per_node()
-        written += path.stat().st_size
-        finish()
-        pending_file = path
-        pending = subprocess.Popen(
-            [promtool, "tsdb", "create-blocks-from", "openmetrics", str(path), str(tsdb)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        el = time.monotonic() - t0
-        progress(
-            f"fleet: file {n + 1}/{len(chunks)} ({n1 - n0} nodes, {(b - a) / 3600:.1f} h, "
-            f"{path.stat().st_size / 1e9:.2f} GB) written; {samples / 1e6:.0f} M samples so far, {el:.0f} s"
-        )
-    finish()
+                    rows = [fleet.lines(node, k0 + j, a + j * SCRAPE_INTERVAL).splitlines(True) for j in range(count)]
+                    for i in range(fleet.per_node()):
+                        fh.write("".join(r[i] for r in rows if i < len(r)))
+                        # (a record's rows end at records_until: shorter rows hold only the scraped series)
+                    samples += sum(len(r) for r in rows)
+                fh.write("# EOF\n")
+            written += path.stat().st_size
+            reap(jobs - 1)
+            running.append(
+                (
+                    subprocess.Popen(
+                        [promtool, "tsdb", "create-blocks-from", "openmetrics", str(path), str(tsdb)],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                    ),
+                    path,
+                )
+            )
+            el = time.monotonic() - t0
+            progress(
+                f"fleet: file {n + 1}/{len(chunks)} ({n1 - n0} nodes, {(b - a) / 3600:.1f} h, "
+                f"{path.stat().st_size / 1e9:.2f} GB) written; {samples / 1e6:.0f} M samples so far, {el:.0f} s"
+            )
+        reap(0)
+    finally:
+        for proc, _ in running:
+            proc.kill()
     return {
+        "nodes": [nodes.start, nodes.stop],
         "samples": samples,
         "openmetrics_bytes": written,
         "files": len(chunks),
@@ -533,9 +593,10 @@ def series_counts(prom: Prometheus, at: float, nodes: int, gpus: int, ranks: int
         r = prom.query(expr, at)
         return float(r[0]["value"][1]) if r else 0.0
 
-    total = one(f'count({{job="{EXPORTER_JOB}"}})')
-    per_rank = one(f'count({{job="{EXPORTER_JOB}", rank=~".+"}})')
-    per_gpu = one(f'count({{job="{EXPORTER_JOB}", rank="", uuid=~".+"}})')
+    scraped = f'job="{EXPORTER_JOB}", __name__!~".*:.*"'  # not the rules' records
+    total = one(f"count({{{scraped}}})")
+    per_rank = one(f'count({{{scraped}, rank=~".+"}})')
+    per_gpu = one(f'count({{{scraped}, rank="", uuid=~".+"}})')
     return {
         "total": total,
         "per_node": total / nodes,
@@ -548,46 +609,98 @@ def series_counts(prom: Prometheus, at: float, nodes: int, gpus: int, ranks: int
 # --- one size ---
 
 
-def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    fleet = Fleet.build(series, nodes, args.nodes_per_job)
-    tsdb = work / f"tsdb-{nodes}"
-    tsdb.mkdir(parents=True, exist_ok=True)
-    now = time.time()
-    start, end = now - args.history_hours * 3600, now + args.ahead_minutes * 60
-    fill = backfill(fleet, nodes, start, end, tsdb, work, args.file_gb * 1e9)
+@dataclass
+class History:
+    """One TSDB that grows with the sizes: nodes are added, never rewritten. ``end`` is when the panels are
+    timed (the records' history ends there); the raw families run on to ``until``, past the last
+    measurement, so the rules evaluate over fresh data. Kept in ``state.json`` beside the TSDB, so a later
+    run (other rules, other dashboards) measures the same history without backfilling it again."""
+
+    tsdb: Path
+    start: float
+    end: float
+    until: float
+    nodes: int = 0
+    series_per_node: int = 0
+
+    @classmethod
+    def open(cls, work: Path, args: argparse.Namespace, series_per_node: int) -> History:
+        state = work / "state.json"
+        if state.exists():
+            h = cls(tsdb=work / "tsdb", **json.loads(state.read_text()))
+            if h.series_per_node != series_per_node:
+                raise SystemExit(
+                    f"fleet: {work} holds nodes of {h.series_per_node} series, this template has {series_per_node}: "
+                    "use a fresh --work"
+                )
+            progress(f"fleet: {work} holds {h.nodes} nodes already, up to {time.ctime(h.until)}")
+            return h
+        now = time.time()
+        h = cls(
+            tsdb=work / "tsdb",
+            start=now - args.history_hours * 3600,
+            end=now,
+            until=now + args.ahead_minutes * 60,
+            series_per_node=series_per_node,
+        )
+        h.tsdb.mkdir(parents=True, exist_ok=True)
+        h.save(work)
+        return h
+
+    def save(self, work: Path) -> None:
+        keys = ("start", "end", "until", "nodes", "series_per_node")
+        (work / "state.json").write_text(json.dumps({k: getattr(self, k) for k in keys}))
+
+
+def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Path, hist: History) -> dict[str, Any]:
+    if nodes < hist.nodes:
+        raise SystemExit(f"fleet: the TSDB in --work holds {hist.nodes} nodes; it measures {hist.nodes} or more")
+    fleet = Fleet.build(series, nodes, args.nodes_per_job, records_until=hist.end)
+    fill = None
+    if hist.nodes < nodes:
+        fill = backfill(
+            fleet, range(hist.nodes, nodes), hist.start, hist.until, hist.tsdb, work, args.file_gb * 1e9, args.jobs
+        )
+        hist.nodes = nodes
+        hist.save(work)
     rule_files = sorted(str(p) for p in RULES.glob("*.yml"))
     cfg = prometheus_config(rule_files, args.evaluation_interval)
-    prom = FleetPrometheus(work, config=cfg, tsdb=tsdb, retention="30d", lifecycle=False)
+    prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
     try:
         progress(f"fleet: Prometheus over {nodes} nodes' TSDB")
-        prom.start(timeout=600)
+        prom.start(timeout=900)
         blocks = wait_quiet(prom, args.quiet_seconds, args.compaction_timeout)
+        left = hist.until - time.time()
+        if left < args.evaluation_interval * (args.evaluations + 3) + 300:
+            raise SystemExit(
+                f"fleet: the history ends in {left / 60:.0f} min, too soon to time the rules over fresh data: "
+                "a fresh --work with a larger --ahead-minutes"
+            )
         progress(f"fleet: rule groups, {args.evaluations} evaluations each")
         rules = rule_durations(prom, args.evaluations, args.evaluation_interval)
-        at = time.time()
         panels = {}
         for sel in SELECTIONS:
-            progress(f"fleet: dashboard panels over 6 h, variables: {sel}")
-            panels[sel] = panel_times(prom, at, args.step, args.repeats, sel)
-        counts = series_counts(prom, at, nodes, 8, 8)
+            progress(f"fleet: dashboard panels over the 6 h before {time.ctime(hist.end)}, variables: {sel}")
+            panels[sel] = panel_times(prom, hist.end, args.step, args.repeats, sel)
+        counts = series_counts(prom, hist.end, nodes, 8, 8)
         rss = metric_values(self_metrics(prom), "process_resident_memory_bytes").get("", 0.0)
-        tsdb_bytes = sum(f.stat().st_size for f in tsdb.rglob("*") if f.is_file())
+        tsdb_bytes = sum(f.stat().st_size for f in hist.tsdb.rglob("*") if f.is_file())
+        load = Path("/proc/loadavg").read_text().split()[:3]
     finally:
         prom.stop()
-        if not args.keep:
-            shutil.rmtree(tsdb, ignore_errors=True)
     return {
         "nodes": nodes,
         "gpus": nodes * 8,
         "series_per_node": fleet.per_node(),
         "backfill": fill,
-        "history": {"start": start, "end": end, "hours_before_start": args.history_hours},
+        "history": {"start": hist.start, "panels_end": hist.end, "until": hist.until},
         "blocks": blocks,
         "rule_groups": rules,
         "panels": panels,
         "series": counts,
         "prometheus_rss_bytes": rss,
         "tsdb_bytes": tsdb_bytes,
+        "loadavg_after": load,
     }
 
 
@@ -725,7 +838,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", default="125,250,500,1000", help="fleet sizes, comma-separated")
     p.add_argument("--nodes-per-job", type=int, default=16, help="nodes per training job (job_id, global rank)")
     p.add_argument("--history-hours", type=float, default=6.0, help="history before the start")
-    p.add_argument("--ahead-minutes", type=float, default=30.0, help="history past the start: the measuring time")
+    p.add_argument(
+        "--ahead-minutes",
+        type=float,
+        default=150.0,
+        help="history past the start: the whole run's backfilling and measuring must end before it",
+    )
+    p.add_argument("--jobs", type=int, default=2, help="promtools backfilling at once")
     p.add_argument("--evaluation-interval", type=float, default=15.0)
     p.add_argument("--evaluations", type=int, default=5, help="evaluations of each rule group to record")
     p.add_argument("--step", type=float, default=30.0, help="query_range step (Grafana's for 6 h on a ~700 px panel)")
@@ -733,8 +852,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file-gb", type=float, default=2.0, help="largest OpenMetrics file to write at once")
     p.add_argument("--quiet-seconds", type=float, default=90.0, help="compaction counts still this long: done")
     p.add_argument("--compaction-timeout", type=float, default=1800.0)
-    p.add_argument("--work", help="directory for the TSDBs and files (default: a temporary one)")
-    p.add_argument("--keep", action="store_true", help="keep each size's TSDB")
+    p.add_argument(
+        "--work",
+        help="directory for the TSDB (kept: a later run with the same --work measures it again without "
+        "backfilling, and adds nodes for larger sizes; default: a temporary one, removed)",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet.json"))
     p.add_argument("--doc", action="store_true", help="write the table into docs/scale.md")
     p.add_argument("--doc-from", metavar="JSON", help="only write docs/scale.md's table from a recorded result")
@@ -761,10 +883,11 @@ def main(argv: list[str] | None = None) -> int:
         "dashboards": [str(p.relative_to(ROOT)) for p in sorted(DASHBOARDS.glob("*.json"))],
         "measurements": [],
     }
+    hist = History.open(work, args, len(series) + 1)
     try:
         for n in sizes:
             progress(f"fleet: --- {n} nodes ---")
-            result["measurements"].append(measure(series, n, args, work))
+            result["measurements"].append(measure(series, n, args, work, hist))
             result["summary"] = summary(result["measurements"], per_job=args.nodes_per_job)
             common.write_json(args.out, result)
     finally:
