@@ -128,8 +128,8 @@ WAIT_KINDS = ("data",)
 
 # The rules' recorded series whose history the dashboards or the rules' ranges read, each with the family
 # whose labels it keeps: backfilled as the rules would have recorded them, one sample per evaluation,
-# up to the time the panels are timed at (the rules record on from there). The Xid and GPU-job records are
-# read only at the evaluation instant (and the Xid one exists only where a GPU had events).
+# up to the time the panels are timed at (the rules record on from there). The others are read only at the
+# evaluation instant, by the alerts (and the Xid one exists only where a GPU had events).
 RECORD_SOURCES = {
     promql.STEP_MEAN_RECORD: "vramwatch_training_step_duration_seconds_count",
     promql.STEP_SKEW_RECORD: "vramwatch_training_step_duration_seconds_count",
@@ -138,7 +138,14 @@ RECORD_SOURCES = {
     promql.LEAK_PROJECTION_RECORD: "torch_cuda_memory_step_peak_allocated_bytes",
     promql.MEMORY_RATIO_RECORD: "gpu_memory_used_bytes",
 }
-INSTANT_RECORDS = (promql.XID_EVENTS_RECORD, promql.GPU_JOB_RECORD)
+INSTANT_RECORDS = (
+    promql.XID_EVENTS_RECORD,
+    promql.GPU_JOB_RECORD,
+    promql.BUSY_STALL_RECORD,
+    promql.OWN_MEAN_RECORD,
+    promql.OWN_SKEW_RECORD,
+    promql.INPUT_WAIT_SKEW_RECORD,
+)
 
 
 def watched_job_series(series: list[Series]) -> list[Series]:

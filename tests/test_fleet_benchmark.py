@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import fleet
 import pytest
 import roles_walk
+import yaml
 
+from harness import find_tool
 from harness.servers import EXPORTER_JOB
+from vramwatch.monitoring import promql
 from vramwatch.monitoring.dashboards.walk import TimeContext, substitute, variable_names
 
 S = fleet.Series
 UUID = "GPU-5e1a0000-0000-4000-8000-00000000000"
 
 
-LINE = re.compile(r"^(\w+)\{(.*)\} (\S+) (\S+)$")
+LINE = re.compile(r"^([\w:]+)\{(.*)\} (\S+) (\S+)$")
 
 
 def _parse(text: str) -> list[tuple[str, dict[str, str], float, float]]:
@@ -147,3 +151,56 @@ def test_the_walks_script_measures_both_walks_on_the_cpu(tmp_path):
     snap = r["snapshot"]
     assert snap["segments_seen"] == 40 and snap["largest_free_bytes"] == roles_walk.MIB
     assert snap["age_max_s"] >= snap["snapshot_every_s"] >= r["largest_block_interval_s"]
+
+
+def _with_records() -> list[fleet.Series]:
+    series = _node_series()
+    return series + fleet.recorded_series(series)
+
+
+def test_every_record_of_the_rules_is_backfilled_or_read_only_at_its_instant():
+    recorded = {
+        r["record"]
+        for p in fleet.RULES.glob("*.yml")
+        for g in yaml.safe_load(p.read_text())["groups"]
+        for r in g["rules"]
+        if "record" in r
+    }
+    assert recorded == set(promql.RECORDS)
+    assert recorded == set(fleet.RECORD_SOURCES) | set(fleet.INSTANT_RECORDS)
+    # a record a panel reads over its range has a history
+    for q in fleet.panel_queries():
+        assert not any(r in q.expr for r in fleet.INSTANT_RECORDS), (q.panel, q.expr)
+
+
+def test_records_keep_their_sources_labels_and_stop_where_the_rules_take_over():
+    f = fleet.Fleet.build(_with_records(), nodes=1, per_job=1, records_until=1e9)
+    before, after = _parse(f.lines(0, 0, 1e9)), _parse(f.lines(0, 1, 1e9 + 15))
+    stall = [labels for name, labels, *_ in before if name == promql.STALL_MEAN_RECORD]
+    counts = [labels for name, labels, *_ in before if name == "vramwatch_training_step_duration_seconds_count"]
+    assert stall and sorted(map(sorted, (s.items() for s in stall))) == sorted(
+        map(sorted, (c.items() for c in counts))
+    ), "one record per rank, with the rank's labels"
+    assert not any(":" in name for name, *_ in after), "after the panels' end the rules record"
+    assert len(after) == f.live() < len(before) == f.per_node()
+
+
+def test_a_larger_size_adds_its_nodes_to_the_tsdb_that_promtool_writes(tmp_path):
+    promtool = find_tool("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (make tools)")
+    start = 1_800_000_000.0
+    f = fleet.Fleet.build(_with_records(), nodes=2, per_job=1, records_until=start + 300)
+    tsdb = tmp_path / "tsdb"
+    for nodes in (range(0, 1), range(1, 2)):
+        fill = fleet.backfill(f, nodes, start, start + 600, tsdb, tmp_path, 1e9, jobs=2)
+        assert fill["samples"] == 40 * f.live() + 21 * (f.per_node() - f.live())
+    (tsdb / "wal").mkdir()  # promtool's dump reads the WAL too
+    dump = subprocess.run([promtool, "tsdb", "dump", str(tsdb)], capture_output=True, text=True, check=True).stdout
+    rows = [re.match(r"^(\S+)\{(.*)\} (\S+) (\d+)$", line) for line in dump.splitlines() if line]
+    assert all(rows) and len(rows) == 2 * (40 * f.live() + 21 * (f.per_node() - f.live()))
+    instances = {re.search(r'instance="([^"]+)"', m.group(2)).group(1) for m in rows}  # type: ignore[union-attr]
+    assert instances == {"node-0000:9488", "node-0001:9488"}
+    record_ts = [int(m.group(4)) for m in rows if ":" in m.group(1)]
+    assert record_ts and max(record_ts) == (start + 300) * 1000
+    assert not list(tmp_path.glob("*.om")), "each file goes once promtool has read it"

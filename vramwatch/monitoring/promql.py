@@ -133,6 +133,13 @@ STEP_QUANTILE_RECORDS = {
     0.5: "vramwatch:training_step_duration_seconds:p50",
     0.99: "vramwatch:training_step_duration_seconds:p99",
 }
+# progress group: per rank and GPU, the heartbeat's age where the rank is stalled past the busy floor with the
+# hang signature; per rank, own work per step (step time less collective waits) and its ratio to its job's
+# median, and the data wait per step over its job's median
+BUSY_STALL_RECORD = "vramwatch:training_busy_stall:age_seconds"
+OWN_MEAN_RECORD = "vramwatch:training_own_seconds_per_step:mean"
+OWN_SKEW_RECORD = "vramwatch:training_own_seconds_per_step:skew_ratio"
+INPUT_WAIT_SKEW_RECORD = "vramwatch:training_data_wait_seconds_per_step:skew_ratio"
 # allocator group: per rank, the step peak extrapolated over leak_window to leak_horizon_hours ahead
 LEAK_PROJECTION_RECORD = "vramwatch:torch_cuda_memory_step_peak_allocated_bytes:predict_linear"
 # health group: per GPU and Xid, the events of the last xid_window (only where there were any)
@@ -145,6 +152,10 @@ RECORDS = (
     STEP_MEAN_RECORD,
     STEP_SKEW_RECORD,
     STALL_MEAN_RECORD,
+    BUSY_STALL_RECORD,
+    OWN_MEAN_RECORD,
+    OWN_SKEW_RECORD,
+    INPUT_WAIT_SKEW_RECORD,
     *STEP_QUANTILE_RECORDS.values(),
     LEAK_PROJECTION_RECORD,
     XID_EVENTS_RECORD,

@@ -23,7 +23,11 @@ from __future__ import annotations
 from vramwatch.monitoring import contract
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
+    BUSY_STALL_RECORD,
     CRITICAL,
+    INPUT_WAIT_SKEW_RECORD,
+    OWN_MEAN_RECORD,
+    OWN_SKEW_RECORD,
     RANK_WHERE,
     STALL_MEAN_RECORD,
     STEP_MEAN_RECORD,
@@ -47,14 +51,6 @@ from vramwatch.monitoring.promql import (
     step_mean,
     step_skew,
 )
-
-# per rank and GPU, the heartbeat's age where the rank is stalled past the busy floor with the hang signature
-BUSY_STALL_RECORD = "vramwatch:training_busy_stall:age_seconds"
-# per rank: own work per step (step time less collective waits) and its ratio to its job's median
-OWN_MEAN_RECORD = "vramwatch:training_own_seconds_per_step:mean"
-OWN_SKEW_RECORD = "vramwatch:training_own_seconds_per_step:skew_ratio"
-# per rank: data wait per step over its job's median
-INPUT_WAIT_SKEW_RECORD = "vramwatch:training_data_wait_seconds_per_step:skew_ratio"
 
 _PER_GPU_ONLY = ",".join(x for x in contract.RANK_DEVICE if x not in contract.RANK)  # uuid,device
 _GPU_JOIN = "gpu," + ",".join(x for x in contract.RANK_DEVICE if x != "uuid")  # gpu,device,rank,local_rank
