@@ -49,7 +49,6 @@ __all__ = [
     "qt",
     "thresholds",
     "right_axis",
-    "dashed",
     "units",
     "timeseries",
     "dashboard",
@@ -267,13 +266,16 @@ def ts(
     *,
     span: int = 12,
     height: int = 8,
-    min_: float | None = None,
+    min_: float | None = 0,
     max_: float | None = None,
     limits: dashboard.ThresholdsConfig | None = None,
     bars: bool = False,
     stepped: bool = False,
     stack: bool = False,
+    dashed: dict[str, str | None] | None = None,
 ) -> timeseries.Panel:
+    """A time series panel from 0 (``min_``); ``dashed`` draws queries (refId -> a fixed colour or None) as
+    dashed reference lines (a limit, a projection)."""
     p = (
         _panel(timeseries.Panel(), title, description, unit, span, height)
         .legend(_legend())
@@ -298,6 +300,8 @@ def ts(
         )
     for t in targets:
         p = p.with_target(t)
+    for ref, color in (dashed or {}).items():
+        p = _dashed(p, ref, color)
     return p
 
 
@@ -328,8 +332,7 @@ def right_axis(
     return p.override_by_query(ref, props)
 
 
-def dashed(p: timeseries.Panel, ref: str, color: str | None = None) -> timeseries.Panel:
-    """Draw query ``ref`` as a dashed reference line (a limit, a projection)."""
+def _dashed(p: timeseries.Panel, ref: str, color: str | None) -> timeseries.Panel:
     props = [
         DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
         DynamicConfigValue(id_val="custom.fillOpacity", value=0),
