@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from vramwatch.monitoring import contract, promql
 from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.promql import num
 
 with warnings.catch_warnings():
     # the classic (v1) dashboard model and builder warn "Prefer using dashboardv2" from their class
@@ -443,12 +444,6 @@ def bar_panel(
 
 
 # --- expressions shared by several panels ---
-
-
-def num(v: float) -> str:
-    """A config number as PromQL text, without losing precision (0.85, 120, 1e-05)."""
-    f = float(v)
-    return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
 
 
 def heartbeat_age(s: Scope) -> str:
