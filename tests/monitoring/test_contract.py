@@ -137,15 +137,17 @@ def test_counter_families_expose_the_contract_name():
     assert [s.name for s in fam.samples] == [counter] and counter.endswith("_total")
 
 
-def test_each_table_row_is_built_from_its_arguments_in_order():
-    """`_m` builds every row of METRICS while the module is imported; called here, a test sees it."""
-    labels = (name for name in ("rank", "local_rank"))  # any iterable: the spec keeps a tuple
-    s = contract._m("x_bytes", "gauge", "bytes", labels, "Help.", "allocator", "why absent")
-    assert s == contract.MetricSpec(
+def test_a_section_row_takes_its_type_and_unit_from_its_name_and_its_defaults_from_the_section():
+    make = contract._section("allocator", ("rank", "local_rank"), "why absent")
+    assert make("x_bytes", "Help.") == contract.MetricSpec(
         "x_bytes", "gauge", "bytes", ("rank", "local_rank"), "Help.", "allocator", "why absent"
     )
-    assert isinstance(s.labels, tuple)
-    assert contract._m("y_total", "counter", "", [], "H.", "self").absent_when == ""  # present unless said
+    assert make("x_wait_seconds_total", "H.", "", labels=()) == contract.MetricSpec(
+        "x_wait_seconds_total", "counter", "seconds", (), "H.", "allocator", ""
+    )
+    assert (make("x_info", "H.").type, make("x_info", "H.").unit) == ("info", "")
+    assert make("x_rx_bytes_per_second", "H.").unit == "bytes"
+    assert make("x_duration_seconds", "H.", type_="histogram").type == "histogram"
     # the table itself: what the rows were built from, as the collectors and docs read it
     row = contract.spec("torch_cuda_memory_allocated_bytes")
     assert (row.type, row.unit, row.labels, row.collector) == ("gauge", "bytes", contract.RANK_DEVICE, "allocator")

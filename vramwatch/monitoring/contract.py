@@ -8,7 +8,7 @@ not listed. Names never derive from ``memory_stats()`` keys.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,766 +73,406 @@ class MetricSpec:
     absent_when: str = ""
 
 
-def _m(
-    name: str,
-    type_: str,
-    unit: str,
-    labels: Iterable[str],
-    help_: str,
-    collector: str,
-    absent_when: str = "",
-) -> MetricSpec:
-    return MetricSpec(name, type_, unit, tuple(labels), help_, collector, absent_when)
+_UNITS = ("bytes", "seconds", "watts", "joules", "hertz", "celsius")
+
+
+def _section(collector: str, labels: tuple[str, ...], absent_when: str = "") -> Callable[..., MetricSpec]:
+    """The spec maker of one collector's rows: ``labels`` and ``absent_when`` are the rows' defaults.
+
+    A row's type and unit follow from its name, as Prometheus names them: ``_total`` is a counter, ``_info``
+    an info family, any other a gauge unless the row says otherwise; the unit is the base unit in the name.
+    """
+
+    def make(
+        name: str, help_: str, absent: str = absent_when, *, labels: tuple[str, ...] = labels, type_: str = ""
+    ) -> MetricSpec:
+        kind = type_ or ("counter" if name.endswith("_total") else "info" if name.endswith("_info") else "gauge")
+        unit = next((u for u in _UNITS if f"_{u}" in name), "")
+        return MetricSpec(name, kind, unit, labels, help_, collector, absent)
+
+    return make
 
 
 _NOT_INIT = "the rank has not initialised CUDA on that device"
+_ASYNC = _NOT_INIT + "; the backend is cudaMallocAsync (always reported as zero there)"
+_NO_SNAPSHOT = _NOT_INIT + "; the backend is cudaMallocAsync (no snapshot); before the first slow sample"
+_NO_OOM = "no OOM has happened in this rank"
+_NO_SNAPSHOT_FILE = "OOM snapshots are off or none was written"
 _NO_GPM = "GPM is not supported (before Hopper, MIG on, or a VM that hides it); before the second slow sample"
 _NO_MIG = "no GPU of the node is in MIG mode (or NVML is unavailable, or does not enumerate MIG devices)"
-_ASYNC = "the backend is cudaMallocAsync (always reported as zero there)"
+
+_allocator = _section("allocator", RANK_DEVICE, _NOT_INIT)
+_heartbeat = _section("heartbeat", RANK)
+_nvml = _section("nvml", GPU, "NVML is unavailable")
+_mig = _section("nvml", MIG, _NO_MIG)
+_gpm = _section("gpm", GPU, _NO_GPM)
+_nvlink = _section("nvlink", GPU)
+_processes = _section("processes", GPU, "process attribution is off")
+_xid = _section("xid", GPU + ("xid", "action"))
+_self = _section("self", COLLECTOR)
 
 METRICS: tuple[MetricSpec, ...] = (
     # --- allocator: one series per (rank, CUDA device) the rank initialised ---
-    _m(
-        "torch_cuda_memory_allocated_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
-        "Bytes held by live tensors (allocated_bytes.all.current).",
-        "allocator",
-        _NOT_INIT,
-    ),
-    _m(
+    _allocator("torch_cuda_memory_allocated_bytes", "Bytes held by live tensors (allocated_bytes.all.current)."),
+    _allocator(
         "torch_cuda_memory_reserved_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "Bytes cached by the caching allocator, what the driver sees (reserved_bytes.all.current).",
-        "allocator",
-        _NOT_INIT,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_active_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "Bytes in active blocks, allocated or awaiting stream events (active_bytes.all.current).",
-        "allocator",
-        _NOT_INIT,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_inactive_split_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "Free pieces of split segments that empty_cache() cannot release (fragmentation).",
-        "allocator",
-        _NOT_INIT + "; " + _ASYNC,
+        _ASYNC,
     ),
-    _m(
-        "torch_cuda_memory_requested_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
-        "Bytes requested by tensors before the allocator's rounding.",
-        "allocator",
-        _NOT_INIT + "; " + _ASYNC,
+    _allocator(
+        "torch_cuda_memory_requested_bytes", "Bytes requested by tensors before the allocator's rounding.", _ASYNC
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_fragmentation_ratio",
-        "gauge",
-        "",
-        RANK_DEVICE,
         "(reserved - allocated) / reserved: the share of the cache not holding tensors, 0 when nothing is reserved.",
-        "allocator",
-        _NOT_INIT,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_largest_free_block_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "Largest free cached block, from the allocator snapshot on a slower cadence, spaced by its cost to at "
         "most 0.01% of a core: at 10,000 segments a snapshot costs ~50 ms on an H100, so the figure can be ~8 "
         "min old (its age: the _timestamp_seconds family).",
-        "allocator",
-        _NOT_INIT + "; the backend is cudaMallocAsync (no snapshot); before the first slow sample",
+        _NO_SNAPSHOT,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_largest_free_block_timestamp_seconds",
-        "gauge",
-        "seconds",
-        RANK_DEVICE,
         "When the snapshot behind the largest free block was taken (Unix time): snapshots are spaced by their "
         "cost, so on a job of many blocks the figure can be minutes old.",
-        "allocator",
-        _NOT_INIT + "; the backend is cudaMallocAsync (no snapshot); before the first slow sample",
+        _NO_SNAPSHOT,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_peak_allocated_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "Peak allocated bytes since start or the job's own reset_peak_memory_stats().",
-        "allocator",
-        _NOT_INIT,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_peak_reserved_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "Peak reserved bytes since start or the job's own reset_peak_memory_stats().",
-        "allocator",
-        _NOT_INIT,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_step_peak_allocated_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "High-water mark of allocated bytes over the last sample window, without resetting the "
         "job's peak statistics (a slow leak shows as a rising series).",
-        "allocator",
-        _NOT_INIT,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_limit_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "Per-process budget: the memory fraction in force times the device's total memory.",
-        "allocator",
-        _NOT_INIT,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_alloc_retries_total",
-        "counter",
-        "",
-        RANK_DEVICE,
         "cudaMalloc retries after the allocator flushed its cache (num_alloc_retries).",
-        "allocator",
-        _NOT_INIT + "; " + _ASYNC,
+        _ASYNC,
     ),
-    _m(
-        "torch_cuda_memory_ooms_total",
-        "counter",
-        "",
-        RANK_DEVICE,
-        "Out-of-memory errors raised by the allocator (num_ooms).",
-        "allocator",
-        _NOT_INIT,
+    _allocator("torch_cuda_memory_ooms_total", "Out-of-memory errors raised by the allocator (num_ooms)."),
+    _allocator(
+        "torch_cuda_memory_device_allocs_total", "cudaMalloc (or cuMemMap) calls made by the allocator.", _ASYNC
     ),
-    _m(
-        "torch_cuda_memory_device_allocs_total",
-        "counter",
-        "",
-        RANK_DEVICE,
-        "cudaMalloc (or cuMemMap) calls made by the allocator.",
-        "allocator",
-        _NOT_INIT + "; " + _ASYNC,
-    ),
-    _m(
-        "torch_cuda_memory_device_frees_total",
-        "counter",
-        "",
-        RANK_DEVICE,
-        "cudaFree (or cuMemUnmap) calls made by the allocator.",
-        "allocator",
-        _NOT_INIT + "; " + _ASYNC,
-    ),
-    _m(
+    _allocator("torch_cuda_memory_device_frees_total", "cudaFree (or cuMemUnmap) calls made by the allocator.", _ASYNC),
+    _allocator(
         "torch_cuda_memory_segments",
-        "gauge",
-        "",
-        RANK_DEVICE,
         "Segments held by the allocator (from the snapshot under expandable segments).",
-        "allocator",
-        _NOT_INIT + "; " + _ASYNC,
+        _ASYNC,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_cache_reclaims_total",
-        "counter",
-        "",
-        RANK_DEVICE,
         "Times the opt-in allocator hygiene emptied the cache between steps.",
-        "allocator",
         "allocator hygiene is off",
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_last_oom_requested_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "Size of the allocation that failed in the newest out-of-memory error.",
-        "allocator",
-        "no OOM has happened in this rank",
+        _NO_OOM,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_last_oom_free_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE,
         "Free device memory the driver reported at the newest out-of-memory error.",
-        "allocator",
-        "no OOM has happened in this rank",
+        _NO_OOM,
     ),
-    _m(
+    _allocator(
         "torch_cuda_memory_last_oom_timestamp_seconds",
-        "gauge",
-        "seconds",
-        RANK_DEVICE,
         "When the newest out-of-memory error happened (Unix time).",
-        "allocator",
-        "no OOM has happened in this rank",
+        _NO_OOM,
     ),
-    _m(
+    _allocator(
         "vramwatch_memory_role_bytes",
-        "gauge",
-        "bytes",
-        RANK_DEVICE + ("role",),
         "Device memory of the watched model by role (vramwatch.watch()): parameters, gradients and "
         "optimizer_state (each storage once; a DTensor's local shard), and other = allocated minus those "
         "three (activations, autograd's saved tensors, workspaces). With the cache (reserved - allocated) "
         "they add up to reserved. Walked every role_interval seconds at most 0.01% of a core (~1 us a tensor on "
         "an H100), so the figures age with the model: up to ~7 min old at 8,000 parameters (40k tensors with "
         "AdamW's state), ~95 min at 100,000.",
-        "allocator",
         "the job did not call vramwatch.watch(), or its first walk has not completed; other: " + _NOT_INIT,
+        labels=RANK_DEVICE + ("role",),
     ),
-    _m(
+    _allocator(
         "torch_cuda_allocator_info",
-        "info",
-        "",
-        RANK + ("backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb"),
         "Allocator settings in force (value 1).",
-        "allocator",
         "the rank has not initialised CUDA",
+        labels=RANK + ("backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb"),
     ),
-    _m(
+    _allocator(
         "vramwatch_oom_snapshot_info",
-        "info",
-        "",
-        RANK + ("path",),
         "The newest memory snapshot written on an OOM, openable at pytorch.org/memory_viz (value 1).",
-        "allocator",
-        "OOM snapshots are off or none was written",
+        _NO_SNAPSHOT_FILE,
+        labels=RANK + ("path",),
     ),
-    _m(
+    _allocator(
         "vramwatch_oom_snapshot_timestamp_seconds",
-        "gauge",
-        "seconds",
-        RANK,
         "When the newest OOM memory snapshot was written (Unix time).",
-        "allocator",
-        "OOM snapshots are off or none was written",
+        _NO_SNAPSHOT_FILE,
+        labels=RANK,
     ),
     # --- heartbeat: one series per rank ---
-    _m(
-        "vramwatch_training_steps_total",
-        "counter",
-        "",
-        RANK,
-        "Training steps reported by the job (vramwatch.step()).",
-        "heartbeat",
-    ),
-    _m(
+    _heartbeat("vramwatch_training_steps_total", "Training steps reported by the job (vramwatch.step())."),
+    _heartbeat(
         "vramwatch_training_tokens_total",
-        "counter",
-        "",
-        RANK,
         "Tokens the job reported processing on this rank (vramwatch.step(tokens=N)).",
-        "heartbeat",
         "the job passes no tokens",
     ),
-    _m(
+    _heartbeat(
         "vramwatch_training_samples_total",
-        "counter",
-        "",
-        RANK,
         "Samples the job reported processing on this rank (vramwatch.step(samples=N)).",
-        "heartbeat",
         "the job passes no samples",
     ),
-    _m(
+    _heartbeat(
         "vramwatch_model_flops_per_token",
-        "gauge",
-        "",
-        RANK,
         "Training FLOPs per token of the watched model, as the job declared it (vramwatch.watch("
         "flops_per_token=...)): with the tokens rate and the GPU's peak, the MFU.",
-        "heartbeat",
         "the job declared no FLOPs per token",
     ),
-    _m(
+    _heartbeat(
         "vramwatch_training_last_step_timestamp_seconds",
-        "gauge",
-        "seconds",
-        RANK,
         "When the newest step was reported (Unix time): the heartbeat.",
-        "heartbeat",
         "no step has been reported yet",
     ),
-    _m(
-        "vramwatch_training_step_duration_seconds",
-        "histogram",
-        "seconds",
-        RANK,
-        "Time between consecutive steps.",
-        "heartbeat",
-    ),
-    _m(
+    _heartbeat("vramwatch_training_step_duration_seconds", "Time between consecutive steps.", type_="histogram"),
+    _heartbeat(
         "vramwatch_training_loss",
-        "gauge",
-        "",
-        RANK,
         f"Loss the job passed with its newest step (a GPU tensor: copied without waiting for the GPU, "
         f"at most {READ_MAX_GAP:g} s apart, so it may trail the step counter by two of those); NaN or +-Inf "
         f"when it read as such.",
-        "heartbeat",
         "the job passes no loss",
     ),
-    _m(
+    _heartbeat(
         "vramwatch_training_grad_norm",
-        "gauge",
-        "",
-        RANK,
         f"Gradient norm the job passed with its newest step (a GPU tensor: read like the loss, at most "
         f"{READ_MAX_GAP:g} s apart).",
-        "heartbeat",
         "the job passes no grad norm",
     ),
-    _m(
+    _heartbeat(
         "vramwatch_sample_age_seconds",
-        "gauge",
-        "seconds",
-        RANK,
         "Age of the rank's newest published sample: grows while the rank is wedged. As of the server's last "
         "render, which may be one render gap (the shorter of interval and nvml_interval) older than the scrape.",
-        "heartbeat",
     ),
-    _m(
-        "vramwatch_rank_info",
-        "info",
-        "",
-        RANK + ("world_size", "hostname"),
-        "A rank publishing into this target (value 1).",
-        "heartbeat",
+    _heartbeat(
+        "vramwatch_rank_info", "A rank publishing into this target (value 1).", labels=RANK + ("world_size", "hostname")
     ),
     # --- how each rank ended, what it waits for, what it is doing (the rank side of incidents) ---
-    _m(
+    _heartbeat(
         "vramwatch_rank_exits_total",
-        "counter",
-        "",
-        RANK + ("reason", "detail"),
         "How the rank ended (value 1), served with its final sample: reason finished, exception, oom, signal, "
         "or killed (its process is gone and it left no final word); detail the exception's class or the "
         "signal's name, else empty.",
-        "heartbeat",
         "the rank is alive, or its final sample's grace window has passed",
+        labels=RANK + ("reason", "detail"),
     ),
-    _m(
+    _heartbeat(
         "vramwatch_collectives_total",
-        "counter",
-        "",
-        RANK,
         "Collectives this rank has issued on its default process group (its collective sequence number). "
         "In a hang, the ranks lowest in their job are the ones the others wait for.",
-        "heartbeat",
         "torch.distributed is not initialised in the rank",
     ),
-    _m(
+    _heartbeat(
         "vramwatch_training_wait_seconds_total",
-        "counter",
-        "seconds",
-        RANK + ("kind",),
         "Time the training thread spent waiting: kind collective (blocked off-CPU outside its data wait, "
         "in a gloo job: waiting for its peers) or data (for its next batch, in vramwatch.track() or a "
         "callback). In a synchronous job the slow rank is the one that waits least.",
-        "heartbeat",
         "collective: not a gloo (CPU-collective) job, or no schedstat; data: the loop is not tracked",
+        labels=RANK + ("kind",),
     ),
-    _m(
+    _heartbeat(
         "vramwatch_training_phase_start_timestamp_seconds",
-        "gauge",
-        "seconds",
-        RANK + ("phase",),
         "When the rank's declared non-training phase began (Unix time): vramwatch.phase('eval'), the "
         "callbacks' evaluation and checkpoint save/load.",
-        "heartbeat",
         "the rank is training (in no declared phase)",
+        labels=RANK + ("phase",),
     ),
-    _m(
+    _heartbeat(
         "vramwatch_training_nonfinite_total",
-        "counter",
-        "",
-        RANK + ("value",),
         "Reads of the loss or grad norm the job passed that were NaN or +-Inf (where vramwatch reads it: "
         "a Python number at each step, a tensor at each of its reads on the sampler thread).",
-        "heartbeat",
         "the job has passed no such value",
+        labels=RANK + ("value",),
     ),
     # --- NVML device readings: one series per GPU of the node ---
-    _m(
+    _nvml(
         "gpu_info",
-        "info",
-        "",
-        GPU + ("name", "driver_version", "pci_bus_id", "hostname", "mig_mode"),
         "GPU identity (value 1).",
-        "nvml",
-        "NVML is unavailable",
+        labels=GPU + ("name", "driver_version", "pci_bus_id", "hostname", "mig_mode"),
     ),
-    _m(
-        "gpu_up",
-        "gauge",
-        "",
-        GPU,
-        "1 while NVML answers for the GPU, 0 when it is lost (GPU_IS_LOST) or stops answering.",
-        "nvml",
-        "NVML is unavailable",
-    ),
-    _m(
-        "gpu_memory_total_bytes",
-        "gauge",
-        "bytes",
-        GPU,
-        "Device memory as NVML reports it.",
-        "nvml",
-        "NVML is unavailable",
-    ),
-    _m(
-        "gpu_memory_used_bytes",
-        "gauge",
-        "bytes",
-        GPU,
-        "Device memory in use by all processes, as NVML reports it.",
-        "nvml",
-        "NVML is unavailable",
-    ),
-    _m(
-        "gpu_memory_free_bytes",
-        "gauge",
-        "bytes",
-        GPU,
-        "Free device memory, as NVML reports it.",
-        "nvml",
-        "NVML is unavailable",
-    ),
-    _m(
+    _nvml("gpu_up", "1 while NVML answers for the GPU, 0 when it is lost (GPU_IS_LOST) or stops answering."),
+    _nvml("gpu_memory_total_bytes", "Device memory as NVML reports it."),
+    _nvml("gpu_memory_used_bytes", "Device memory in use by all processes, as NVML reports it."),
+    _nvml("gpu_memory_free_bytes", "Free device memory, as NVML reports it."),
+    _nvml(
         "gpu_memory_reserved_bytes",
-        "gauge",
-        "bytes",
-        GPU,
         "Device memory the driver reserves for itself (NVML memory info v2).",
-        "nvml",
         "the driver has no v2 memory call",
     ),
-    _m(
+    _nvml(
         "gpu_non_torch_memory_bytes",
-        "gauge",
-        "bytes",
-        GPU,
         "NVML used memory minus the reserved bytes of this job's ranks on the GPU (CUDA contexts, "
         "NCCL buffers, other libraries, other processes).",
-        "nvml",
-        "NVML is unavailable",
     ),
-    _m(
-        "gpu_power_watts",
-        "gauge",
-        "watts",
-        GPU,
-        "Power draw (NVML averages over 1 s on Ampere and newer).",
-        "nvml",
-        "not supported by the GPU",
-    ),
-    _m(
-        "gpu_power_limit_watts",
-        "gauge",
-        "watts",
-        GPU,
-        "Enforced power limit after all limiters.",
-        "nvml",
-        "not supported by the GPU",
-    ),
-    _m(
+    _nvml("gpu_power_watts", "Power draw (NVML averages over 1 s on Ampere and newer).", "not supported by the GPU"),
+    _nvml("gpu_power_limit_watts", "Enforced power limit after all limiters.", "not supported by the GPU"),
+    _nvml(
         "gpu_energy_joules_total",
-        "counter",
-        "joules",
-        GPU,
         "Energy since the driver loaded (slow cadence); resets on driver reload.",
-        "nvml",
         "not supported by the GPU (pre-Volta)",
     ),
-    _m(
-        "gpu_utilization_ratio",
-        "gauge",
-        "",
-        GPU,
-        "Share of the sample period a kernel ran (0..1).",
-        "nvml",
-        "not supported (MIG)",
-    ),
-    _m(
+    _nvml("gpu_utilization_ratio", "Share of the sample period a kernel ran (0..1).", "not supported (MIG)"),
+    _nvml(
         "gpu_memory_utilization_ratio",
-        "gauge",
-        "",
-        GPU,
         "Share of the sample period device memory was read or written (0..1).",
-        "nvml",
         "not supported (MIG)",
     ),
-    _m("gpu_temperature_celsius", "gauge", "celsius", GPU, "GPU core temperature.", "nvml", "not supported by the GPU"),
-    _m("gpu_sm_clock_hertz", "gauge", "hertz", GPU, "Current SM clock.", "nvml", "not supported"),
-    _m("gpu_memory_clock_hertz", "gauge", "hertz", GPU, "Current memory clock.", "nvml", "not supported"),
-    _m(
+    _nvml("gpu_temperature_celsius", "GPU core temperature.", "not supported by the GPU"),
+    _nvml("gpu_sm_clock_hertz", "Current SM clock.", "not supported"),
+    _nvml("gpu_memory_clock_hertz", "Current memory clock.", "not supported"),
+    _nvml(
         "gpu_clock_throttle",
-        "gauge",
-        "",
-        GPU + ("reason",),
         "1 while the clocks are held down for that reason, else 0.",
-        "nvml",
         "not supported",
+        labels=GPU + ("reason",),
     ),
-    _m(
+    _nvml(
         "gpu_ecc_errors_total",
-        "counter",
-        "",
-        GPU + ("type",),
         "ECC errors since the driver loaded (volatile), by type corrected/uncorrected.",
-        "nvml",
         "ECC is off or not supported",
+        labels=GPU + ("type",),
     ),
-    _m(
+    _nvml(
         "gpu_remapped_rows",
-        "gauge",
-        "",
-        GPU + ("kind",),
         "Remapped memory rows: correctable, uncorrectable, pending (reset needed), failure.",
-        "nvml",
         "not supported (pre-Ampere, MIG)",
+        labels=GPU + ("kind",),
     ),
-    _m("gpu_pcie_replays_total", "counter", "", GPU, "PCIe replay counter (slow cadence).", "nvml", "not supported"),
+    _nvml("gpu_pcie_replays_total", "PCIe replay counter (slow cadence).", "not supported"),
     # --- MIG: one series per MIG instance (compute instance) of a GPU in MIG mode ---
-    _m(
+    _mig(
         "gpu_mig_info",
-        "info",
-        "",
-        MIG_INFO,
         "A MIG instance of GPU gpu (value 1): uuid is the instance's MIG-... uuid (NVML's, the one a rank on "
         "the instance labels its series with), parent_uuid the card's GPU-... uuid (the uuid of its gpu_* "
         "series), gpu_instance_id and compute_instance_id NVML's ids (dcgm-exporter's GPU_I_ID is the first), "
         "profile the MIG profile from the instance's name (e.g. 3g.71gb; dcgm-exporter's GPU_I_PROFILE).",
-        "nvml",
-        _NO_MIG,
+        labels=MIG_INFO,
     ),
-    _m(
+    _mig(
         "gpu_mig_memory_total_bytes",
-        "gauge",
-        "bytes",
-        MIG,
         "Memory of the MIG instance as NVML reports it for the instance's handle (its own share, not the card's).",
-        "nvml",
-        _NO_MIG,
     ),
-    _m(
-        "gpu_mig_memory_used_bytes",
-        "gauge",
-        "bytes",
-        MIG,
-        "Memory of the MIG instance in use by its processes, as NVML reports it.",
-        "nvml",
-        _NO_MIG,
-    ),
-    _m(
-        "gpu_mig_memory_free_bytes",
-        "gauge",
-        "bytes",
-        MIG,
-        "Free memory of the MIG instance, as NVML reports it.",
-        "nvml",
-        _NO_MIG,
-    ),
+    _mig("gpu_mig_memory_used_bytes", "Memory of the MIG instance in use by its processes, as NVML reports it."),
+    _mig("gpu_mig_memory_free_bytes", "Free memory of the MIG instance, as NVML reports it."),
     # --- GPU activity: NVML GPM (Hopper and newer), a rate over one slow interval between two samples ---
-    _m(
+    _gpm(
         "gpu_sm_activity_ratio",
-        "gauge",
-        "",
-        GPU,
         "Share of SMs busy over the last slow interval (NVML GPM SM_UTIL, 0..1); unlike gpu_utilization_ratio "
         "(a kernel ran at all) it shows how much of the chip the kernels used.",
-        "gpm",
-        _NO_GPM,
     ),
-    _m(
+    _gpm(
         "gpu_sm_occupancy_ratio",
-        "gauge",
-        "",
-        GPU,
         "Resident warps against the SMs' maximum over the last slow interval (NVML GPM SM_OCCUPANCY, 0..1).",
-        "gpm",
-        _NO_GPM,
     ),
-    _m(
+    _gpm(
         "gpu_tensor_activity_ratio",
-        "gauge",
-        "",
-        GPU,
         "Share of time the SMs ran any tensor-core work over the last slow interval (NVML GPM ANY_TENSOR_UTIL, 0..1).",
-        "gpm",
-        _NO_GPM,
     ),
-    _m(
+    _gpm(
         "gpu_dram_bandwidth_utilization_ratio",
-        "gauge",
-        "",
-        GPU,
         "Device-memory bandwidth used against the theoretical peak over the last slow interval (NVML GPM "
         "DRAM_BW_UTIL, 0..1).",
-        "gpm",
-        _NO_GPM,
     ),
-    _m(
+    _gpm(
         "gpu_pcie_rx_bytes_per_second",
-        "gauge",
-        "bytes",
-        GPU,
         "PCIe traffic into the GPU over the last slow interval (NVML GPM PCIE_RX_PER_SEC).",
-        "gpm",
-        _NO_GPM,
     ),
-    _m(
+    _gpm(
         "gpu_pcie_tx_bytes_per_second",
-        "gauge",
-        "bytes",
-        GPU,
         "PCIe traffic out of the GPU over the last slow interval (NVML GPM PCIE_TX_PER_SEC).",
-        "gpm",
-        _NO_GPM,
     ),
-    _m(
+    _gpm(
         "gpu_nvlink_rx_bytes_per_second",
-        "gauge",
-        "bytes",
-        GPU,
         "NVLink traffic received over all links in the last slow interval (NVML GPM NVLINK_TOTAL_RX_PER_SEC).",
-        "gpm",
         _NO_GPM + "; no NVLink",
     ),
-    _m(
+    _gpm(
         "gpu_nvlink_tx_bytes_per_second",
-        "gauge",
-        "bytes",
-        GPU,
         "NVLink traffic sent over all links in the last slow interval (NVML GPM NVLINK_TOTAL_TX_PER_SEC).",
-        "gpm",
         _NO_GPM + "; no NVLink",
     ),
-    _m(
+    _nvlink(
         "gpu_nvlink_errors_total",
-        "counter",
-        "",
-        GPU + ("type",),
         "NVLink data-link errors of the GPU's active links together since the driver loaded (slow cadence), by type: "
         + ", ".join(NVLINK_ERROR_TYPES)
         + " (crc: flit and data CRC errors together).",
-        "nvlink",
         "NVLink is not supported or no link is active (also in VMs that hide the links)",
+        labels=GPU + ("type",),
     ),
-    _m(
-        "gpu_foreign_processes",
-        "gauge",
-        "",
-        GPU,
-        "Compute processes on the GPU that are not ranks of this job.",
-        "processes",
-        "process attribution is off",
-    ),
-    _m(
-        "gpu_foreign_process_memory_bytes",
-        "gauge",
-        "bytes",
-        GPU,
-        "Device memory used by the foreign processes.",
-        "processes",
-        "process attribution is off",
-    ),
-    _m(
+    _processes("gpu_foreign_processes", "Compute processes on the GPU that are not ranks of this job."),
+    _processes("gpu_foreign_process_memory_bytes", "Device memory used by the foreign processes."),
+    _xid(
         "gpu_xid_errors_total",
-        "counter",
-        "",
-        GPU + ("xid", "action"),
         "Xid events seen since the exporter started (pre-initialised at 0 for the Xids that matter); action: "
         "the resolution bucket of NVIDIA's Xid catalogue for that code (contract.XID_ACTIONS, unknown for a code "
         "it lacks).",
-        "xid",
         "the Xid watcher is off or NVML has no events",
     ),
-    _m(
+    _xid(
         "gpu_last_xid_timestamp_seconds",
-        "gauge",
-        "seconds",
-        GPU + ("xid", "action"),
         "When the newest event of that Xid came (Unix time).",
-        "xid",
         "no event of that Xid yet",
     ),
-    _m(
+    _nvml(
         "gpu_recovery_action",
-        "gauge",
-        "",
-        GPU + ("action",),
         "NVML's GPU recovery action, 1 for the state in force and 0 for the others: "
         + ", ".join(RECOVERY_ACTIONS)
         + " (read on the NVML collector's cadence).",
-        "nvml",
         "the driver or GPU lacks the field (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, newer drivers), or the GPU is lost",
+        labels=GPU + ("action",),
     ),
     # --- self-health ---
-    _m(
+    _nvml(
         "vramwatch_nvml_available",
-        "gauge",
-        "",
-        ("reason",),
         "1 on a node with NVML and GPUs (reason empty); 0 on one without, reason one of "
         + ", ".join(NVML_ABSENT_REASONS)
         + ": a state, not a failure (the NVML collectors stay up).",
-        "nvml",
         "the NVML collector is off, or NVML's init fails for another reason (then its up is 0)",
+        labels=("reason",),
     ),
-    _m(
+    _self(
         "vramwatch_collector_up",
-        "gauge",
-        "",
-        COLLECTOR,
         "1 if the collector's last read worked (an unsupported field, or a node without NVML, keeps it 1), "
         "else 0. "
         "rank and job_id are empty for the server's own collectors.",
-        "self",
     ),
-    _m("vramwatch_collector_errors_total", "counter", "", COLLECTOR, "Failed reads of the collector.", "self"),
-    _m(
-        "vramwatch_collector_duration_seconds",
-        "gauge",
-        "seconds",
-        COLLECTOR,
-        "How long the collector's last read took.",
-        "self",
-    ),
-    _m(
+    _self("vramwatch_collector_errors_total", "Failed reads of the collector."),
+    _self("vramwatch_collector_duration_seconds", "How long the collector's last read took."),
+    _self(
         "vramwatch_ranks",
-        "gauge",
-        "",
-        (),
         "Live ranks publishing into this target, of all its jobs: the number of vramwatch_sample_age_seconds "
         "series. A dead rank's final sample, served for dead_rank_grace_seconds with its vramwatch_rank_info, is "
         "not counted (count(vramwatch_rank_info) is larger by the dead ranks in their window).",
-        "self",
+        labels=(),
     ),
-    _m(
+    _self(
         "vramwatch_spool_dropped_total",
-        "counter",
-        "",
-        ("reason",),
         "What the server left out of the ranks' samples to bound cardinality, by reason: dead_rank (a dead "
         "rank's final sample beyond its owner's share of max_ranks final samples), rank (a live rank beyond its "
         "owner's share of max_ranks or of the series budget, per read), oversized "
@@ -840,18 +480,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "(an entry whose label value is too long), refused (an entry of a node daemon's spool that is not its owner's "
         "own: a symlink, another user's file, a squatted directory, a sample under another user's job_id; per read, "
         "see docs/security.md).",
-        "self",
+        labels=("reason",),
     ),
-    _m("vramwatch_build_info", "info", "", ("version", "hostname"), "vramwatch build (value 1).", "self"),
-    _m(
+    _self("vramwatch_build_info", "vramwatch build (value 1).", labels=("version", "hostname")),
+    _self(
         "vramwatch_server_mode",
-        "gauge",
-        "",
-        ("mode",),
         "What serves this target (value 1): node, the node's long-running daemon (`vramwatch serve --node`) for "
         "every user's ranks, whose absence is a fault; job, a server a rank started, which exits after its "
         "ranks (VramwatchTargetDown tells them apart).",
-        "self",
+        labels=("mode",),
     ),
 )
 

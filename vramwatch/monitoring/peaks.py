@@ -39,17 +39,7 @@ from __future__ import annotations
 
 TFLOPS = 1e12
 
-# (NVML name pattern, dense BF16 FLOP/s), specific names first
-DENSE_BF16: tuple[tuple[str, float], ...] = (
-    ("NVIDIA H200 NVL.*", 835 * TFLOPS),
-    ("NVIDIA H200.*", 989 * TFLOPS),
-    ("NVIDIA H100 NVL.*", 835 * TFLOPS),
-    ("NVIDIA H100 PCIe.*", 756 * TFLOPS),
-    ("NVIDIA H100.*", 989 * TFLOPS),
-    ("NVIDIA A100.*", 312 * TFLOPS),
-)
-
-# pattern -> (datasheet, its BF16 tensor-core figure with sparsity in TFLOPS): the entry is half of it
+# NVML name pattern -> (datasheet, its BF16 tensor-core figure with sparsity in TFLOPS); specific names first
 SOURCES: dict[str, tuple[str, float]] = {
     "NVIDIA H200 NVL.*": ("NVIDIA H200 Tensor Core GPU datasheet, H200 NVL", 1671),
     "NVIDIA H200.*": ("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM", 1979),
@@ -58,3 +48,5 @@ SOURCES: dict[str, tuple[str, float]] = {
     "NVIDIA H100.*": ("NVIDIA H100 Tensor Core GPU datasheet, H100 SXM", 1979),
     "NVIDIA A100.*": ("NVIDIA A100 Tensor Core GPU datasheet, A100 SXM4 and PCIe", 624),
 }
+# (pattern, dense BF16 FLOP/s): half the sparse figure, rounded down to a whole TFLOP/s
+DENSE_BF16: tuple[tuple[str, float], ...] = tuple((p, sparse // 2 * TFLOPS) for p, (_, sparse) in SOURCES.items())

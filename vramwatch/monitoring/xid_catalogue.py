@@ -67,18 +67,8 @@ SILENT_ACTIONS: tuple[str, ...] = ("ignore",)
 
 ACTIONS: tuple[str, ...] = (*PAGE_ACTIONS, *WARN_ACTIONS, SOLO_ACTION, *SILENT_ACTIONS)
 
-# NVML's GPU recovery action (nvmlDeviceGpuRecoveryAction_t, field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230),
-# by value; one series per state on gpu_recovery_action
-RECOVERY_ACTIONS: tuple[str, ...] = (
-    "none",
-    "gpu_reset",
-    "node_reboot",
-    "drain_p2p",
-    "drain_and_reset",
-    "recover_imex_domain",
-    "bus_reset",
-    "system_reboot",
-)
+# NVML's GPU recovery action (nvmlDeviceGpuRecoveryAction_t, field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230):
+# state -> what to do, in the order of the states' values; one series per state on gpu_recovery_action
 RECOVERY_ADVICE: dict[str, str] = {
     "none": "nothing: new processes can use the GPU",
     "gpu_reset": "stop the GPU's processes and reset it (nvidia-smi -r)",
@@ -89,6 +79,7 @@ RECOVERY_ADVICE: dict[str, str] = {
     "bus_reset": "reset the GPU's PCIe bus",
     "system_reboot": "drain the node and reboot it",
 }
+RECOVERY_ACTIONS: tuple[str, ...] = tuple(RECOVERY_ADVICE)
 
 
 def action(xid: int | str) -> str:
@@ -105,11 +96,6 @@ def meaning(xid: int) -> str:
     """The catalogue's short description of ``xid`` ("" when it lacks the code)."""
     row = CATALOGUE.get(int(xid))
     return row[1] if row else ""
-
-
-def mnemonic(xid: int) -> str:
-    row = CATALOGUE.get(int(xid))
-    return row[0] if row else ""
 
 
 def recovery_action(value: int) -> str:

@@ -57,6 +57,11 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
+def dump(doc: dict[str, Any]) -> str:
+    """YAML with multi-line strings as literal blocks and no folding of long lines (the Helm chart finds the
+    rules' config values in one line of each annotation)."""
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1 << 20, allow_unicode=True)
+
+
 def to_yaml(doc: dict[str, Any]) -> str:
-    # no folding: the Helm chart finds the rules' config values in one line of each annotation
-    return HEADER + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1 << 20, allow_unicode=True)
+    return HEADER + dump(doc)

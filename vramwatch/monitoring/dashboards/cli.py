@@ -60,17 +60,20 @@ def run(args: argparse.Namespace) -> int:
         for rel in bad:
             print(f"stale: {args.check}/{rel} (run: vramwatch dashboards --write {args.check})", file=sys.stderr)
         return 1 if bad else 0
-    models = build_all(cfg)
-    if args.uid:
-        for m in models:
-            if m.uid == args.uid:
-                sys.stdout.write(render.dashboard_json(m))
-                return 0
-        print(f"no dashboard {args.uid!r}; known: {', '.join(str(m.uid) for m in models)}", file=sys.stderr)
-        return 2
-    for m in models:
-        print(f"{m.uid:28} {m.title}")
-    return 0
+    return show(args, {str(m.uid): (str(m.title), render.dashboard_json(m)) for m in build_all(cfg)})
+
+
+def show(args: argparse.Namespace, dashboards: dict[str, tuple[str, str]]) -> int:
+    """Print the JSON of the dashboard ``--uid`` names, or list them all; ``dashboards``: uid -> (title, JSON)."""
+    if not args.uid:
+        for uid, (title, _) in dashboards.items():
+            print(f"{uid:28} {title}")
+        return 0
+    if args.uid in dashboards:
+        sys.stdout.write(dashboards[args.uid][1])
+        return 0
+    print(f"no dashboard {args.uid!r}; known: {', '.join(dashboards)}", file=sys.stderr)
+    return 2
 
 
 # the files `--write` writes (render.generated_files), as globs over the shipped tree
@@ -92,29 +95,15 @@ def shipped_dashboard_files() -> list[str]:
 def run_shipped(args: argparse.Namespace) -> int:
     """List, print or write the shipped dashboards (no SDK needed)."""
     try:
-        return _run_shipped(args)
+        if args.write:
+            for rel in shipped_dashboard_files():
+                path = Path(args.write) / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(shipped.shipped_text(rel), encoding="utf-8")
+                print(path)
+            return 0
+        texts = [shipped.shipped_text(rel) for rel in shipped.shipped_files("grafana/dashboards", "*.json")]
+        return show(args, {str(d.get("uid")): (str(d.get("title")), t) for t in texts for d in [json.loads(t)]})
     except FileNotFoundError as e:
         print(f"vramwatch dashboards: {e}; rebuilding them needs {NEEDS}", file=sys.stderr)
         return 2
-
-
-def _run_shipped(args: argparse.Namespace) -> int:
-    if args.write:
-        for rel in shipped_dashboard_files():
-            path = Path(args.write) / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(shipped.shipped_text(rel), encoding="utf-8")
-            print(path)
-        return 0
-    texts = {rel: shipped.shipped_text(rel) for rel in shipped.shipped_files("grafana/dashboards", "*.json")}
-    models = [json.loads(t) for t in texts.values()]
-    if args.uid:
-        for rel, model in zip(texts, models, strict=True):
-            if model.get("uid") == args.uid:
-                sys.stdout.write(texts[rel])
-                return 0
-        print(f"no dashboard {args.uid!r}; known: {', '.join(str(m.get('uid')) for m in models)}", file=sys.stderr)
-        return 2
-    for m in models:
-        print(f"{m.get('uid')!s:28} {m.get('title')}")
-    return 0

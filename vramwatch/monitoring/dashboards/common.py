@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from vramwatch.monitoring import contract, promql
 from vramwatch.monitoring.config import MonitoringConfig
+from vramwatch.monitoring.promql import num
 
 with warnings.catch_warnings():
     # the classic (v1) dashboard model and builder warn "Prefer using dashboardv2" from their class
@@ -49,7 +50,6 @@ __all__ = [
     "qt",
     "thresholds",
     "right_axis",
-    "dashed",
     "units",
     "timeseries",
     "dashboard",
@@ -267,13 +267,16 @@ def ts(
     *,
     span: int = 12,
     height: int = 8,
-    min_: float | None = None,
+    min_: float | None = 0,
     max_: float | None = None,
     limits: dashboard.ThresholdsConfig | None = None,
     bars: bool = False,
     stepped: bool = False,
     stack: bool = False,
+    dashed: dict[str, str | None] | None = None,
 ) -> timeseries.Panel:
+    """A time series panel from 0 (``min_``); ``dashed`` draws queries (refId -> a fixed colour or None) as
+    dashed reference lines (a limit, a projection)."""
     p = (
         _panel(timeseries.Panel(), title, description, unit, span, height)
         .legend(_legend())
@@ -298,6 +301,8 @@ def ts(
         )
     for t in targets:
         p = p.with_target(t)
+    for ref, color in (dashed or {}).items():
+        p = _dashed(p, ref, color)
     return p
 
 
@@ -328,8 +333,7 @@ def right_axis(
     return p.override_by_query(ref, props)
 
 
-def dashed(p: timeseries.Panel, ref: str, color: str | None = None) -> timeseries.Panel:
-    """Draw query ``ref`` as a dashed reference line (a limit, a projection)."""
+def _dashed(p: timeseries.Panel, ref: str, color: str | None) -> timeseries.Panel:
     props = [
         DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
         DynamicConfigValue(id_val="custom.fillOpacity", value=0),
@@ -440,12 +444,6 @@ def bar_panel(
 
 
 # --- expressions shared by several panels ---
-
-
-def num(v: float) -> str:
-    """A config number as PromQL text, without losing precision (0.85, 120, 1e-05)."""
-    f = float(v)
-    return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
 
 
 def heartbeat_age(s: Scope) -> str:

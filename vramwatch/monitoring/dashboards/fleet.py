@@ -109,7 +109,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "NVML used / total over time; dashed: the alert thresholds.",
             units.PercentUnit,
             [q(f"topk(10, {pressure})", "{{instance}} gpu{{gpu}}")],
-            min_=0,
             max_=1,
             limits=memory_limits(cfg),
             span=24,

@@ -8,7 +8,6 @@ from vramwatch.monitoring.dashboards.common import (
     Scope,
     base_dashboard,
     dashboard,
-    dashed,
     m,
     num,
     q,
@@ -46,7 +45,6 @@ def bound_panel(s: Scope, legend: str, span: int) -> timeseries.Panel:
             q(f"{m('gpu_sm_occupancy_ratio')}{s.gpu}", f"SM occupancy {legend}", "D"),
         ],
         span=span,
-        min_=0,
         max_=1,
     )
 
@@ -81,13 +79,18 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
         ],
         span=24,
         height=9,
-        min_=0,
+        dashed={"B": "orange"},
     )
-    p = dashed(p, "B", "orange")
     p = right_axis(p, "C", units.PercentUnit, min_=0, max_=1, limits=thresholds((cfg.busy_utilization_ratio, "orange")))
     d = d.with_panel(p)
     d = d.with_panel(
-        ts("Temperature", "GPU core temperature.", units.Celsius, [q(f"{m('gpu_temperature_celsius')}{s.gpu}", GPU)])
+        ts(
+            "Temperature",
+            "GPU core temperature.",
+            units.Celsius,
+            [q(f"{m('gpu_temperature_celsius')}{s.gpu}", GPU)],
+            min_=None,
+        )
     )
     d = d.with_panel(
         ts(
@@ -98,7 +101,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                 q(f"{m('gpu_sm_clock_hertz')}{s.gpu}", f"SM {GPU}", "A"),
                 q(f"{m('gpu_memory_clock_hertz')}{s.gpu}", f"memory {GPU}", "B"),
             ],
-            min_=0,
         )
     )
     d = d.with_panel(
@@ -108,7 +110,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "gpu_idle and applications_clocks_setting are normal; thermal and power reasons cost speed.",
             units.Short,
             [q(f"sum by (reason) ({m('gpu_clock_throttle')}{s.gpu})", "{{reason}}")],
-            min_=0,
             stepped=True,
         )
     )
@@ -118,7 +119,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "Share of time device memory was read or written.",
             units.PercentUnit,
             [q(f"{m('gpu_memory_utilization_ratio')}{s.gpu}", GPU)],
-            min_=0,
             max_=1,
         )
     )
@@ -138,7 +138,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             q(f"{m('gpu_nvlink_tx_bytes_per_second')}{s.gpu}", f"NVLink out {GPU}", "D"),
         ],
         span=12,
-        min_=0,
     )
     d = d.with_panel(p)
 
@@ -178,7 +177,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                 q(f"{m('gpu_pcie_replays_total')}{s.gpu}", f"PCIe replays {GPU}", "C"),
                 q(f"{m('gpu_nvlink_errors_total')}{s.gpu}", f"NVLink {{{{type}}}} {GPU}", "D"),
             ],
-            min_=0,
             stepped=True,
         )
     )
@@ -191,7 +189,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             q(f"{m('gpu_foreign_processes')}{s.gpu}", f"processes {GPU}", "A"),
             q(f"{m('gpu_foreign_process_memory_bytes')}{s.gpu}", f"memory {GPU}", "B"),
         ],
-        min_=0,
         stepped=True,
     )
     d = d.with_panel(right_axis(p, "B", units.BytesIEC, min_=0))
@@ -201,7 +198,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "1 while NVML answers for the GPU, 0 once it is lost (GPU_IS_LOST) or stops answering.",
             units.Short,
             [q(f"{m('gpu_up')}{s.gpu}", GPU)],
-            min_=0,
             max_=1,
             stepped=True,
             limits=thresholds((1, "green"), base="red"),

@@ -9,7 +9,6 @@ from vramwatch.monitoring.dashboards.common import (
     Scope,
     base_dashboard,
     dashboard,
-    dashed,
     heartbeat_age,
     m,
     mean_step_seconds,
@@ -74,34 +73,26 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
 
     d = d.with_row(dashboard.Row("Memory"))
     d = d.with_panel(
-        dashed(
-            dashed(
-                ts(
-                    "Allocated, reserved, card total and limit",
-                    "Allocated: bytes in live tensors. Reserved: what the allocator took from the driver and keeps "
-                    "cached (it is not given back on its own). Card total: the GPU's memory (NVML), for the GPUs the "
-                    "ranks use (a MIG instance's own, for a rank on one). Limit: the per-process budget (memory "
-                    "fraction x total). nvidia-smi's used memory is reserved plus what is outside PyTorch (see below).",
-                    units.BytesIEC,
-                    [
-                        q(f"{alloc}{s.device}", f"allocated {RANK} cuda:{{{{device}}}}", "A"),
-                        q(f"{reserved}{s.device}", f"reserved {RANK} cuda:{{{{device}}}}", "B"),
-                        q(
-                            # a rank on a MIG instance: the instance's total (its uuid is the instance's)
-                            f"({m('gpu_memory_total_bytes')}{s.gpu} or {m('gpu_mig_memory_total_bytes')}{s.gpu})"
-                            f" and on (job, instance, uuid) {reserved}{s.device}",
-                            "card total gpu{{gpu}}",
-                            "C",
-                        ),
-                        q(f"{limit}{s.device}", f"limit {RANK}", "D"),
-                    ],
-                    min_=0,
+        ts(
+            "Allocated, reserved, card total and limit",
+            "Allocated: bytes in live tensors. Reserved: what the allocator took from the driver and keeps "
+            "cached (it is not given back on its own). Card total: the GPU's memory (NVML), for the GPUs the "
+            "ranks use (a MIG instance's own, for a rank on one). Limit: the per-process budget (memory "
+            "fraction x total). nvidia-smi's used memory is reserved plus what is outside PyTorch (see below).",
+            units.BytesIEC,
+            [
+                q(f"{alloc}{s.device}", f"allocated {RANK} cuda:{{{{device}}}}", "A"),
+                q(f"{reserved}{s.device}", f"reserved {RANK} cuda:{{{{device}}}}", "B"),
+                q(
+                    # a rank on a MIG instance: the instance's total (its uuid is the instance's)
+                    f"({m('gpu_memory_total_bytes')}{s.gpu} or {m('gpu_mig_memory_total_bytes')}{s.gpu})"
+                    f" and on (job, instance, uuid) {reserved}{s.device}",
+                    "card total gpu{{gpu}}",
+                    "C",
                 ),
-                "C",
-                "red",
-            ),
-            "D",
-            "orange",
+                q(f"{limit}{s.device}", f"limit {RANK}", "D"),
+            ],
+            dashed={"C": "red", "D": "orange"},
         )
     )
     roles = m("vramwatch_memory_role_bytes")
@@ -123,7 +114,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                     "B",
                 ),
             ],
-            min_=0,
             stack=True,
         )
     )
@@ -138,7 +128,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                 q(f"{reserved}{s.device} / {limit}{s.device}", f"{RANK} reserved / limit", "A"),
                 q(memory_pressure(s), "gpu{{gpu}} used / total", "B"),
             ],
-            min_=0,
             max_=1,
             limits=memory_limits(cfg),
         )
@@ -150,7 +139,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "buffers, other libraries, other processes. It grows when something else takes the card.",
             units.BytesIEC,
             [q(f"{m('gpu_non_torch_memory_bytes')}{s.gpu}", "gpu{{gpu}} outside PyTorch")],
-            min_=0,
         )
     )
     d = d.with_panel(
@@ -161,7 +149,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             f"{num(cfg.fragmentation_ratio)} (dashed) once memory is also high.",
             units.PercentUnit,
             [q(f"{m('torch_cuda_memory_fragmentation_ratio')}{s.device}", RANK)],
-            min_=0,
             max_=1,
             limits=thresholds((cfg.fragmentation_ratio, "orange")),
         )
@@ -178,7 +165,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             q(f"{m('torch_cuda_memory_inactive_split_bytes')}{s.device}", f"inactive split {RANK}", "B"),
             q(block_age, f"age of the largest free block {RANK}", "C"),
         ],
-        min_=0,
     )
     d = d.with_panel(right_axis(blocks, "C", units.Seconds, min_=0, dashed=True))
     d = d.with_panel(
@@ -207,7 +193,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                 ),
                 q(f"increase({m('torch_cuda_memory_ooms_total')}{s.device}[$__rate_interval])", f"OOMs {RANK}", "B"),
             ],
-            min_=0,
             bars=True,
         )
     )
@@ -215,27 +200,20 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     projected = f"{m(promql.LEAK_PROJECTION_RECORD)}{s.device}"
     hours = num(cfg.leak_horizon_hours)
     d = d.with_panel(
-        dashed(
-            dashed(
-                ts(
-                    "Per-step peak and leak projection",
-                    f"High-water mark of allocated bytes per sample window; a peak that keeps rising is a leak. The "
-                    f"projection extends the last {cfg.leak_window}'s trend {hours} h ahead "
-                    f"(the leak alert's horizon): "
-                    f"when it crosses the limit, the job runs out within that time. It is drawn at most "
-                    f"{num(PROJECTION_CAP)}x the limit, so a steep trend does not flatten the peak.",
-                    units.BytesIEC,
-                    [
-                        q(step_peak, f"step peak {RANK}", "A"),
-                        q(capped_projection(projected, f"{limit}{s.device}"), f"in {hours} h {RANK}", "B"),
-                        q(f"{limit}{s.device}", f"limit {RANK}", "C"),
-                    ],
-                    min_=0,
-                ),
-                "B",
-            ),
-            "C",
-            "red",
+        ts(
+            "Per-step peak and leak projection",
+            f"High-water mark of allocated bytes per sample window; a peak that keeps rising is a leak. The "
+            f"projection extends the last {cfg.leak_window}'s trend {hours} h ahead "
+            f"(the leak alert's horizon): "
+            f"when it crosses the limit, the job runs out within that time. It is drawn at most "
+            f"{num(PROJECTION_CAP)}x the limit, so a steep trend does not flatten the peak.",
+            units.BytesIEC,
+            [
+                q(step_peak, f"step peak {RANK}", "A"),
+                q(capped_projection(projected, f"{limit}{s.device}"), f"in {hours} h {RANK}", "B"),
+                q(f"{limit}{s.device}", f"limit {RANK}", "C"),
+            ],
+            dashed={"B": None, "C": "red"},
         )
     )
 
@@ -254,7 +232,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                     for (quantile, name), ref in zip(promql.STEP_QUANTILE_RECORDS.items(), "BC", strict=True)
                 ),
             ],
-            min_=0,
         )
     )
     d = d.with_panel(
@@ -263,7 +240,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "Training steps the job reported (vramwatch.step()).",
             units.Short,
             [q(f"rate({m('vramwatch_training_steps_total')}{s.rank}[$__rate_interval])", RANK)],
-            min_=0,
         )
     )
     tokens = f"rate({m('vramwatch_training_tokens_total')}{s.rank}[$__rate_interval])"
@@ -274,7 +250,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "Tokens the ranks reported with vramwatch.step(tokens=N), per rank and summed per job (the job_labels).",
             units.Short,
             [q(tokens, RANK, "A"), q(f"sum by ({jobs}) ({tokens})", "job total", "B")],
-            min_=0,
         )
     )
     energy = f"rate({m('gpu_energy_joules_total')}{s.gpu}[$__rate_interval])"
@@ -293,7 +268,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
                     "B",
                 ),
             ],
-            min_=0,
         )
     )
     d = d.with_panel(
@@ -304,7 +278,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "Empty when the job declares no FLOPs per token or the GPU is not in the table.",
             units.PercentUnit,
             [q(rank_mfu(cfg, s), RANK)],
-            min_=0,
         )
     )
     d = d.with_panel(
@@ -316,27 +289,22 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "they are not.",
             units.Short,
             [q(step_skew(cfg, s), RANK)],
-            min_=0,
             limits=thresholds((cfg.straggler_ratio, "orange")),
         )
     )
     d = d.with_panel(
-        dashed(
-            ts(
-                "Heartbeat age",
-                f"Seconds since each rank's newest step, against its stall bound (dashed): {num(cfg.stall_factor)} x "
-                f"its mean step time over the last {cfg.stall_window}, at least {num(cfg.stall_min_seconds)} s. "
-                f"A heartbeat "
-                f"above its bound is a stalled rank; check the GPU health dashboard for the busy-stall signature.",
-                units.Seconds,
-                [
-                    q(heartbeat_age(s), f"age {RANK}", "A"),
-                    q(stall_bound(cfg, s), f"stall bound {RANK}", "B"),
-                ],
-                min_=0,
-            ),
-            "B",
-            "red",
+        ts(
+            "Heartbeat age",
+            f"Seconds since each rank's newest step, against its stall bound (dashed): {num(cfg.stall_factor)} x "
+            f"its mean step time over the last {cfg.stall_window}, at least {num(cfg.stall_min_seconds)} s. "
+            f"A heartbeat "
+            f"above its bound is a stalled rank; check the GPU health dashboard for the busy-stall signature.",
+            units.Seconds,
+            [
+                q(heartbeat_age(s), f"age {RANK}", "A"),
+                q(stall_bound(cfg, s), f"stall bound {RANK}", "B"),
+            ],
+            dashed={"B": "red"},
         )
     )
     d = d.with_panel(
@@ -346,7 +314,6 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             f"holding the GIL in a C extension); the exporter alert fires above {num(cfg.sample_stale_seconds)} s.",
             units.Seconds,
             [q(f"{m('vramwatch_sample_age_seconds')}{s.rank}", RANK)],
-            min_=0,
             limits=thresholds((cfg.sample_stale_seconds, "red")),
         )
     )

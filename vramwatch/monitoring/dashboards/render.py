@@ -13,8 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
+from vramwatch.monitoring.alerts.render import dump
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
 from vramwatch.monitoring.dashboards import build_all
 from vramwatch.monitoring.dashboards.common import JSONEncoder
@@ -31,21 +30,6 @@ def dashboard_json(model: Dashboard) -> str:
     return JSONEncoder(sort_keys=True, indent=2).encode(model) + "\n"
 
 
-class _Literal(str):
-    pass
-
-
-def _literal(dumper: yaml.SafeDumper, data: _Literal) -> yaml.ScalarNode:
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|")
-
-
-class _Dumper(yaml.SafeDumper):
-    pass
-
-
-_Dumper.add_representer(_Literal, _literal)
-
-
 def configmap_yaml(files: dict[str, str], name: str = CONFIGMAP_NAME) -> str:
     doc = {
         "apiVersion": "v1",
@@ -58,9 +42,9 @@ def configmap_yaml(files: dict[str, str], name: str = CONFIGMAP_NAME) -> str:
                 "app.kubernetes.io/component": "dashboards",
             },
         },
-        "data": {k: _Literal(v) for k, v in sorted(files.items())},
+        "data": dict(sorted(files.items())),
     }
-    return HEADER + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1 << 16)
+    return HEADER + dump(doc)
 
 
 def generated_files(cfg: MonitoringConfig = DEFAULT) -> dict[str, str]:
