@@ -35,19 +35,7 @@ from vramwatch.spool.schema import (
     TrainingState,
 )
 
-# One encoder for every sample: json.dumps would build a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-# The histogram's bounds are one tuple for the life of a process (heartbeat.BUCKETS): encoded once.
-_buckets_json: tuple[tuple[float, ...], str] = ((), "[]")
-
-
-def _encoded_buckets(buckets: tuple[float, ...]) -> str:
-    global _buckets_json
-    cached_for, raw = _buckets_json
-    if buckets is not cached_for:  # by identity: an equal tuple of ints would encode otherwise
-        raw = _ENCODER.encode(buckets)
-        _buckets_json = (buckets, raw)
-    return raw
 
 
 class SampleRejected(ValueError):
@@ -58,179 +46,6 @@ class SampleRejected(ValueError):
         self.reason = reason
         self.detail = detail
         self.version = version
-
-
-def encode_sample(sample: RankSample) -> bytes:
-    """The payload for ``sample``: the bytes :func:`encode_sample_reference` makes, assembled faster.
-
-    The sampler thread encodes one sample a second on a core that idles in between, so the encode runs
-    with cold caches: there a dict of ~60 entries walked by the C encoder costs ~0.1 ms, most of it
-    escaping the same long keys and rebuilding the same constant parts. Here the parts that do not change
-    between samples (identity, device ids, key names, allocator settings, bucket bounds) are encoded once
-    and the numbers are formatted as the C encoder formats them (``float.__repr__``). Anything but the
-    plain types a rank publishes (a bool, an int where a float goes, a non-finite number, a non-str key)
-    takes the reference path, which encodes it or raises ValueError as it always did.
-    """
-    try:
-        return _fast(sample).encode()
-    except (_Slow, TypeError):
-        return encode_sample_reference(sample)
-
-
-class _Slow(Exception):
-    """Not a sample the fast path encodes byte for byte: use the reference."""
-
-
-_frepr = float.__repr__
-_irepr = int.__repr__
-_HEAD = '{"v":' + _ENCODER.encode(SCHEMA_VERSION) + ',"time":'
-_MEMO_MAX = 4096  # distinct strings memoised (key names, collector names, uuids): bounded, as a rank's are
-_keys: dict[str, str] = {}  # '"name":' for each key name seen
-_items: dict[str, tuple[str, float, str]] = {}  # name -> its '"name":', its last value, '"name":value'
-_ident: tuple[tuple[object, ...], str] = ((), "")
-_devices: dict[tuple[int, str], str] = {}
-_info: tuple[object, str] = (None, "null")
-_job: tuple[object, str] = (None, "")
-
-
-def _key(k: object) -> str:
-    if type(k) is not str:
-        raise _Slow
-    if len(_keys) >= _MEMO_MAX:
-        _keys.clear()
-    j = _keys[k] = _ENCODER.encode(k) + ":"
-    return j
-
-
-def _int_(v: object) -> str:
-    if type(v) is not int:
-        raise _Slow  # a bool encodes as true/false, a float as itself: the reference knows how
-    return _irepr(v)
-
-
-def _float_(v: object) -> str:
-    if type(v) is not float or v - v != 0.0:  # inf - inf and nan - nan are nan
-        raise _Slow
-    return _frepr(v)
-
-
-def _opt(v: object) -> str:
-    return "null" if v is None else _float_(v)
-
-
-def _numbers_json(values: Mapping[str, float]) -> str:
-    """A {name: float} object. Most values repeat from one sample to the next (peaks, counters, limits):
-    each name keeps its last value and that item's text, so only the values that moved are formatted."""
-    # one sum checks every value is finite (a nan or an infinity makes it non-finite; so may an overflow,
-    # which the reference then encodes); float.__repr__ raises TypeError for anything but a float
-    if not math.isfinite(sum(values.values())):
-        raise _Slow
-    items = _items
-    out = []
-    for k, v in values.items():
-        e = items.get(k)
-        if e is not None and e[1] == v and v and type(v) is float:  # not 0.0: it equals -0.0, which prints apart
-            out.append(e[2])
-            continue
-        if e is None:
-            if len(items) >= _MEMO_MAX:
-                items.clear()
-            kj = _keys.get(k) or _key(k)
-        else:
-            kj = e[0]
-        item = kj + _frepr(v)
-        items[k] = (kj, v, item)
-        out.append(item)
-    return "{" + ",".join(out) + "}"
-
-
-def _fast(s: RankSample) -> str:
-    global _ident, _info, _job
-    ids = (s.pid, s.rank, s.local_rank, s.world_size, s.hostname)
-    key = (*ids, *map(type, ids))  # the types too: True == 1, but one encodes as true
-    cached_for, ident = _ident
-    if key != cached_for:
-        ident = (
-            f',"pid":{_int_(s.pid)},"rank":{_int_(s.rank)},"local_rank":{_int_(s.local_rank)}'
-            f',"world_size":{_int_(s.world_size)},"hostname":{_ENCODER.encode(_text_(s.hostname))},"devices":['
-        )
-        _ident = (key, ident)
-    out = [_HEAD, _float_(s.time), ident]
-    first = True
-    for d in s.devices:
-        dkey = (d.device, d.uuid)
-        prefix = _devices.get(dkey)
-        if prefix is None or type(d.device) is not int:
-            if len(_devices) >= _MEMO_MAX:
-                _devices.clear()
-            prefix = _devices[dkey] = f'{{"device":{_int_(d.device)},"uuid":{_ENCODER.encode(_text_(d.uuid))},"values":'
-        out.append(prefix if first else "," + prefix)
-        first = False
-        out.append(_numbers_json(d.values))
-        if d.roles:
-            out.append(',"roles":')
-            out.append(_numbers_json(d.roles))
-        out.append("}")
-    ai = s.allocator_info
-    info_for, info = _info
-    if ai is not info_for:
-        info = "null" if ai is None else _ENCODER.encode(_allocator_info_doc(ai))
-        _info = (ai, info)
-    hb = s.heartbeat
-    out += (
-        '],"allocator_info":',
-        info,
-        ',"heartbeat":{"steps":',
-        _int_(hb.steps),
-        ',"last":',
-        _float_(hb.last_step_time),
-        ',"buckets":',
-        _encoded_buckets(hb.buckets),
-        ',"counts":[',
-        ",".join([_int_(c) for c in hb.counts]),
-        '],"sum":',
-        _float_(hb.sum),
-        ',"loss":',
-        _opt(hb.loss),
-        ',"grad_norm":',
-        _opt(hb.grad_norm),
-    )
-    if hb.tokens is not None:
-        out += (',"tokens":', _float_(hb.tokens))
-    if hb.samples is not None:
-        out += (',"samples":', _float_(hb.samples))
-    out.append('},"collectors":{')
-    keys = _keys
-    out.append(
-        ",".join(
-            [
-                f'{keys.get(name) or _key(name)}{{"up":{_int_(h.up)},"errors":{_int_(h.errors)},'
-                f'"duration":{_float_(h.duration)}}}'
-                for name, h in s.collectors.items()
-            ]
-        )
-    )
-    out.append("}")
-    if s.flops_per_token is not None:
-        out += (',"flops_per_token":', _float_(s.flops_per_token))
-    if s.job_id:  # constant for the process: its text encoded once
-        job_for, job = _job
-        if s.job_id is not job_for:
-            job = ',"job_id":' + _ENCODER.encode(_text_(s.job_id))
-            _job = (s.job_id, job)
-        out.append(job)
-    if s.oom_snapshot is not None:  # after an OOM only: encoded whole
-        out += (',"oom_snapshot":', _ENCODER.encode(_oom_doc(s.oom_snapshot)))
-    if s.training:  # a few small fields, encoded whole
-        out += (',"training":', _ENCODER.encode(_training_doc(s.training)))
-    out.append("}")
-    return "".join(out)
-
-
-def _text_(v: object) -> str:
-    if type(v) is not str:
-        raise _Slow
-    return v
 
 
 def _allocator_info_doc(ai: AllocatorInfo) -> dict[str, Any]:
@@ -265,11 +80,8 @@ def _training_doc(t: TrainingState) -> dict[str, Any]:
     return doc
 
 
-def encode_sample_reference(sample: RankSample) -> bytes:
-    """The payload for ``sample``, built as a dict and encoded whole: the definition of the payload.
-
-    :func:`encode_sample` must return the same bytes (tests/spool/test_codec_fast.py); a field added here
-    is added there too. Raises ValueError for a non-finite number (JSON has none)."""
+def encode_sample(sample: RankSample) -> bytes:
+    """The payload for ``sample``. Raises ValueError for a non-finite number (JSON has none)."""
     hb = sample.heartbeat
     ai = sample.allocator_info
     doc: dict[str, Any] = {
