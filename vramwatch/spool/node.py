@@ -112,9 +112,6 @@ class JobDir:
         except OSError:
             return None
 
-    def header(self, name: str) -> bytes | None:
-        return files.record_header(os.path.join(self.path, name))
-
     def remove(self, *names: str) -> None:
         files.remove_quietly(*(os.path.join(self.path, n) for n in names))
 
@@ -180,17 +177,6 @@ class UserDir:
             return None
         try:
             return os.read(fd, _read_size(fd, limit))
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-
-    def header(self, name: str) -> bytes | None:
-        fd = self._open(name)
-        if fd is None:
-            return None
-        try:
-            return os.pread(fd, files.HEADER_SIZE, 0)
         except OSError:
             return None
         finally:
