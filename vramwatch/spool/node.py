@@ -381,27 +381,13 @@ def _unusable(path: str, uid: int) -> str:
 
 def _mkdir(path: str) -> None:
     """mkdir 2770 without a chmod: a chmod by a user outside the directory's group clears its setgid bit,
-    and files made in it afterwards would no longer be in the daemon's group. A umask that would take the
-    group's bits is set aside for the one call (the umask is the process's: that instant is the cost)."""
-    if _umask() & 0o070:
-        old = os.umask(0o007)
-        try:
-            os.mkdir(path, 0o770)
-        finally:
-            os.umask(old)
-    else:
-        os.mkdir(path, 0o770)
-
-
-def _umask() -> int:
+    and files made in it afterwards would no longer be in the daemon's group. The umask (a usual one, 022,
+    takes the group's write bit) is set aside for the one call; it is the process's: that instant is the cost."""
+    old = os.umask(0o007)
     try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o077  # unknown: assume the strictest
+        os.mkdir(path, 0o770)
+    finally:
+        os.umask(old)
 
 
 def share(fd: int) -> None:
