@@ -36,6 +36,7 @@ from vramwatch.spool.schema import (
 )
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_ALLOCATOR_INFO_KEYS = ("backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb")
 
 
 class SampleRejected(ValueError):
@@ -46,19 +47,6 @@ class SampleRejected(ValueError):
         self.reason = reason
         self.detail = detail
         self.version = version
-
-
-def _allocator_info_doc(ai: AllocatorInfo) -> dict[str, Any]:
-    return {
-        "backend": ai.backend,
-        "expandable_segments": ai.expandable_segments,
-        "garbage_collection_threshold": ai.garbage_collection_threshold,
-        "max_split_size_mb": ai.max_split_size_mb,
-    }
-
-
-def _oom_doc(oom: OomSnapshot) -> dict[str, Any]:
-    return {"path": oom.path, "time": oom.time}
 
 
 def _training_doc(t: TrainingState) -> dict[str, Any]:
@@ -93,7 +81,7 @@ def encode_sample(sample: RankSample) -> bytes:
         "world_size": sample.world_size,
         "hostname": sample.hostname,
         "devices": [_encoded_device(d) for d in sample.devices],
-        "allocator_info": None if ai is None else _allocator_info_doc(ai),
+        "allocator_info": None if ai is None else dict(zip(_ALLOCATOR_INFO_KEYS, ai.labels(), strict=True)),
         "heartbeat": {
             "steps": hb.steps,
             "last": hb.last_step_time,
@@ -117,7 +105,7 @@ def encode_sample(sample: RankSample) -> bytes:
     if sample.job_id:
         doc["job_id"] = sample.job_id
     if sample.oom_snapshot is not None:
-        doc["oom_snapshot"] = _oom_doc(sample.oom_snapshot)
+        doc["oom_snapshot"] = {"path": sample.oom_snapshot.path, "time": sample.oom_snapshot.time}
     if sample.training:
         doc["training"] = _training_doc(sample.training)
     return _ENCODER.encode(doc).encode()
@@ -309,8 +297,8 @@ def _roles(roles: Mapping[str, Any], where: str) -> dict[str, float]:
 
 
 def _allocator_info(ai: Mapping[str, Any]) -> AllocatorInfo:
-    keys = ("backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb")
-    return AllocatorInfo(*(_text(_field(ai, k, "allocator_info."), "allocator_info." + k) for k in keys))
+    w = "allocator_info."
+    return AllocatorInfo(*(_text(_field(ai, k, w), w + k) for k in _ALLOCATOR_INFO_KEYS))
 
 
 def _heartbeat(hb: Mapping[str, Any]) -> HeartbeatSnapshot:
