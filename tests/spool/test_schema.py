@@ -102,8 +102,9 @@ def test_other_versions_and_garbage_are_rejected_logged_once_and_counted(tmp_pat
         _plant(d, "rank-3-13.json", b"\x00not json at all")
         _plant(d, "rank-4-14.json", json.dumps({**doc, "devices": [{"device": "zero"}]}).encode())
         _plant(d, "rank-5-15.json", json.dumps([1, 2]).encode())
-        rejected: list[spool.Rejected] = []
-        assert [s.rank for s in spool.read_samples(d, 64, rejected=rejected)] == [0]
+        read = spool.read_spool(d, 64, 0.0)
+        assert [s.rank for s in read.live] == [0]
+        rejected = read.rejected
         assert sorted((r.file, r.reason) for r in rejected) == [
             ("rank-1-11.json", "newer_version"),
             ("rank-2-12.json", "older_version"),

@@ -30,7 +30,6 @@ from vramwatch.spool.reader import (
     any_rank_files,
     read_samples,
     read_spool,
-    sample_age,
 )
 from vramwatch.spool.readings import (
     GpuIdentity,
@@ -86,7 +85,6 @@ __all__ = [
     "read_node_readings",
     "read_samples",
     "read_spool",
-    "sample_age",
     "server_running",
     "spool_state",
     "write_node_readings",
