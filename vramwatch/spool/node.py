@@ -91,16 +91,13 @@ class JobDir:
 
     uid: int | None = None
 
-    def __init__(self, path: str, names: list[str] | None = None) -> None:
+    def __init__(self, path: str, names: list[str]) -> None:
         self.path = path
         self.ctime: dict[str, float] = {}  # one user's spool: no job id is ever another's to claim
-        self._names = names  # the listing open_dirs took: one listdir per read, as before
+        self._names = names  # the listing open_dirs took: one listdir per read
 
     def names(self) -> list[str]:
-        if self._names is not None:
-            names, self._names = self._names, None
-            return names
-        return os.listdir(self.path)
+        return self._names
 
     def lock_free(self, name: str) -> bool:
         return files.lock_is_free(os.path.join(self.path, name))
