@@ -13,7 +13,7 @@ import json
 import math
 from collections.abc import Mapping
 from itertools import pairwise
-from typing import Any
+from typing import Any, TypeVar
 
 from vramwatch.spool.schema import (
     EXIT_DETAIL,
@@ -141,6 +141,7 @@ def decode_sample(payload: bytes) -> RankSample:
 # --- validation: a well-formed but mis-shaped sample (a string for a number, a missing field, a negative
 # count) is refused here, whole and alone, so nothing downstream ever renders it ---
 _MAX_ID = 2**31 - 1
+_T = TypeVar("_T")
 
 
 class _Bad(Exception):
@@ -153,21 +154,13 @@ def _field(doc: Mapping[str, Any], key: str, where: str = "") -> Any:
     return doc[key]
 
 
-def _object(v: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(v, dict):
-        raise _Bad(f"{where} must be an object, not {type(v).__name__}")
-    return v
+_JSON_TYPES: dict[type, str] = {dict: "an object", list: "an array", str: "a string"}
 
 
-def _array(v: Any, where: str) -> list[Any]:
-    if not isinstance(v, list):
-        raise _Bad(f"{where} must be an array, not {type(v).__name__}")
-    return v
-
-
-def _text(v: Any, where: str) -> str:
-    if not isinstance(v, str):
-        raise _Bad(f"{where} must be a string, not {type(v).__name__}")
+def _of(kind: type[_T], v: Any, where: str) -> _T:
+    """``v`` if it is a JSON object, array or string (``kind``: dict, list, str)."""
+    if not isinstance(v, kind):
+        raise _Bad(f"{where} must be {_JSON_TYPES[kind]}, not {type(v).__name__}")
     return v
 
 
@@ -199,7 +192,7 @@ def _kind(v: Any) -> str:
 
 
 def _sample(doc: Mapping[str, Any]) -> RankSample:
-    hb = _object(_field(doc, "heartbeat"), "heartbeat")
+    hb = _of(dict, _field(doc, "heartbeat"), "heartbeat")
     ai = _field(doc, "allocator_info")
     oom = doc.get("oom_snapshot")
     fpt = doc.get("flops_per_token")
@@ -209,20 +202,20 @@ def _sample(doc: Mapping[str, Any]) -> RankSample:
         rank=_int(_field(doc, "rank"), "rank", 0, _MAX_ID),
         local_rank=_int(_field(doc, "local_rank"), "local_rank", 0, _MAX_ID),
         world_size=_int(_field(doc, "world_size"), "world_size", 1, _MAX_ID),
-        hostname=_text(_field(doc, "hostname"), "hostname"),
+        hostname=_of(str, _field(doc, "hostname"), "hostname"),
         pid=_int(_field(doc, "pid"), "pid", 1, _MAX_ID),
         time=_float(_field(doc, "time"), "time", 0.0),
-        devices=tuple(_device(d, f"devices[{i}]") for i, d in enumerate(_array(_field(doc, "devices"), "devices"))),
-        allocator_info=None if ai is None else _allocator_info(_object(ai, "allocator_info")),
+        devices=tuple(_device(d, f"devices[{i}]") for i, d in enumerate(_of(list, _field(doc, "devices"), "devices"))),
+        allocator_info=None if ai is None else _allocator_info(_of(dict, ai, "allocator_info")),
         heartbeat=_heartbeat(hb),
         collectors={
-            _text(name, "collectors key"): _health(_object(h, f"collectors.{name}"), f"collectors.{name}.")
-            for name, h in _object(_field(doc, "collectors"), "collectors").items()
+            _of(str, name, "collectors key"): _health(_of(dict, h, f"collectors.{name}"), f"collectors.{name}.")
+            for name, h in _of(dict, _field(doc, "collectors"), "collectors").items()
         },
-        oom_snapshot=None if oom is None else _oom(_object(oom, "oom_snapshot")),
+        oom_snapshot=None if oom is None else _oom(_of(dict, oom, "oom_snapshot")),
         flops_per_token=None if fpt is None else _float(fpt, "flops_per_token", 0.0),
         job_id="" if job_id is None else _job_id(job_id),
-        training=None if training is None else _training(_object(training, "training")),
+        training=None if training is None else _training(_of(dict, training, "training")),
     )
 
 
@@ -233,19 +226,19 @@ def _training(t: Mapping[str, Any]) -> TrainingState:
     start = 0.0
     ex = t.get("exit")
     if ex is not None:
-        ex = _object(ex, w + "exit")
+        ex = _of(dict, ex, w + "exit")
         reason = _one_of(_field(ex, "reason", w + "exit."), w + "exit.reason", EXIT_REASONS[:-1])
-        detail = _text(_field(ex, "detail", w + "exit."), w + "exit.detail")
+        detail = _of(str, _field(ex, "detail", w + "exit."), w + "exit.detail")
         if not EXIT_DETAIL.fullmatch(detail):
             raise _Bad(f"{w}exit.detail must be at most 64 of [A-Za-z0-9_.], not {detail[:32]!r}")
     ph = t.get("phase")
     if ph is not None:
-        ph = _object(ph, w + "phase")
+        ph = _of(dict, ph, w + "phase")
         phase = _one_of(_field(ph, "name", w + "phase."), w + "phase.name", PHASES)
         start = _float(_field(ph, "start", w + "phase."), w + "phase.start", 0.0)
     coll = t.get("collectives")
-    waits = _object(t.get("waits", {}), w + "waits")
-    nonfinite = _object(t.get("nonfinite", {}), w + "nonfinite")
+    waits = _of(dict, t.get("waits", {}), w + "waits")
+    nonfinite = _of(dict, t.get("nonfinite", {}), w + "nonfinite")
     loss, grad_norm = t.get("loss", ""), t.get("grad_norm", "")
     return TrainingState(
         exit_reason=reason,
@@ -277,14 +270,14 @@ def _job_id(v: Any) -> str:
 
 
 def _device(d: Any, where: str) -> DeviceSample:
-    d = _object(d, where)
-    values = _object(_field(d, "values", where + "."), where + ".values")
+    d = _of(dict, d, where)
+    values = _of(dict, _field(d, "values", where + "."), where + ".values")
     roles = d.get("roles")
     return DeviceSample(
         _int(_field(d, "device", where + "."), where + ".device", 0, _MAX_ID),
-        _text(_field(d, "uuid", where + "."), where + ".uuid"),
+        _of(str, _field(d, "uuid", where + "."), where + ".uuid"),
         _numbers(values),
-        {} if roles is None else _roles(_object(roles, where + ".roles"), where + ".roles"),
+        {} if roles is None else _roles(_of(dict, roles, where + ".roles"), where + ".roles"),
     )
 
 
@@ -298,15 +291,15 @@ def _roles(roles: Mapping[str, Any], where: str) -> dict[str, float]:
 
 def _allocator_info(ai: Mapping[str, Any]) -> AllocatorInfo:
     w = "allocator_info."
-    return AllocatorInfo(*(_text(_field(ai, k, w), w + k) for k in _ALLOCATOR_INFO_KEYS))
+    return AllocatorInfo(*(_of(str, _field(ai, k, w), w + k) for k in _ALLOCATOR_INFO_KEYS))
 
 
 def _heartbeat(hb: Mapping[str, Any]) -> HeartbeatSnapshot:
     w = "heartbeat."
     buckets = tuple(
-        _float(b, f"{w}buckets[{i}]") for i, b in enumerate(_array(_field(hb, "buckets", w), w + "buckets"))
+        _float(b, f"{w}buckets[{i}]") for i, b in enumerate(_of(list, _field(hb, "buckets", w), w + "buckets"))
     )
-    counts = tuple(_int(c, f"{w}counts[{i}]") for i, c in enumerate(_array(_field(hb, "counts", w), w + "counts")))
+    counts = tuple(_int(c, f"{w}counts[{i}]") for i, c in enumerate(_of(list, _field(hb, "counts", w), w + "counts")))
     if (buckets or counts) and len(counts) != len(buckets) + 1:
         raise _Bad(f"{w}counts must hold one more entry than {w}buckets, not {len(counts)} for {len(buckets)}")
     if any(b >= nxt for b, nxt in pairwise(buckets)):
@@ -336,7 +329,7 @@ def _health(h: Mapping[str, Any], where: str) -> CollectorHealth:
 
 def _oom(oom: Mapping[str, Any]) -> OomSnapshot:
     return OomSnapshot(
-        _text(_field(oom, "path", "oom_snapshot."), "oom_snapshot.path"),
+        _of(str, _field(oom, "path", "oom_snapshot."), "oom_snapshot.path"),
         _float(_field(oom, "time", "oom_snapshot."), "oom_snapshot.time", 0.0),
     )
 
