@@ -104,10 +104,10 @@ class JobDir:
 
     def read(self, name: str, limit: int) -> bytes | None:
         try:
-            with open(os.path.join(self.path, name), "rb", buffering=0) as fh:
-                return fh.read(_read_size(fh.fileno(), limit))
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        return _read_and_close(fd, limit)
 
     def remove(self, *names: str) -> None:
         files.remove_quietly(*(os.path.join(self.path, n) for n in names))
@@ -170,14 +170,7 @@ class UserDir:
 
     def read(self, name: str, limit: int) -> bytes | None:
         fd = self._open(name)
-        if fd is None:
-            return None
-        try:
-            return os.read(fd, _read_size(fd, limit))
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
+        return None if fd is None else _read_and_close(fd, limit)
 
     def remove(self, *names: str) -> None:
         for n in names:
@@ -205,10 +198,15 @@ class UserDir:
 SpoolDir = JobDir | UserDir
 
 
-def _read_size(fd: int, limit: int) -> int:
-    """What to ask of a read of at most ``limit`` bytes: the file's size and one more (a read allocates what it
-    asks for: a whole MiB per sample of a few KiB cost more than the rest of the read)."""
-    return min(limit, os.fstat(fd).st_size + 1)
+def _read_and_close(fd: int, limit: int) -> bytes | None:
+    """At most ``limit`` bytes of the open file ``fd``, or None if it cannot be read. It asks for the file's size
+    and one more (a read allocates what it asks for: a whole MiB per sample of a few KiB cost more than the rest)."""
+    try:
+        return os.read(fd, min(limit, os.fstat(fd).st_size + 1))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 # the root's own files (the daemon's), never read as a user's
