@@ -83,7 +83,7 @@ def test_a_job_spool_reads_as_before(tmp_path: Path) -> None:
     """A rank-started server's private spool is no node root: one directory, read by path."""
     spool.ensure_dir(str(tmp_path / "s"))
     assert not node.is_node_root(str(tmp_path / "s"))
-    assert [type(d).__name__ for d in node.open_dirs(str(tmp_path / "s"))] == ["JobDir"]
+    assert [(d.uid, d.path) for d in node.open_dirs(str(tmp_path / "s"))] == [(None, str(tmp_path / "s"))]
 
 
 def test_the_daemon_removes_a_users_directory_left_empty(tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def ensure_root(path: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """An entry of the node spool the daemon will not read, and why (logged once per entry and reason)."""
+    """An entry of the spool the server will not read, and why (logged once per entry and reason)."""
 
     entry: str  # its path under the root
     why: str
@@ -86,45 +86,13 @@ class Refused:
         return f"refused {self.entry}: {self.why}; nothing of it is exported"
 
 
-class JobDir:
-    """A rank-started server's private spool (0700, one user): read by path, as it always was."""
+class SpoolDir:
+    """A directory of rank files, opened once (O_NOFOLLOW): every name is looked up in that directory, never
+    through a path that could be swapped. A user's directory in the node root has its owner's ``uid``, and every
+    file in it must be a regular one of that owner that nobody else may write; a rank-started server's private
+    spool (0700, one user) has ``uid`` None."""
 
-    uid: int | None = None
-
-    def __init__(self, path: str, names: list[str]) -> None:
-        self.path = path
-        self.ctime: dict[str, float] = {}  # one user's spool: no job id is ever another's to claim
-        self._names = names  # the listing open_dirs took: one listdir per read
-
-    def names(self) -> list[str]:
-        return self._names
-
-    def lock_free(self, name: str) -> bool:
-        return files.lock_is_free(os.path.join(self.path, name))
-
-    def read(self, name: str, limit: int) -> bytes | None:
-        try:
-            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        return _read_and_close(fd, limit)
-
-    def remove(self, *names: str) -> None:
-        files.remove_quietly(*(os.path.join(self.path, n) for n in names))
-
-    def remove_if_stale(self, now: float) -> None:
-        pass  # a private spool stays: its server runs in it
-
-    def close(self) -> None:
-        pass
-
-
-class UserDir:
-    """One user's directory in the node root, opened once (O_NOFOLLOW): every name is looked up in that
-    directory, never through a path the user could swap, and every file must be a regular one of the
-    directory's owner that nobody else may write."""
-
-    def __init__(self, fd: int, uid: int, path: str, refused: list[Refused], root_fd: int = -1) -> None:
+    def __init__(self, fd: int, uid: int | None, path: str, refused: list[Refused], root_fd: int = -1) -> None:
         self.fd, self.uid, self.path, self._refused = fd, uid, path, refused
         self._root_fd = root_fd
         # the kernel's change time of each file opened: a lock's is when its rank started (nobody can set it
@@ -149,9 +117,9 @@ class UserDir:
         why = ""
         if not stat.S_ISREG(st.st_mode):
             why = "not a regular file"
-        elif st.st_uid != self.uid:
+        elif self.uid is not None and st.st_uid != self.uid:
             why = f"belongs to uid {st.st_uid}, its directory to uid {self.uid}"
-        elif st.st_mode & 0o022:
+        elif self.uid is not None and st.st_mode & 0o022:
             why = f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
         if why:
             os.close(fd)
@@ -183,7 +151,10 @@ class UserDir:
         """Remove this directory once empty for ``EMPTY_DIR_GRACE`` s (the daemon owns the sticky root, so it
         may): the user's jobs are over, and a fallback ``u<uid>-<hex>`` would otherwise stay until reboot.
         A rank makes its lock in it right after making it, so a directory a rank is about to use is never
-        empty that long; a rank that finds its directory gone makes it again (RankPublisher)."""
+        empty that long; a rank that finds its directory gone makes it again (RankPublisher). A private spool
+        stays: its server runs in it."""
+        if self._root_fd < 0:
+            return
         try:
             if os.listdir(self.fd) or now - os.fstat(self.fd).st_mtime < EMPTY_DIR_GRACE:
                 return
@@ -193,9 +164,6 @@ class UserDir:
 
     def close(self) -> None:
         os.close(self.fd)
-
-
-SpoolDir = JobDir | UserDir
 
 
 def _read_and_close(fd: int, limit: int) -> bytes | None:
@@ -220,18 +188,28 @@ def open_dirs(spool_dir: str, refused: list[Refused] | None = None) -> Iterator[
 
     Raises OSError at once when the spool itself cannot be listed (a read then has nothing). Each user's
     directory is closed once the caller moves on to the next (or stops)."""
+    refused = [] if refused is None else refused
     if not is_node_root(spool_dir):
-        return iter([JobDir(spool_dir, os.listdir(spool_dir))])
+        return _closing(
+            SpoolDir(os.open(spool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), None, spool_dir, refused)
+        )
     root_fd = os.open(spool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         names = sorted(os.listdir(root_fd))
     except OSError:
         os.close(root_fd)
         raise
-    return _user_dirs(root_fd, names, spool_dir, [] if refused is None else refused)
+    return _user_dirs(root_fd, names, spool_dir, refused)
 
 
-def _user_dirs(root_fd: int, names: list[str], root: str, refused: list[Refused]) -> Iterator[UserDir]:
+def _closing(d: SpoolDir) -> Iterator[SpoolDir]:
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def _user_dirs(root_fd: int, names: list[str], root: str, refused: list[Refused]) -> Iterator[SpoolDir]:
     me = os.geteuid()
     try:
         for name in names:
@@ -246,7 +224,7 @@ def _user_dirs(root_fd: int, names: list[str], root: str, refused: list[Refused]
         os.close(root_fd)
 
 
-def _open_user_dir(root_fd: int, name: str, root: str, me: int, refused: list[Refused]) -> UserDir | None:
+def _open_user_dir(root_fd: int, name: str, root: str, me: int, refused: list[Refused]) -> SpoolDir | None:
     entry = f"{root}/{name}"
     try:
         lst = os.lstat(name, dir_fd=root_fd)
@@ -280,7 +258,7 @@ def _open_user_dir(root_fd: int, name: str, root: str, me: int, refused: list[Re
         os.close(fd)
         refused.append(Refused(entry, "replaced while it was opened"))
         return None
-    return UserDir(fd, st.st_uid, entry, refused, root_fd)
+    return SpoolDir(fd, st.st_uid, entry, refused, root_fd)
 
 
 # ---------------------------------------------------------------- the rank's side
