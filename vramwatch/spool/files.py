@@ -122,13 +122,14 @@ def probe_lock(fd: int) -> bool:
     return True
 
 
-def lock_is_free(path: str) -> bool:
-    """True if nobody holds ``path``'s flock."""
+def lock_held(path: str) -> bool:
+    """Whether someone holds ``path``'s flock. Opened read-only: the node daemon's lock is 0644, and a rank
+    opens it to ask."""
     try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return True
-    return probe_lock(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    return not probe_lock(fd)
 
 
 def hold_lock(path: str) -> int | None:
@@ -143,7 +144,8 @@ def hold_lock(path: str) -> int | None:
 
 
 def server_running(spool_dir: str) -> bool:
-    return not lock_is_free(os.path.join(spool_dir, SERVER_LOCK))
+    """Whether a server (a rank-started one, or the node daemon in its root) holds the spool's server lock."""
+    return lock_held(os.path.join(spool_dir, SERVER_LOCK))
 
 
 def hold_spawn_lock(spool_dir: str) -> int | None:

@@ -293,15 +293,6 @@ def daemon_root(node_dir: str) -> str | None:
     return node_dir
 
 
-def daemon_running(root: str) -> bool:
-    """Whether the daemon holds its lock (the lock is 0644: a rank may open it to ask)."""
-    try:
-        fd = os.open(os.path.join(root, files.SERVER_LOCK), _OPEN)
-    except OSError:
-        return False
-    return not files.probe_lock(fd)
-
-
 def user_dir(root: str) -> str:
     """This user's directory in ``root``, made if needed: ``u<uid>``, or a fresh ``u<uid>-<hex>`` when that
     name is taken by something this user cannot trust (logged). Raises OSError when none can be made."""
