@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import pairwise
 from typing import Any, TypeVar
 
@@ -148,16 +148,29 @@ class _Bad(Exception):
     """What is wrong, and where: ``heartbeat.counts[2] must be an integer 0-..., not str``."""
 
 
-def _field(doc: Mapping[str, Any], key: str, where: str = "") -> Any:
-    if key not in doc:
-        raise _Bad(f"{where}{key} is missing")
-    return doc[key]
+class _Obj:
+    """A JSON object of the payload at ``where``: each field is taken through a check that names it
+    (``heartbeat.steps``) in what it raises."""
+
+    def __init__(self, v: Any, where: str) -> None:
+        self.doc: dict[str, Any] = _of(v, where, dict)
+        self.where = f"{where}." if where else ""
+
+    def get(self, key: str, check: Callable[..., _T], *args: Any) -> _T:
+        if key not in self.doc:
+            raise _Bad(f"{self.where}{key} is missing")
+        return check(self.doc[key], self.where + key, *args)
+
+    def opt(self, key: str, check: Callable[..., _T], *args: Any) -> _T | None:
+        """The field, or None where it is absent or null."""
+        v = self.doc.get(key)
+        return None if v is None else check(v, self.where + key, *args)
 
 
 _JSON_TYPES: dict[type, str] = {dict: "an object", list: "an array", str: "a string"}
 
 
-def _of(kind: type[_T], v: Any, where: str) -> _T:
+def _of(v: Any, where: str, kind: type) -> Any:
     """``v`` if it is a JSON object, array or string (``kind``: dict, list, str)."""
     if not isinstance(v, kind):
         raise _Bad(f"{where} must be {_JSON_TYPES[kind]}, not {type(v).__name__}")
@@ -191,147 +204,123 @@ def _kind(v: Any) -> str:
     return type(v).__name__ if not isinstance(v, (int, float)) or isinstance(v, bool) else repr(v)[:32]
 
 
-def _sample(doc: Mapping[str, Any]) -> RankSample:
-    hb = _of(dict, _field(doc, "heartbeat"), "heartbeat")
-    ai = _field(doc, "allocator_info")
-    oom = doc.get("oom_snapshot")
-    fpt = doc.get("flops_per_token")
-    job_id = doc.get("job_id")
-    training = doc.get("training")
-    return RankSample(
-        rank=_int(_field(doc, "rank"), "rank", 0, _MAX_ID),
-        local_rank=_int(_field(doc, "local_rank"), "local_rank", 0, _MAX_ID),
-        world_size=_int(_field(doc, "world_size"), "world_size", 1, _MAX_ID),
-        hostname=_of(str, _field(doc, "hostname"), "hostname"),
-        pid=_int(_field(doc, "pid"), "pid", 1, _MAX_ID),
-        time=_float(_field(doc, "time"), "time", 0.0),
-        devices=tuple(_device(d, f"devices[{i}]") for i, d in enumerate(_of(list, _field(doc, "devices"), "devices"))),
-        allocator_info=None if ai is None else _allocator_info(_of(dict, ai, "allocator_info")),
-        heartbeat=_heartbeat(hb),
-        collectors={
-            _of(str, name, "collectors key"): _health(_of(dict, h, f"collectors.{name}"), f"collectors.{name}.")
-            for name, h in _of(dict, _field(doc, "collectors"), "collectors").items()
-        },
-        oom_snapshot=None if oom is None else _oom(_of(dict, oom, "oom_snapshot")),
-        flops_per_token=None if fpt is None else _float(fpt, "flops_per_token", 0.0),
-        job_id="" if job_id is None else _job_id(job_id),
-        training=None if training is None else _training(_of(dict, training, "training")),
-    )
-
-
-def _training(t: Mapping[str, Any]) -> TrainingState:
-    # every value here is a label value or a number the server renders: closed sets and checked ranges only
-    w = "training."
-    reason = detail = phase = ""
-    start = 0.0
-    ex = t.get("exit")
-    if ex is not None:
-        ex = _of(dict, ex, w + "exit")
-        reason = _one_of(_field(ex, "reason", w + "exit."), w + "exit.reason", EXIT_REASONS[:-1])
-        detail = _of(str, _field(ex, "detail", w + "exit."), w + "exit.detail")
-        if not EXIT_DETAIL.fullmatch(detail):
-            raise _Bad(f"{w}exit.detail must be at most 64 of [A-Za-z0-9_.], not {detail[:32]!r}")
-    ph = t.get("phase")
-    if ph is not None:
-        ph = _of(dict, ph, w + "phase")
-        phase = _one_of(_field(ph, "name", w + "phase."), w + "phase.name", PHASES)
-        start = _float(_field(ph, "start", w + "phase."), w + "phase.start", 0.0)
-    coll = t.get("collectives")
-    waits = _of(dict, t.get("waits", {}), w + "waits")
-    nonfinite = _of(dict, t.get("nonfinite", {}), w + "nonfinite")
-    loss, grad_norm = t.get("loss", ""), t.get("grad_norm", "")
-    return TrainingState(
-        exit_reason=reason,
-        exit_detail=detail,
-        collectives=None if coll is None else _int(coll, w + "collectives"),
-        waits={_one_of(k, w + "waits key", WAIT_KINDS): _float(v, f"{w}waits.{k}", 0.0) for k, v in waits.items()},
-        phase=phase,
-        phase_start=start,
-        nonfinite={
-            _one_of(k, w + "nonfinite key", NONFINITE_VALUES): _int(v, f"{w}nonfinite.{k}")
-            for k, v in nonfinite.items()
-        },
-        loss="" if loss == "" else _one_of(loss, w + "loss", NONFINITE_KINDS),
-        grad_norm="" if grad_norm == "" else _one_of(grad_norm, w + "grad_norm", NONFINITE_KINDS),
-    )
-
-
 def _one_of(v: Any, where: str, allowed: tuple[str, ...]) -> str:
     if not isinstance(v, str) or v not in allowed:
         raise _Bad(f"{where} must be one of {', '.join(allowed)}, not {_kind(v)[:32]!r}")
     return v
 
 
-def _job_id(v: Any) -> str:
+def _sample(doc: dict[str, Any]) -> RankSample:
+    d = _Obj(doc, "")
+    heartbeat = d.get("heartbeat", _heartbeat)
+    return RankSample(
+        rank=d.get("rank", _int, 0, _MAX_ID),
+        local_rank=d.get("local_rank", _int, 0, _MAX_ID),
+        world_size=d.get("world_size", _int, 1, _MAX_ID),
+        hostname=d.get("hostname", _of, str),
+        pid=d.get("pid", _int, 1, _MAX_ID),
+        time=d.get("time", _float, 0.0),
+        devices=tuple(_device(v, f"devices[{i}]") for i, v in enumerate(d.get("devices", _of, list))),
+        allocator_info=d.opt("allocator_info", _allocator_info),
+        heartbeat=heartbeat,
+        collectors={
+            _of(name, "collectors key", str): _health(h, f"collectors.{name}")
+            for name, h in d.get("collectors", _of, dict).items()
+        },
+        oom_snapshot=d.opt("oom_snapshot", _oom),
+        flops_per_token=d.opt("flops_per_token", _float, 0.0),
+        job_id=d.opt("job_id", _job_id) or "",
+        training=d.opt("training", _training),
+    )
+
+
+def _training(v: Any, where: str) -> TrainingState:
+    # every value here is a label value or a number the server renders: closed sets and checked ranges only
+    t = _Obj(v, where)
+    ex, ph = t.opt("exit", _Obj), t.opt("phase", _Obj)
+    detail = ex.get("detail", _of, str) if ex else ""
+    if not EXIT_DETAIL.fullmatch(detail):
+        raise _Bad(f"{where}.exit.detail must be at most 64 of [A-Za-z0-9_.], not {detail[:32]!r}")
+    waits, nonfinite = t.opt("waits", _of, dict) or {}, t.opt("nonfinite", _of, dict) or {}
+    return TrainingState(
+        exit_reason=ex.get("reason", _one_of, EXIT_REASONS[:-1]) if ex else "",
+        exit_detail=detail,
+        collectives=t.opt("collectives", _int),
+        waits={
+            _one_of(k, f"{where}.waits key", WAIT_KINDS): _float(n, f"{where}.waits.{k}", 0.0) for k, n in waits.items()
+        },
+        phase=ph.get("name", _one_of, PHASES) if ph else "",
+        phase_start=ph.get("start", _float, 0.0) if ph else 0.0,
+        nonfinite={
+            _one_of(k, f"{where}.nonfinite key", NONFINITE_VALUES): _int(n, f"{where}.nonfinite.{k}")
+            for k, n in nonfinite.items()
+        },
+        loss=t.opt("loss", _one_of, NONFINITE_KINDS) or "",
+        grad_norm=t.opt("grad_norm", _one_of, NONFINITE_KINDS) or "",
+    )
+
+
+def _job_id(v: Any, where: str) -> str:
     # a label value and part of the file name: only what the rank itself could have written
     if not isinstance(v, str) or not JOB_ID.fullmatch(v):
-        raise _Bad(f"job_id must be 1-{JOB_ID_MAX} letters, digits and _ . -, not {_kind(v)[:32]!r}")
+        raise _Bad(f"{where} must be 1-{JOB_ID_MAX} letters, digits and _ . -, not {_kind(v)[:32]!r}")
     return v
 
 
-def _device(d: Any, where: str) -> DeviceSample:
-    d = _of(dict, d, where)
-    values = _of(dict, _field(d, "values", where + "."), where + ".values")
-    roles = d.get("roles")
+def _device(v: Any, where: str) -> DeviceSample:
+    d = _Obj(v, where)
     return DeviceSample(
-        _int(_field(d, "device", where + "."), where + ".device", 0, _MAX_ID),
-        _of(str, _field(d, "uuid", where + "."), where + ".uuid"),
-        _numbers(values),
-        {} if roles is None else _roles(_of(dict, roles, where + ".roles"), where + ".roles"),
+        d.get("device", _int, 0, _MAX_ID),
+        d.get("uuid", _of, str),
+        _numbers(d.get("values", _of, dict)),
+        d.opt("roles", _roles) or {},
     )
 
 
-def _roles(roles: Mapping[str, Any], where: str) -> dict[str, float]:
+def _roles(v: Any, where: str) -> dict[str, float]:
     # the role names are a closed set: a label value the server renders, so nothing else gets through
-    for k in roles:
+    for k in _of(v, where, dict):
         if k not in MEMORY_ROLES:
             raise _Bad(f"{where} key {k[:32]!r} is not one of {', '.join(MEMORY_ROLES)}")
-    return {k: _float(v, f"{where}.{k}", 0.0) for k, v in roles.items()}
+    return {k: _float(n, f"{where}.{k}", 0.0) for k, n in v.items()}
 
 
-def _allocator_info(ai: Mapping[str, Any]) -> AllocatorInfo:
-    w = "allocator_info."
-    return AllocatorInfo(*(_of(str, _field(ai, k, w), w + k) for k in _ALLOCATOR_INFO_KEYS))
+def _allocator_info(v: Any, where: str) -> AllocatorInfo:
+    a = _Obj(v, where)
+    return AllocatorInfo(*(a.get(k, _of, str) for k in _ALLOCATOR_INFO_KEYS))
 
 
-def _heartbeat(hb: Mapping[str, Any]) -> HeartbeatSnapshot:
-    w = "heartbeat."
-    buckets = tuple(
-        _float(b, f"{w}buckets[{i}]") for i, b in enumerate(_of(list, _field(hb, "buckets", w), w + "buckets"))
-    )
-    counts = tuple(_int(c, f"{w}counts[{i}]") for i, c in enumerate(_of(list, _field(hb, "counts", w), w + "counts")))
+def _heartbeat(v: Any, where: str) -> HeartbeatSnapshot:
+    hb = _Obj(v, where)
+    buckets = tuple(_float(b, f"{where}.buckets[{i}]") for i, b in enumerate(hb.get("buckets", _of, list)))
+    counts = tuple(_int(c, f"{where}.counts[{i}]") for i, c in enumerate(hb.get("counts", _of, list)))
     if (buckets or counts) and len(counts) != len(buckets) + 1:
-        raise _Bad(f"{w}counts must hold one more entry than {w}buckets, not {len(counts)} for {len(buckets)}")
+        raise _Bad(
+            f"{where}.counts must hold one more entry than {where}.buckets, not {len(counts)} for {len(buckets)}"
+        )
     if any(b >= nxt for b, nxt in pairwise(buckets)):
-        raise _Bad(f"{w}buckets must increase")
-    loss, grad_norm = _field(hb, "loss", w), _field(hb, "grad_norm", w)
-    tokens, samples = hb.get("tokens"), hb.get("samples")
+        raise _Bad(f"{where}.buckets must increase")
     return HeartbeatSnapshot(
-        steps=_int(_field(hb, "steps", w), w + "steps"),
-        last_step_time=_float(_field(hb, "last", w), w + "last", 0.0),
+        steps=hb.get("steps", _int),
+        last_step_time=hb.get("last", _float, 0.0),
         buckets=buckets,
         counts=counts,
-        sum=_float(_field(hb, "sum", w), w + "sum", 0.0),
-        loss=None if loss is None else _float(loss, w + "loss"),
-        grad_norm=None if grad_norm is None else _float(grad_norm, w + "grad_norm"),
-        tokens=None if tokens is None else _float(tokens, w + "tokens", 0.0),
-        samples=None if samples is None else _float(samples, w + "samples", 0.0),
+        sum=hb.get("sum", _float, 0.0),
+        loss=hb.opt("loss", _float),
+        grad_norm=hb.opt("grad_norm", _float),
+        tokens=hb.opt("tokens", _float, 0.0),
+        samples=hb.opt("samples", _float, 0.0),
     )
 
 
-def _health(h: Mapping[str, Any], where: str) -> CollectorHealth:
-    return CollectorHealth(
-        _int(_field(h, "up", where), where + "up", 0, 1),
-        _int(_field(h, "errors", where), where + "errors"),
-        _float(_field(h, "duration", where), where + "duration", 0.0),
-    )
+def _health(v: Any, where: str) -> CollectorHealth:
+    h = _Obj(v, where)
+    return CollectorHealth(h.get("up", _int, 0, 1), h.get("errors", _int), h.get("duration", _float, 0.0))
 
 
-def _oom(oom: Mapping[str, Any]) -> OomSnapshot:
-    return OomSnapshot(
-        _of(str, _field(oom, "path", "oom_snapshot."), "oom_snapshot.path"),
-        _float(_field(oom, "time", "oom_snapshot."), "oom_snapshot.time", 0.0),
-    )
+def _oom(v: Any, where: str) -> OomSnapshot:
+    o = _Obj(v, where)
+    return OomSnapshot(o.get("path", _of, str), o.get("time", _float, 0.0))
 
 
 def _numbers(values: Mapping[str, Any]) -> dict[str, float]:
