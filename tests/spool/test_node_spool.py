@@ -80,7 +80,7 @@ def test_the_daemon_refuses_a_file_others_may_write(tmp_path: Path, rank_sample:
 
 
 def test_a_job_spool_reads_as_before(tmp_path: Path) -> None:
-    """A rank-started server's private spool is no node root: one directory, read by path."""
+    """A rank-started server's private spool is no node root: one directory, of no owner to check."""
     spool.ensure_dir(str(tmp_path / "s"))
     assert not node.is_node_root(str(tmp_path / "s"))
     assert [(d.uid, d.path) for d in node.open_dirs(str(tmp_path / "s"))] == [(None, str(tmp_path / "s"))]
