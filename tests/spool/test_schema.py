@@ -139,12 +139,12 @@ def test_node_readings_round_trip_and_go_stale(tmp_path):
     d = str(tmp_path)
     spool.write_node_readings(d, [spool.GpuReadings("GPU-a", 212.0, 2.5e9), spool.GpuReadings("GPU-b")])
     assert [p.name for p in tmp_path.iterdir()] == [files.NODE_READINGS]  # no temporary left behind
-    assert spool.read_node_readings(d) == {
+    assert spool.read_node(d).gpus == {
         "GPU-a": spool.GpuReadings("GPU-a", 212.0, 2.5e9),
         "GPU-b": spool.GpuReadings("GPU-b"),
     }
     spool.write_node_readings(d, [spool.GpuReadings("GPU-a", 1.0)], now=time.time() - 60)
-    assert spool.read_node_readings(d) == {}  # a server that stopped: nothing shown
+    assert spool.read_node(d).gpus == {}  # a server that stopped: nothing shown
     spool.write_node_readings(str(tmp_path / "missing" / "dir"), [])  # never raises
     (tmp_path / files.NODE_READINGS).write_text("{garbage")
-    assert spool.read_node_readings(d) == {}
+    assert spool.read_node(d).gpus == {}

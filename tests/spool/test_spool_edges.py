@@ -261,8 +261,8 @@ def test_a_forked_child_drops_the_parents_files(tmp_path):
 # --- readings ---
 def test_readings_are_fresh_up_to_the_bound(tmp_path):
     spool.write_node_readings(str(tmp_path), [spool.GpuReadings("GPU-a", 100.0, 1e9)], now=1000.0)
-    assert list(spool.read_node_readings(str(tmp_path), now=1000.0 + STALE_AFTER)) == ["GPU-a"]
-    assert spool.read_node_readings(str(tmp_path), now=1000.0 + STALE_AFTER + 0.01) == {}
+    assert list(spool.read_node(str(tmp_path), now=1000.0 + STALE_AFTER).gpus) == ["GPU-a"]
+    assert spool.read_node(str(tmp_path), now=1000.0 + STALE_AFTER + 0.01).gpus == {}
 
 
 def test_a_failed_readings_write_is_logged_at_debug(tmp_path, caplog):

@@ -37,7 +37,6 @@ from vramwatch.spool.readings import (
     NodeReadings,
     read_gpu_identities,
     read_node,
-    read_node_readings,
     write_node_readings,
 )
 from vramwatch.spool.schema import (
@@ -82,7 +81,6 @@ __all__ = [
     "hold_spawn_lock",
     "read_gpu_identities",
     "read_node",
-    "read_node_readings",
     "read_samples",
     "read_spool",
     "server_running",

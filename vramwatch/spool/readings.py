@@ -97,11 +97,6 @@ def read_node(spool_dir: str, now: float | None = None) -> NodeReadings:
         return NodeReadings(out)
 
 
-def read_node_readings(spool_dir: str, now: float | None = None) -> dict[str, GpuReadings]:
-    """uuid -> readings, from a fresh readings file; empty when there is none."""
-    return read_node(spool_dir, now).gpus
-
-
 def _number(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
