@@ -71,7 +71,6 @@ FILE_SECONDS = {
     "rank/test_api.py": 15,
     "deploy/test_kubernetes.py": 15,
     "system/test_e2e_squat.py": 14,
-    "spool/test_codec_fast.py": 14,
     "monitoring/test_promtool.py": 13,
     "integrations/test_hf.py": 13,
     "sim/test_scenario.py": 13,

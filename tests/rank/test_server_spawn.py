@@ -83,7 +83,7 @@ def rig(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Rig:
 
 
 def _spawn_lock_free(spool_dir: str) -> bool:
-    return files.lock_is_free(os.path.join(spool_dir, files.SPAWN_LOCK))
+    return not files.lock_held(os.path.join(spool_dir, files.SPAWN_LOCK))
 
 
 @pytest.mark.parametrize(("serve", "node_daemon"), [("external", False), ("off", False), ("auto", True)])

@@ -19,7 +19,7 @@ from vramwatch.rank.heartbeat import Heartbeat
 from vramwatch.rank.status import StatusLine
 from vramwatch.sim import SimAllocator, SimNode
 from vramwatch.sim.state import state_path
-from vramwatch.spool import DeviceSample, GpuReadings, read_node_readings, write_node_readings
+from vramwatch.spool import DeviceSample, GpuReadings, read_node, write_node_readings
 
 GIB = 1 << 30
 
@@ -89,7 +89,7 @@ def test_free_memory_and_power_from_the_server_readings(tmp_path, sim_devices):
     assert "free 2.73 GiB" in text and "headroom" not in text and "power 212 W" in text
     # stale readings (a dead server) are ignored: no power, headroom instead of free
     write_node_readings(str(tmp_path), [GpuReadings(uuid, 212.4, 2.73 * GIB)], now=time.time() - 60)
-    assert read_node_readings(str(tmp_path)) == {}
+    assert read_node(str(tmp_path)).gpus == {}
     line.on_sample(devices)
     hb.step()
     line.on_step()

@@ -111,7 +111,7 @@ def test_memory_on_an_older_driver_reports_total_used_and_free(tmp_path):
     assert math.isclose(used + free, total, rel_tol=0.02)
     assert rig.value("gpu_memory_reserved_bytes") is None  # only v2 knows it
     assert rig.value("gpu_non_torch_memory_bytes") == used, "no rank here: all of the used memory is foreign"
-    (reading,) = spool.read_node_readings(str(tmp_path)).values()
+    (reading,) = spool.read_node(str(tmp_path)).gpus.values()
     assert reading.memory_free_bytes == free  # the ranks' status line gets the v1 free memory too
 
 

@@ -108,7 +108,7 @@ def test_the_ranks_status_line_gets_its_instances_free_memory(tmp_path):
     a, _ = rig.node.gpu(0).mig_instances
     rig.rank_on(a.uuid, 10 * GIB)
     rig.poll(0)
-    readings = spool.read_node_readings(str(tmp_path))
+    readings = spool.read_node(str(tmp_path)).gpus
     mine = readings[a.uuid]
     assert mine.memory_free_bytes == 71 * GIB - 10 * GIB - rig.node.context_bytes
     assert mine.power_watts == rig.node.gpu(0).power_w  # the card's: an instance has no power reading

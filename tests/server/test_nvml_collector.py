@@ -573,7 +573,7 @@ def test_each_read_publishes_power_and_free_memory_for_the_status_lines(tmp_path
     r.node.gpu(0).power_w = 212.0
     r.node.gpu(1).lost = True
     r.poll(0)
-    readings = spool.read_node_readings(str(tmp_path))
+    readings = spool.read_node(str(tmp_path)).gpus
     assert list(readings) == [r.node.gpu(0).uuid]  # a lost GPU publishes nothing
     (g,) = readings.values()
     assert g.power_watts == 212.0 and g.memory_free_bytes == r.value("gpu_memory_free_bytes")

@@ -36,10 +36,10 @@ def test_a_full_spool_at_start_exits_1_naming_enospc_and_releases_port_and_lock(
     SimNode.default(1).save(state_path(spool_dir))
     real_replace = spool_files.replace_file
 
-    def replace_file(path: str, data: bytes, mode: int = 0o666) -> None:
+    def replace_file(path: str, data: bytes) -> None:
         if os.path.basename(path) == spool.SERVER_INFO:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_replace(path, data, mode)
+        real_replace(path, data)
 
     monkeypatch.setattr(spool_files, "replace_file", replace_file)
     port = free_port()

@@ -75,9 +75,9 @@ def test_a_removed_node_root_is_made_again_as_the_unit_makes_it(tmp_path):
     assert guard.intact() and health.errors == 1
     assert os.stat(d).st_mode & 0o7777 == node.ROOT_MODE
     assert os.stat(os.path.join(d, spool.SERVER_LOCK)).st_mode & 0o777 == node.SHARED_MODE
-    assert node.daemon_running(d)
+    assert spool.server_running(d)
     guard.release()
-    assert not node.daemon_running(d)
+    assert not spool.server_running(d)
 
 
 def test_an_intact_spool_is_left_alone_and_a_remade_one_logged_once(tmp_path, caplog):

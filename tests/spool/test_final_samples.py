@@ -137,7 +137,7 @@ def test_a_restarted_rank_of_the_same_pid_does_not_write_over_the_dead_ones_oom(
         restarted.wait(timeout=20)
 
 
-def test_a_wall_clock_step_beyond_the_grace_does_not_drop_the_final_samples(tmp_path, monkeypatch) -> None:
+def test_a_wall_clock_step_beyond_the_grace_does_not_drop_the_final_samples(tmp_path, monkeypatch, rank_sample) -> None:
     d = str(tmp_path)
     wall, mono = [1000.0], [50.0]
     monkeypatch.setattr(registry_module.time, "time", lambda: wall[0])
@@ -146,7 +146,7 @@ def test_a_wall_clock_step_beyond_the_grace_does_not_drop_the_final_samples(tmp_
     dev = (spool.DeviceSample(0, "GPU-0", {OOMS: 1.0}),)
     for rank, t in ((0, 999.0), (1, 1000.5)):
         pub = spool.RankPublisher(d, rank)
-        pub.publish(spool.RankSample(rank, rank, 2, "h", os.getpid(), t, devices=dev))
+        pub.publish(rank_sample(rank, world_size=2, time=t, devices=dev))
         pub.close()  # dead: its final sample stays
         if rank == 0:
             assert [s.rank for s in exp.context().final] == [0]  # seen before the step
@@ -158,22 +158,22 @@ def test_a_wall_clock_step_beyond_the_grace_does_not_drop_the_final_samples(tmp_
     assert exp.context().final == ()
 
 
-def test_a_backward_wall_step_does_not_drop_a_final_sample_first_seen_after_it(tmp_path) -> None:
+def test_a_backward_wall_step_does_not_drop_a_final_sample_first_seen_after_it(tmp_path, rank_sample) -> None:
     d = str(tmp_path)
     reader = spool.SpoolReader(d, 64, 30.0)
     assert reader.read(10_000.0, 50.0).final == []
     pub = spool.RankPublisher(d, 0)
-    pub.publish(spool.RankSample(0, 0, 1, "h", os.getpid(), 10_001.0))  # taken, then the clock stepped back 1 h
+    pub.publish(rank_sample(0, time=10_001.0))  # taken, then the clock stepped back 1 h
     pub.close()
     pub = spool.RankPublisher(d, 1)
-    pub.publish(spool.RankSample(1, 1, 1, "h", os.getpid(), 10_002.0 - 3600.0))  # taken after the step
+    pub.publish(rank_sample(1, time=10_002.0 - 3600.0))  # taken after the step
     pub.close()
     read = reader.read(10_003.0 - 3600.0, 53.0)
     assert sorted(s.rank for s in read.final) == [0, 1]
     assert read.expires == pytest.approx(10_003.0 - 3600.0 + 28.0)  # rank 0's: taken 2 s before, 28 s to go
 
 
-def test_vramwatch_ranks_counts_live_ranks_and_its_help_says_so_during_a_grace_window(tmp_path) -> None:
+def test_vramwatch_ranks_counts_live_ranks_and_its_help_says_so_during_a_grace_window(tmp_path, rank_sample) -> None:
     """vramwatch_ranks counts live ranks (a rank-started server's end is told by it reading 0 after the dead
     ranks' windows: VramwatchTargetDown); during a window count(vramwatch_rank_info) is larger, and the help
     says exactly that instead of claiming they are equal."""
@@ -188,7 +188,7 @@ def test_vramwatch_ranks_counts_live_ranks_and_its_help_says_so_during_a_grace_w
     reg.register(exp)
     pubs = [spool.RankPublisher(d, r) for r in range(3)]
     for r, p in enumerate(pubs):
-        p.publish(spool.RankSample(r, r, 3, "h", os.getpid(), time.time()))
+        p.publish(rank_sample(r, world_size=3))
     pubs[2].close()  # rank 2 died: its final sample is served for its window
     m = parse_metrics(generate_latest(reg).decode())
     assert len(m["vramwatch_rank_info"]) == 3 and len(m["vramwatch_sample_age_seconds"]) == 2
@@ -200,12 +200,12 @@ def test_vramwatch_ranks_counts_live_ranks_and_its_help_says_so_during_a_grace_w
         p.close()
 
 
-def test_the_idle_loops_reads_keep_the_windows_across_a_wall_step(tmp_path, monkeypatch) -> None:
+def test_the_idle_loops_reads_keep_the_windows_across_a_wall_step(tmp_path, monkeypatch, rank_sample) -> None:
     """A rank-started server's idle loop reads the spool every second (read_spool at the clock's time): a final
     sample it saw is still there after a forward step of the wall clock, so the server does not leave early."""
     d = str(tmp_path)
     pub = spool.RankPublisher(d, 0)
-    pub.publish(spool.RankSample(0, 0, 1, "h", os.getpid(), time.time()))
+    pub.publish(rank_sample(0))
     pub.close()
     assert [s.rank for s in spool.read_spool(d, 64, 30.0, reap=False).final] == [0]
     real = time.time
@@ -214,12 +214,12 @@ def test_the_idle_loops_reads_keep_the_windows_across_a_wall_step(tmp_path, monk
     assert [s.rank for s in spool.read_spool(d, 64, 30.0, now=real() + 3600.0, reap=False).final] == []  # a fresh one
 
 
-def test_a_process_numbered_past_a_dead_ones_files_is_still_its_pid_to_nvml(tmp_path) -> None:
+def test_a_process_numbered_past_a_dead_ones_files_is_still_its_pid_to_nvml(tmp_path, rank_sample) -> None:
     from vramwatch.spool import files, publisher
 
     d = str(tmp_path)
     dead = spool.RankPublisher(d, 0, job_id="j")
-    dead.publish(spool.RankSample(0, 0, 1, "h", os.getpid(), 1.0, job_id="j"))
+    dead.publish(rank_sample(0, time=1.0, job_id="j"))
     os.close(dead._lock_fd)  # dies without stop(): its lock file stays, free
     dead._lock_fd = None
     publisher._LEFT_BEHIND.discard(dead.path)

@@ -52,6 +52,13 @@ def test_values_and_collectors_beyond_the_bounds_are_dropped_and_counted(tmp_pat
     assert list(s.collectors) == [f"c{i}" for i in range(limits.MAX_COLLECTORS)] and read.dropped["collector"] == 5
 
 
+def test_a_device_whose_values_are_cut_keeps_its_memory_roles():
+    many = dataclasses.replace(_dev(0, n=limits.MAX_DEVICE_VALUES + 1), roles={"parameters": 8.0})
+    dropped: Counter[str] = Counter()
+    (d,) = limits.bounded(_sample(devices=(many,)), dropped).devices
+    assert len(d.values) == limits.MAX_DEVICE_VALUES and d.roles == {"parameters": 8.0} and dropped["value"] == 1
+
+
 def test_a_label_value_too_long_drops_its_entry_never_truncated_into_a_duplicate(tmp_path):
     long = "x" * 100_000
     twins = ("GPU-" + "a" * 300 + "1", "GPU-" + "a" * 300 + "2")  # one prefix: cutting would repeat a label set

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from samples import rank_sample
 
 from vramwatch import spool
 from vramwatch.server.collectors import ScrapeContext, ranks
@@ -45,7 +46,7 @@ class User:
 
     def publish(self, rank: int, t: float, job_id: str, live: bool = True, pid: int = 0, **kw) -> Path:
         pid = pid or 1000 + rank
-        s = spool.RankSample(rank, rank, 64, "node-a", pid, t, job_id=job_id, **kw)
+        s = rank_sample(rank, world_size=64, pid=pid, time=t, job_id=job_id, **kw)
         path = self.dir / (files.rank_stem(rank, pid, job_id) + ".json")
         path.write_bytes(files.frame(spool.encode_sample(s)))
         self._own(path)

@@ -80,10 +80,10 @@ def test_the_daemon_refuses_a_file_others_may_write(tmp_path: Path, rank_sample:
 
 
 def test_a_job_spool_reads_as_before(tmp_path: Path) -> None:
-    """A rank-started server's private spool is no node root: one directory, read by path."""
+    """A rank-started server's private spool is no node root: one directory, of no owner to check."""
     spool.ensure_dir(str(tmp_path / "s"))
     assert not node.is_node_root(str(tmp_path / "s"))
-    assert [type(d).__name__ for d in node.open_dirs(str(tmp_path / "s"))] == ["JobDir"]
+    assert [(d.uid, d.path) for d in node.open_dirs(str(tmp_path / "s"))] == [(None, str(tmp_path / "s"))]
 
 
 def test_the_daemon_removes_a_users_directory_left_empty(tmp_path: Path) -> None:
@@ -122,3 +122,14 @@ def test_the_daemons_temporary_files_never_follow_a_planted_symlink(tmp_path: Pa
     assert (root / target).is_file() and not (root / target).is_symlink()
     leftovers = {p.name for p in root.iterdir()} - {target, files.SERVER_LOCK}
     assert all((root / n).is_symlink() for n in leftovers), leftovers  # only the planted links, no temporary file
+
+
+def test_a_symlink_in_a_private_spool_is_refused_not_followed(tmp_path: Path, rank_sample) -> None:
+    """A private spool's files are opened under its directory descriptor with O_NOFOLLOW, as a user's are."""
+    d = tmp_path / "s"
+    spool.ensure_dir(str(d))
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_bytes(files.frame(spool.encode_sample(rank_sample(1))))
+    os.symlink(elsewhere, d / "rank-1-1.json")
+    read = spool.read_spool(str(d), 64, 60.0, reap=False)
+    assert read.live == read.final == [] and [r.why for r in read.refused] == ["a symlink"]

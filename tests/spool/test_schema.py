@@ -102,8 +102,9 @@ def test_other_versions_and_garbage_are_rejected_logged_once_and_counted(tmp_pat
         _plant(d, "rank-3-13.json", b"\x00not json at all")
         _plant(d, "rank-4-14.json", json.dumps({**doc, "devices": [{"device": "zero"}]}).encode())
         _plant(d, "rank-5-15.json", json.dumps([1, 2]).encode())
-        rejected: list[spool.Rejected] = []
-        assert [s.rank for s in spool.read_samples(d, 64, rejected=rejected)] == [0]
+        read = spool.read_spool(d, 64, 0.0)
+        assert [s.rank for s in read.live] == [0]
+        rejected = read.rejected
         assert sorted((r.file, r.reason) for r in rejected) == [
             ("rank-1-11.json", "newer_version"),
             ("rank-2-12.json", "older_version"),
@@ -138,12 +139,12 @@ def test_node_readings_round_trip_and_go_stale(tmp_path):
     d = str(tmp_path)
     spool.write_node_readings(d, [spool.GpuReadings("GPU-a", 212.0, 2.5e9), spool.GpuReadings("GPU-b")])
     assert [p.name for p in tmp_path.iterdir()] == [files.NODE_READINGS]  # no temporary left behind
-    assert spool.read_node_readings(d) == {
+    assert spool.read_node(d).gpus == {
         "GPU-a": spool.GpuReadings("GPU-a", 212.0, 2.5e9),
         "GPU-b": spool.GpuReadings("GPU-b"),
     }
     spool.write_node_readings(d, [spool.GpuReadings("GPU-a", 1.0)], now=time.time() - 60)
-    assert spool.read_node_readings(d) == {}  # a server that stopped: nothing shown
+    assert spool.read_node(d).gpus == {}  # a server that stopped: nothing shown
     spool.write_node_readings(str(tmp_path / "missing" / "dir"), [])  # never raises
     (tmp_path / files.NODE_READINGS).write_text("{garbage")
-    assert spool.read_node_readings(d) == {}
+    assert spool.read_node(d).gpus == {}

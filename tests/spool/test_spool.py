@@ -143,7 +143,7 @@ def test_a_spool_removed_under_a_publishing_rank_is_made_again(tmp_path, caplog)
             (s,) = spool.read_samples(d, 64)
             assert s.time == removed_at
             assert os.stat(d).st_mode & 0o777 == 0o700
-            assert not files.lock_is_free(files.lock_path_of(pub.path)), "the rank's new lock is held"
+            assert files.lock_held(files.lock_path_of(pub.path)), "the rank's new lock is held"
         assert caplog.text.count("vanished under this rank") == 2
         pub.publish(sample(2, 4.0))  # and in place again from then on
         assert spool.read_samples(d, 64)[0].time == 4.0

@@ -145,21 +145,21 @@ def _live_file(tmp_path, rank: int, pid: int, data: bytes) -> int:
 
 def test_a_malformed_sample_is_rejected_with_its_reason(tmp_path):
     fd = _live_file(tmp_path, 1, 11, files.frame(b"not json"))
-    rejected: list[reader.Rejected] = []
-    assert spool.read_samples(str(tmp_path), 64, rejected=rejected) == []
+    read = spool.read_spool(str(tmp_path), 64, 0.0)
+    assert read.live == []
     os.close(fd)
-    ((r),) = rejected
+    ((r),) = read.rejected
     assert (r.file, r.reason) == ("rank-1-11.json", "malformed") and r.detail.startswith("not JSON")
 
 
 def test_a_torn_record_is_retried_briefly_then_rejected(tmp_path):
     fd = _live_file(tmp_path, 1, 11, files.frame(b'{"v": 1}')[:-2])  # a writer that never finishes
-    rejected: list[reader.Rejected] = []
     t0 = time.monotonic()
-    assert spool.read_samples(str(tmp_path), 64, rejected=rejected) == []
+    read = spool.read_spool(str(tmp_path), 64, 0.0)
+    assert read.live == []
     assert time.monotonic() - t0 < 0.5  # five tries half a millisecond apart, not seconds
     os.close(fd)
-    assert rejected == [reader.Rejected("rank-1-11.json", "malformed", "no complete record")]
+    assert read.rejected == [reader.Rejected("rank-1-11.json", "malformed", "no complete record")]
 
 
 @pytest.mark.parametrize("reap", [True, False])
@@ -191,7 +191,7 @@ def test_reaping_removes_a_dead_ranks_half_written_first_sample(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_any_rank_files_and_sample_age(tmp_path):
+def test_any_rank_files_and_the_age_of_a_sample(tmp_path):
     assert not spool.any_rank_files(str(tmp_path / "missing"))
     assert not spool.any_rank_files(str(tmp_path))
     pub = spool.RankPublisher(str(tmp_path), 0)
@@ -199,9 +199,8 @@ def test_any_rank_files_and_sample_age(tmp_path):
     assert spool.any_rank_files(str(tmp_path))
     pub.close()
     s = sample(0, 100.0)
-    assert spool.sample_age(s, now=102.5) == s.age(102.5) == 2.5
+    assert s.age(102.5) == 2.5
     assert s.age(100.0) == 0.0 and s.age(99.0) == 0.0  # a clock step back is not a negative age
-    assert 0.0 < spool.sample_age(sample(0, time.time() - 5)) < 60
 
 
 # --- publisher ---
@@ -262,8 +261,8 @@ def test_a_forked_child_drops_the_parents_files(tmp_path):
 # --- readings ---
 def test_readings_are_fresh_up_to_the_bound(tmp_path):
     spool.write_node_readings(str(tmp_path), [spool.GpuReadings("GPU-a", 100.0, 1e9)], now=1000.0)
-    assert list(spool.read_node_readings(str(tmp_path), now=1000.0 + STALE_AFTER)) == ["GPU-a"]
-    assert spool.read_node_readings(str(tmp_path), now=1000.0 + STALE_AFTER + 0.01) == {}
+    assert list(spool.read_node(str(tmp_path), now=1000.0 + STALE_AFTER).gpus) == ["GPU-a"]
+    assert spool.read_node(str(tmp_path), now=1000.0 + STALE_AFTER + 0.01).gpus == {}
 
 
 def test_a_failed_readings_write_is_logged_at_debug(tmp_path, caplog):

@@ -138,7 +138,7 @@ class Handle:
             self.step_hooks = self.plugins.step_hooks
         except Exception as e:  # noqa: BLE001 - the exporter still runs without them
             self._log_once("plugins", "vramwatch: OOM forensics / status / hygiene unavailable: %r", e)
-        if self.node_root is not None and not node.daemon_running(self.node_root):
+        if self.node_root is not None and not spool.server_running(self.node_root):
             log.warning(
                 "vramwatch: the node daemon's spool %s is set up but no daemon holds its lock; publishing there "
                 "for when it is back (systemctl status vramwatch)",

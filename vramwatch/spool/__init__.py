@@ -30,7 +30,6 @@ from vramwatch.spool.reader import (
     any_rank_files,
     read_samples,
     read_spool,
-    sample_age,
 )
 from vramwatch.spool.readings import (
     GpuIdentity,
@@ -38,7 +37,6 @@ from vramwatch.spool.readings import (
     NodeReadings,
     read_gpu_identities,
     read_node,
-    read_node_readings,
     write_node_readings,
 )
 from vramwatch.spool.schema import (
@@ -83,10 +81,8 @@ __all__ = [
     "hold_spawn_lock",
     "read_gpu_identities",
     "read_node",
-    "read_node_readings",
     "read_samples",
     "read_spool",
-    "sample_age",
     "server_running",
     "spool_state",
     "write_node_readings",

@@ -25,7 +25,7 @@ def spool_state(spool_dir: str, headers: bool = True) -> SpoolState | None:
                 if not files.RANK_FILE.match(name):
                     continue
                 alive = not d.lock_free(files.lock_path_of(name))
-                state.append((owner + name, d.header(name) if headers else None, alive))
+                state.append((owner + name, d.read(name, files.HEADER_SIZE) if headers else None, alive))
     except OSError:
         return None
     state.sort()

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import pairwise
-from typing import Any
+from typing import Any, TypeVar
 
 from vramwatch.spool.schema import (
     EXIT_DETAIL,
@@ -35,19 +35,8 @@ from vramwatch.spool.schema import (
     TrainingState,
 )
 
-# One encoder for every sample: json.dumps would build a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-# The histogram's bounds are one tuple for the life of a process (heartbeat.BUCKETS): encoded once.
-_buckets_json: tuple[tuple[float, ...], str] = ((), "[]")
-
-
-def _encoded_buckets(buckets: tuple[float, ...]) -> str:
-    global _buckets_json
-    cached_for, raw = _buckets_json
-    if buckets is not cached_for:  # by identity: an equal tuple of ints would encode otherwise
-        raw = _ENCODER.encode(buckets)
-        _buckets_json = (buckets, raw)
-    return raw
+_ALLOCATOR_INFO_KEYS = ("backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb")
 
 
 class SampleRejected(ValueError):
@@ -58,192 +47,6 @@ class SampleRejected(ValueError):
         self.reason = reason
         self.detail = detail
         self.version = version
-
-
-def encode_sample(sample: RankSample) -> bytes:
-    """The payload for ``sample``: the bytes :func:`encode_sample_reference` makes, assembled faster.
-
-    The sampler thread encodes one sample a second on a core that idles in between, so the encode runs
-    with cold caches: there a dict of ~60 entries walked by the C encoder costs ~0.1 ms, most of it
-    escaping the same long keys and rebuilding the same constant parts. Here the parts that do not change
-    between samples (identity, device ids, key names, allocator settings, bucket bounds) are encoded once
-    and the numbers are formatted as the C encoder formats them (``float.__repr__``). Anything but the
-    plain types a rank publishes (a bool, an int where a float goes, a non-finite number, a non-str key)
-    takes the reference path, which encodes it or raises ValueError as it always did.
-    """
-    try:
-        return _fast(sample).encode()
-    except (_Slow, TypeError):
-        return encode_sample_reference(sample)
-
-
-class _Slow(Exception):
-    """Not a sample the fast path encodes byte for byte: use the reference."""
-
-
-_frepr = float.__repr__
-_irepr = int.__repr__
-_HEAD = '{"v":' + _ENCODER.encode(SCHEMA_VERSION) + ',"time":'
-_MEMO_MAX = 4096  # distinct strings memoised (key names, collector names, uuids): bounded, as a rank's are
-_keys: dict[str, str] = {}  # '"name":' for each key name seen
-_items: dict[str, tuple[str, float, str]] = {}  # name -> its '"name":', its last value, '"name":value'
-_ident: tuple[tuple[object, ...], str] = ((), "")
-_devices: dict[tuple[int, str], str] = {}
-_info: tuple[object, str] = (None, "null")
-_job: tuple[object, str] = (None, "")
-
-
-def _key(k: object) -> str:
-    if type(k) is not str:
-        raise _Slow
-    if len(_keys) >= _MEMO_MAX:
-        _keys.clear()
-    j = _keys[k] = _ENCODER.encode(k) + ":"
-    return j
-
-
-def _int_(v: object) -> str:
-    if type(v) is not int:
-        raise _Slow  # a bool encodes as true/false, a float as itself: the reference knows how
-    return _irepr(v)
-
-
-def _float_(v: object) -> str:
-    if type(v) is not float or v - v != 0.0:  # inf - inf and nan - nan are nan
-        raise _Slow
-    return _frepr(v)
-
-
-def _opt(v: object) -> str:
-    return "null" if v is None else _float_(v)
-
-
-def _numbers_json(values: Mapping[str, float]) -> str:
-    """A {name: float} object. Most values repeat from one sample to the next (peaks, counters, limits):
-    each name keeps its last value and that item's text, so only the values that moved are formatted."""
-    # one sum checks every value is finite (a nan or an infinity makes it non-finite; so may an overflow,
-    # which the reference then encodes); float.__repr__ raises TypeError for anything but a float
-    if not math.isfinite(sum(values.values())):
-        raise _Slow
-    items = _items
-    out = []
-    for k, v in values.items():
-        e = items.get(k)
-        if e is not None and e[1] == v and v and type(v) is float:  # not 0.0: it equals -0.0, which prints apart
-            out.append(e[2])
-            continue
-        if e is None:
-            if len(items) >= _MEMO_MAX:
-                items.clear()
-            kj = _keys.get(k) or _key(k)
-        else:
-            kj = e[0]
-        item = kj + _frepr(v)
-        items[k] = (kj, v, item)
-        out.append(item)
-    return "{" + ",".join(out) + "}"
-
-
-def _fast(s: RankSample) -> str:
-    global _ident, _info, _job
-    ids = (s.pid, s.rank, s.local_rank, s.world_size, s.hostname)
-    key = (*ids, *map(type, ids))  # the types too: True == 1, but one encodes as true
-    cached_for, ident = _ident
-    if key != cached_for:
-        ident = (
-            f',"pid":{_int_(s.pid)},"rank":{_int_(s.rank)},"local_rank":{_int_(s.local_rank)}'
-            f',"world_size":{_int_(s.world_size)},"hostname":{_ENCODER.encode(_text_(s.hostname))},"devices":['
-        )
-        _ident = (key, ident)
-    out = [_HEAD, _float_(s.time), ident]
-    first = True
-    for d in s.devices:
-        dkey = (d.device, d.uuid)
-        prefix = _devices.get(dkey)
-        if prefix is None or type(d.device) is not int:
-            if len(_devices) >= _MEMO_MAX:
-                _devices.clear()
-            prefix = _devices[dkey] = f'{{"device":{_int_(d.device)},"uuid":{_ENCODER.encode(_text_(d.uuid))},"values":'
-        out.append(prefix if first else "," + prefix)
-        first = False
-        out.append(_numbers_json(d.values))
-        if d.roles:
-            out.append(',"roles":')
-            out.append(_numbers_json(d.roles))
-        out.append("}")
-    ai = s.allocator_info
-    info_for, info = _info
-    if ai is not info_for:
-        info = "null" if ai is None else _ENCODER.encode(_allocator_info_doc(ai))
-        _info = (ai, info)
-    hb = s.heartbeat
-    out += (
-        '],"allocator_info":',
-        info,
-        ',"heartbeat":{"steps":',
-        _int_(hb.steps),
-        ',"last":',
-        _float_(hb.last_step_time),
-        ',"buckets":',
-        _encoded_buckets(hb.buckets),
-        ',"counts":[',
-        ",".join([_int_(c) for c in hb.counts]),
-        '],"sum":',
-        _float_(hb.sum),
-        ',"loss":',
-        _opt(hb.loss),
-        ',"grad_norm":',
-        _opt(hb.grad_norm),
-    )
-    if hb.tokens is not None:
-        out += (',"tokens":', _float_(hb.tokens))
-    if hb.samples is not None:
-        out += (',"samples":', _float_(hb.samples))
-    out.append('},"collectors":{')
-    keys = _keys
-    out.append(
-        ",".join(
-            [
-                f'{keys.get(name) or _key(name)}{{"up":{_int_(h.up)},"errors":{_int_(h.errors)},'
-                f'"duration":{_float_(h.duration)}}}'
-                for name, h in s.collectors.items()
-            ]
-        )
-    )
-    out.append("}")
-    if s.flops_per_token is not None:
-        out += (',"flops_per_token":', _float_(s.flops_per_token))
-    if s.job_id:  # constant for the process: its text encoded once
-        job_for, job = _job
-        if s.job_id is not job_for:
-            job = ',"job_id":' + _ENCODER.encode(_text_(s.job_id))
-            _job = (s.job_id, job)
-        out.append(job)
-    if s.oom_snapshot is not None:  # after an OOM only: encoded whole
-        out += (',"oom_snapshot":', _ENCODER.encode(_oom_doc(s.oom_snapshot)))
-    if s.training:  # a few small fields, encoded whole
-        out += (',"training":', _ENCODER.encode(_training_doc(s.training)))
-    out.append("}")
-    return "".join(out)
-
-
-def _text_(v: object) -> str:
-    if type(v) is not str:
-        raise _Slow
-    return v
-
-
-def _allocator_info_doc(ai: AllocatorInfo) -> dict[str, Any]:
-    return {
-        "backend": ai.backend,
-        "expandable_segments": ai.expandable_segments,
-        "garbage_collection_threshold": ai.garbage_collection_threshold,
-        "max_split_size_mb": ai.max_split_size_mb,
-    }
-
-
-def _oom_doc(oom: OomSnapshot) -> dict[str, Any]:
-    return {"path": oom.path, "time": oom.time}
 
 
 def _training_doc(t: TrainingState) -> dict[str, Any]:
@@ -265,11 +68,8 @@ def _training_doc(t: TrainingState) -> dict[str, Any]:
     return doc
 
 
-def encode_sample_reference(sample: RankSample) -> bytes:
-    """The payload for ``sample``, built as a dict and encoded whole: the definition of the payload.
-
-    :func:`encode_sample` must return the same bytes (tests/spool/test_codec_fast.py); a field added here
-    is added there too. Raises ValueError for a non-finite number (JSON has none)."""
+def encode_sample(sample: RankSample) -> bytes:
+    """The payload for ``sample``. Raises ValueError for a non-finite number (JSON has none)."""
     hb = sample.heartbeat
     ai = sample.allocator_info
     doc: dict[str, Any] = {
@@ -281,7 +81,7 @@ def encode_sample_reference(sample: RankSample) -> bytes:
         "world_size": sample.world_size,
         "hostname": sample.hostname,
         "devices": [_encoded_device(d) for d in sample.devices],
-        "allocator_info": None if ai is None else _allocator_info_doc(ai),
+        "allocator_info": None if ai is None else dict(zip(_ALLOCATOR_INFO_KEYS, ai.labels(), strict=True)),
         "heartbeat": {
             "steps": hb.steps,
             "last": hb.last_step_time,
@@ -305,7 +105,7 @@ def encode_sample_reference(sample: RankSample) -> bytes:
     if sample.job_id:
         doc["job_id"] = sample.job_id
     if sample.oom_snapshot is not None:
-        doc["oom_snapshot"] = _oom_doc(sample.oom_snapshot)
+        doc["oom_snapshot"] = {"path": sample.oom_snapshot.path, "time": sample.oom_snapshot.time}
     if sample.training:
         doc["training"] = _training_doc(sample.training)
     return _ENCODER.encode(doc).encode()
@@ -341,33 +141,39 @@ def decode_sample(payload: bytes) -> RankSample:
 # --- validation: a well-formed but mis-shaped sample (a string for a number, a missing field, a negative
 # count) is refused here, whole and alone, so nothing downstream ever renders it ---
 _MAX_ID = 2**31 - 1
+_T = TypeVar("_T")
 
 
 class _Bad(Exception):
     """What is wrong, and where: ``heartbeat.counts[2] must be an integer 0-..., not str``."""
 
 
-def _field(doc: Mapping[str, Any], key: str, where: str = "") -> Any:
-    if key not in doc:
-        raise _Bad(f"{where}{key} is missing")
-    return doc[key]
+class _Obj:
+    """A JSON object of the payload at ``where``: each field is taken through a check that names it
+    (``heartbeat.steps``) in what it raises."""
+
+    def __init__(self, v: Any, where: str) -> None:
+        self.doc: dict[str, Any] = _of(v, where, dict)
+        self.where = f"{where}." if where else ""
+
+    def get(self, key: str, check: Callable[..., _T], *args: Any) -> _T:
+        if key not in self.doc:
+            raise _Bad(f"{self.where}{key} is missing")
+        return check(self.doc[key], self.where + key, *args)
+
+    def opt(self, key: str, check: Callable[..., _T], *args: Any) -> _T | None:
+        """The field, or None where it is absent or null."""
+        v = self.doc.get(key)
+        return None if v is None else check(v, self.where + key, *args)
 
 
-def _object(v: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(v, dict):
-        raise _Bad(f"{where} must be an object, not {type(v).__name__}")
-    return v
+_JSON_TYPES: dict[type, str] = {dict: "an object", list: "an array", str: "a string"}
 
 
-def _array(v: Any, where: str) -> list[Any]:
-    if not isinstance(v, list):
-        raise _Bad(f"{where} must be an array, not {type(v).__name__}")
-    return v
-
-
-def _text(v: Any, where: str) -> str:
-    if not isinstance(v, str):
-        raise _Bad(f"{where} must be a string, not {type(v).__name__}")
+def _of(v: Any, where: str, kind: type) -> Any:
+    """``v`` if it is a JSON object, array or string (``kind``: dict, list, str)."""
+    if not isinstance(v, kind):
+        raise _Bad(f"{where} must be {_JSON_TYPES[kind]}, not {type(v).__name__}")
     return v
 
 
@@ -398,147 +204,123 @@ def _kind(v: Any) -> str:
     return type(v).__name__ if not isinstance(v, (int, float)) or isinstance(v, bool) else repr(v)[:32]
 
 
-def _sample(doc: Mapping[str, Any]) -> RankSample:
-    hb = _object(_field(doc, "heartbeat"), "heartbeat")
-    ai = _field(doc, "allocator_info")
-    oom = doc.get("oom_snapshot")
-    fpt = doc.get("flops_per_token")
-    job_id = doc.get("job_id")
-    training = doc.get("training")
-    return RankSample(
-        rank=_int(_field(doc, "rank"), "rank", 0, _MAX_ID),
-        local_rank=_int(_field(doc, "local_rank"), "local_rank", 0, _MAX_ID),
-        world_size=_int(_field(doc, "world_size"), "world_size", 1, _MAX_ID),
-        hostname=_text(_field(doc, "hostname"), "hostname"),
-        pid=_int(_field(doc, "pid"), "pid", 1, _MAX_ID),
-        time=_float(_field(doc, "time"), "time", 0.0),
-        devices=tuple(_device(d, f"devices[{i}]") for i, d in enumerate(_array(_field(doc, "devices"), "devices"))),
-        allocator_info=None if ai is None else _allocator_info(_object(ai, "allocator_info")),
-        heartbeat=_heartbeat(hb),
-        collectors={
-            _text(name, "collectors key"): _health(_object(h, f"collectors.{name}"), f"collectors.{name}.")
-            for name, h in _object(_field(doc, "collectors"), "collectors").items()
-        },
-        oom_snapshot=None if oom is None else _oom(_object(oom, "oom_snapshot")),
-        flops_per_token=None if fpt is None else _float(fpt, "flops_per_token", 0.0),
-        job_id="" if job_id is None else _job_id(job_id),
-        training=None if training is None else _training(_object(training, "training")),
-    )
-
-
-def _training(t: Mapping[str, Any]) -> TrainingState:
-    # every value here is a label value or a number the server renders: closed sets and checked ranges only
-    w = "training."
-    reason = detail = phase = ""
-    start = 0.0
-    ex = t.get("exit")
-    if ex is not None:
-        ex = _object(ex, w + "exit")
-        reason = _one_of(_field(ex, "reason", w + "exit."), w + "exit.reason", EXIT_REASONS[:-1])
-        detail = _text(_field(ex, "detail", w + "exit."), w + "exit.detail")
-        if not EXIT_DETAIL.fullmatch(detail):
-            raise _Bad(f"{w}exit.detail must be at most 64 of [A-Za-z0-9_.], not {detail[:32]!r}")
-    ph = t.get("phase")
-    if ph is not None:
-        ph = _object(ph, w + "phase")
-        phase = _one_of(_field(ph, "name", w + "phase."), w + "phase.name", PHASES)
-        start = _float(_field(ph, "start", w + "phase."), w + "phase.start", 0.0)
-    coll = t.get("collectives")
-    waits = _object(t.get("waits", {}), w + "waits")
-    nonfinite = _object(t.get("nonfinite", {}), w + "nonfinite")
-    loss, grad_norm = t.get("loss", ""), t.get("grad_norm", "")
-    return TrainingState(
-        exit_reason=reason,
-        exit_detail=detail,
-        collectives=None if coll is None else _int(coll, w + "collectives"),
-        waits={_one_of(k, w + "waits key", WAIT_KINDS): _float(v, f"{w}waits.{k}", 0.0) for k, v in waits.items()},
-        phase=phase,
-        phase_start=start,
-        nonfinite={
-            _one_of(k, w + "nonfinite key", NONFINITE_VALUES): _int(v, f"{w}nonfinite.{k}")
-            for k, v in nonfinite.items()
-        },
-        loss="" if loss == "" else _one_of(loss, w + "loss", NONFINITE_KINDS),
-        grad_norm="" if grad_norm == "" else _one_of(grad_norm, w + "grad_norm", NONFINITE_KINDS),
-    )
-
-
 def _one_of(v: Any, where: str, allowed: tuple[str, ...]) -> str:
     if not isinstance(v, str) or v not in allowed:
         raise _Bad(f"{where} must be one of {', '.join(allowed)}, not {_kind(v)[:32]!r}")
     return v
 
 
-def _job_id(v: Any) -> str:
+def _sample(doc: dict[str, Any]) -> RankSample:
+    d = _Obj(doc, "")
+    heartbeat = d.get("heartbeat", _heartbeat)
+    return RankSample(
+        rank=d.get("rank", _int, 0, _MAX_ID),
+        local_rank=d.get("local_rank", _int, 0, _MAX_ID),
+        world_size=d.get("world_size", _int, 1, _MAX_ID),
+        hostname=d.get("hostname", _of, str),
+        pid=d.get("pid", _int, 1, _MAX_ID),
+        time=d.get("time", _float, 0.0),
+        devices=tuple(_device(v, f"devices[{i}]") for i, v in enumerate(d.get("devices", _of, list))),
+        allocator_info=d.opt("allocator_info", _allocator_info),
+        heartbeat=heartbeat,
+        collectors={
+            _of(name, "collectors key", str): _health(h, f"collectors.{name}")
+            for name, h in d.get("collectors", _of, dict).items()
+        },
+        oom_snapshot=d.opt("oom_snapshot", _oom),
+        flops_per_token=d.opt("flops_per_token", _float, 0.0),
+        job_id=d.opt("job_id", _job_id) or "",
+        training=d.opt("training", _training),
+    )
+
+
+def _training(v: Any, where: str) -> TrainingState:
+    # every value here is a label value or a number the server renders: closed sets and checked ranges only
+    t = _Obj(v, where)
+    ex, ph = t.opt("exit", _Obj), t.opt("phase", _Obj)
+    detail = ex.get("detail", _of, str) if ex else ""
+    if not EXIT_DETAIL.fullmatch(detail):
+        raise _Bad(f"{where}.exit.detail must be at most 64 of [A-Za-z0-9_.], not {detail[:32]!r}")
+    waits, nonfinite = t.opt("waits", _of, dict) or {}, t.opt("nonfinite", _of, dict) or {}
+    return TrainingState(
+        exit_reason=ex.get("reason", _one_of, EXIT_REASONS[:-1]) if ex else "",
+        exit_detail=detail,
+        collectives=t.opt("collectives", _int),
+        waits={
+            _one_of(k, f"{where}.waits key", WAIT_KINDS): _float(n, f"{where}.waits.{k}", 0.0) for k, n in waits.items()
+        },
+        phase=ph.get("name", _one_of, PHASES) if ph else "",
+        phase_start=ph.get("start", _float, 0.0) if ph else 0.0,
+        nonfinite={
+            _one_of(k, f"{where}.nonfinite key", NONFINITE_VALUES): _int(n, f"{where}.nonfinite.{k}")
+            for k, n in nonfinite.items()
+        },
+        loss=t.opt("loss", _one_of, NONFINITE_KINDS) or "",
+        grad_norm=t.opt("grad_norm", _one_of, NONFINITE_KINDS) or "",
+    )
+
+
+def _job_id(v: Any, where: str) -> str:
     # a label value and part of the file name: only what the rank itself could have written
     if not isinstance(v, str) or not JOB_ID.fullmatch(v):
-        raise _Bad(f"job_id must be 1-{JOB_ID_MAX} letters, digits and _ . -, not {_kind(v)[:32]!r}")
+        raise _Bad(f"{where} must be 1-{JOB_ID_MAX} letters, digits and _ . -, not {_kind(v)[:32]!r}")
     return v
 
 
-def _device(d: Any, where: str) -> DeviceSample:
-    d = _object(d, where)
-    values = _object(_field(d, "values", where + "."), where + ".values")
-    roles = d.get("roles")
+def _device(v: Any, where: str) -> DeviceSample:
+    d = _Obj(v, where)
     return DeviceSample(
-        _int(_field(d, "device", where + "."), where + ".device", 0, _MAX_ID),
-        _text(_field(d, "uuid", where + "."), where + ".uuid"),
-        _numbers(values),
-        {} if roles is None else _roles(_object(roles, where + ".roles"), where + ".roles"),
+        d.get("device", _int, 0, _MAX_ID),
+        d.get("uuid", _of, str),
+        _numbers(d.get("values", _of, dict)),
+        d.opt("roles", _roles) or {},
     )
 
 
-def _roles(roles: Mapping[str, Any], where: str) -> dict[str, float]:
+def _roles(v: Any, where: str) -> dict[str, float]:
     # the role names are a closed set: a label value the server renders, so nothing else gets through
-    for k in roles:
+    for k in _of(v, where, dict):
         if k not in MEMORY_ROLES:
             raise _Bad(f"{where} key {k[:32]!r} is not one of {', '.join(MEMORY_ROLES)}")
-    return {k: _float(v, f"{where}.{k}", 0.0) for k, v in roles.items()}
+    return {k: _float(n, f"{where}.{k}", 0.0) for k, n in v.items()}
 
 
-def _allocator_info(ai: Mapping[str, Any]) -> AllocatorInfo:
-    keys = ("backend", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb")
-    return AllocatorInfo(*(_text(_field(ai, k, "allocator_info."), "allocator_info." + k) for k in keys))
+def _allocator_info(v: Any, where: str) -> AllocatorInfo:
+    a = _Obj(v, where)
+    return AllocatorInfo(*(a.get(k, _of, str) for k in _ALLOCATOR_INFO_KEYS))
 
 
-def _heartbeat(hb: Mapping[str, Any]) -> HeartbeatSnapshot:
-    w = "heartbeat."
-    buckets = tuple(
-        _float(b, f"{w}buckets[{i}]") for i, b in enumerate(_array(_field(hb, "buckets", w), w + "buckets"))
-    )
-    counts = tuple(_int(c, f"{w}counts[{i}]") for i, c in enumerate(_array(_field(hb, "counts", w), w + "counts")))
+def _heartbeat(v: Any, where: str) -> HeartbeatSnapshot:
+    hb = _Obj(v, where)
+    buckets = tuple(_float(b, f"{where}.buckets[{i}]") for i, b in enumerate(hb.get("buckets", _of, list)))
+    counts = tuple(_int(c, f"{where}.counts[{i}]") for i, c in enumerate(hb.get("counts", _of, list)))
     if (buckets or counts) and len(counts) != len(buckets) + 1:
-        raise _Bad(f"{w}counts must hold one more entry than {w}buckets, not {len(counts)} for {len(buckets)}")
+        raise _Bad(
+            f"{where}.counts must hold one more entry than {where}.buckets, not {len(counts)} for {len(buckets)}"
+        )
     if any(b >= nxt for b, nxt in pairwise(buckets)):
-        raise _Bad(f"{w}buckets must increase")
-    loss, grad_norm = _field(hb, "loss", w), _field(hb, "grad_norm", w)
-    tokens, samples = hb.get("tokens"), hb.get("samples")
+        raise _Bad(f"{where}.buckets must increase")
     return HeartbeatSnapshot(
-        steps=_int(_field(hb, "steps", w), w + "steps"),
-        last_step_time=_float(_field(hb, "last", w), w + "last", 0.0),
+        steps=hb.get("steps", _int),
+        last_step_time=hb.get("last", _float, 0.0),
         buckets=buckets,
         counts=counts,
-        sum=_float(_field(hb, "sum", w), w + "sum", 0.0),
-        loss=None if loss is None else _float(loss, w + "loss"),
-        grad_norm=None if grad_norm is None else _float(grad_norm, w + "grad_norm"),
-        tokens=None if tokens is None else _float(tokens, w + "tokens", 0.0),
-        samples=None if samples is None else _float(samples, w + "samples", 0.0),
+        sum=hb.get("sum", _float, 0.0),
+        loss=hb.opt("loss", _float),
+        grad_norm=hb.opt("grad_norm", _float),
+        tokens=hb.opt("tokens", _float, 0.0),
+        samples=hb.opt("samples", _float, 0.0),
     )
 
 
-def _health(h: Mapping[str, Any], where: str) -> CollectorHealth:
-    return CollectorHealth(
-        _int(_field(h, "up", where), where + "up", 0, 1),
-        _int(_field(h, "errors", where), where + "errors"),
-        _float(_field(h, "duration", where), where + "duration", 0.0),
-    )
+def _health(v: Any, where: str) -> CollectorHealth:
+    h = _Obj(v, where)
+    return CollectorHealth(h.get("up", _int, 0, 1), h.get("errors", _int), h.get("duration", _float, 0.0))
 
 
-def _oom(oom: Mapping[str, Any]) -> OomSnapshot:
-    return OomSnapshot(
-        _text(_field(oom, "path", "oom_snapshot."), "oom_snapshot.path"),
-        _float(_field(oom, "time", "oom_snapshot."), "oom_snapshot.time", 0.0),
-    )
+def _oom(v: Any, where: str) -> OomSnapshot:
+    o = _Obj(v, where)
+    return OomSnapshot(o.get("path", _of, str), o.get("time", _float, 0.0))
 
 
 def _numbers(values: Mapping[str, Any]) -> dict[str, float]:

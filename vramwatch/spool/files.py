@@ -20,12 +20,12 @@ Every file in the spool is named here and nowhere else:
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
 import re
 import struct
+import tempfile
 import zlib
 
 from vramwatch.spool.schema import JOB_ID
@@ -92,32 +92,23 @@ def write_server_info(spool_dir: str, info: dict[str, object]) -> None:
         raise OSError(e.errno, e.strerror or str(e), path) from None
 
 
-def replace_file(path: str, data: bytes, mode: int = 0o666) -> None:
-    """Write ``data`` to a new file and rename it over ``path``: whole or not at all.
+def replace_file(path: str, data: bytes) -> None:
+    """Write ``data`` to a new file and rename it over ``path``: whole or not at all, 0644 (the node daemon's
+    files are read by every user's ranks).
 
-    The new file is opened ``O_EXCL | O_NOFOLLOW`` under a name nobody can guess: in a node daemon's root
+    The new file is mkstemp's, ``O_EXCL | O_NOFOLLOW`` under a name nobody can guess: in a node daemon's root
     any local user may create entries, and a symlink planted at a predictable temporary name would have
-    the daemon write through it where ``fs.protected_symlinks`` is 0. ``mode`` is taken less the umask."""
-    for _ in range(3):
-        tmp = f"{path}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        except FileExistsError:
-            continue
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, path)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            remove_quietly(tmp)
-            raise
-        return
-    raise FileExistsError(errno.EEXIST, "no free temporary name", path)
+    the daemon write through it where ``fs.protected_symlinks`` is 0."""
+    folder, name = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=folder)
+    try:
+        with open(fd, "wb") as fh:
+            os.fchmod(fd, 0o644)
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
 
 
 def probe_lock(fd: int) -> bool:
@@ -131,13 +122,14 @@ def probe_lock(fd: int) -> bool:
     return True
 
 
-def lock_is_free(path: str) -> bool:
-    """True if nobody holds ``path``'s flock."""
+def lock_held(path: str) -> bool:
+    """Whether someone holds ``path``'s flock. Opened read-only: the node daemon's lock is 0644, and a rank
+    opens it to ask."""
     try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return True
-    return probe_lock(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    return not probe_lock(fd)
 
 
 def hold_lock(path: str) -> int | None:
@@ -152,7 +144,8 @@ def hold_lock(path: str) -> int | None:
 
 
 def server_running(spool_dir: str) -> bool:
-    return not lock_is_free(os.path.join(spool_dir, SERVER_LOCK))
+    """Whether a server (a rank-started one, or the node daemon in its root) holds the spool's server lock."""
+    return lock_held(os.path.join(spool_dir, SERVER_LOCK))
 
 
 def hold_spawn_lock(spool_dir: str) -> int | None:
@@ -162,20 +155,6 @@ def hold_spawn_lock(spool_dir: str) -> int | None:
 def frame(payload: bytes) -> bytes:
     """A record: header (magic, length, CRC) then the payload."""
     return _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
-
-
-def record_header(path: str) -> bytes | None:
-    """The header of the record in ``path`` (its length and CRC name the payload), or None if unreadable."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        return os.pread(fd, _HEADER.size, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def unframe(raw: bytes) -> bytes | None:

@@ -40,6 +40,7 @@ def bounded(sample: RankSample, dropped: Counter[str]) -> RankSample:
     not truncated: two entries cut to one prefix would repeat a label set in one exposition.
     The host name labels only the rank's own info series and is cut instead.
     """
+    before = dropped.total()
     devices = sample.devices
     if len(devices) > MAX_DEVICES:
         dropped["device"] += len(devices) - MAX_DEVICES
@@ -51,7 +52,7 @@ def bounded(sample: RankSample, dropped: Counter[str]) -> RankSample:
             continue
         if len(d.values) > MAX_DEVICE_VALUES:
             dropped["value"] += len(d.values) - MAX_DEVICE_VALUES
-            d = DeviceSample(d.device, d.uuid, dict(list(d.values.items())[:MAX_DEVICE_VALUES]))
+            d = replace(d, values=dict(list(d.values.items())[:MAX_DEVICE_VALUES]))
         kept.append(d)
     collectors = dict(list(sample.collectors.items())[:MAX_COLLECTORS])
     if len(sample.collectors) > MAX_COLLECTORS:
@@ -71,15 +72,8 @@ def bounded(sample: RankSample, dropped: Counter[str]) -> RankSample:
     if not _fits(hostname):
         dropped["label"] += 1
         hostname = hostname[:MAX_LABEL_VALUE]
-    if (
-        len(kept) == len(sample.devices)
-        and all(a is b for a, b in zip(kept, sample.devices, strict=True))
-        and len(collectors) == len(sample.collectors)
-        and info is sample.allocator_info
-        and snapshot is sample.oom_snapshot
-        and hostname is sample.hostname
-    ):
-        return sample  # the usual case: nothing cut, nothing copied
+    if dropped.total() == before:
+        return sample  # the usual case: nothing cut (every cut is counted), nothing copied
     return replace(
         sample,
         hostname=hostname,

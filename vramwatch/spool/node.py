@@ -77,7 +77,7 @@ def ensure_root(path: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """An entry of the node spool the daemon will not read, and why (logged once per entry and reason)."""
+    """An entry of the spool the server will not read, and why (logged once per entry and reason)."""
 
     entry: str  # its path under the root
     why: str
@@ -86,51 +86,13 @@ class Refused:
         return f"refused {self.entry}: {self.why}; nothing of it is exported"
 
 
-class JobDir:
-    """A rank-started server's private spool (0700, one user): read by path, as it always was."""
+class SpoolDir:
+    """A directory of rank files, opened once (O_NOFOLLOW): every name is looked up in that directory, never
+    through a path that could be swapped. A user's directory in the node root has its owner's ``uid``, and every
+    file in it must be a regular one of that owner that nobody else may write; a rank-started server's private
+    spool (0700, one user) has ``uid`` None."""
 
-    uid: int | None = None
-
-    def __init__(self, path: str, names: list[str] | None = None) -> None:
-        self.path = path
-        self.ctime: dict[str, float] = {}  # one user's spool: no job id is ever another's to claim
-        self._names = names  # the listing open_dirs took: one listdir per read, as before
-
-    def names(self) -> list[str]:
-        if self._names is not None:
-            names, self._names = self._names, None
-            return names
-        return os.listdir(self.path)
-
-    def lock_free(self, name: str) -> bool:
-        return files.lock_is_free(os.path.join(self.path, name))
-
-    def read(self, name: str, limit: int) -> bytes | None:
-        try:
-            with open(os.path.join(self.path, name), "rb", buffering=0) as fh:
-                return fh.read(_read_size(fh.fileno(), limit))
-        except OSError:
-            return None
-
-    def header(self, name: str) -> bytes | None:
-        return files.record_header(os.path.join(self.path, name))
-
-    def remove(self, *names: str) -> None:
-        files.remove_quietly(*(os.path.join(self.path, n) for n in names))
-
-    def remove_if_stale(self, now: float) -> None:
-        pass  # a private spool stays: its server runs in it
-
-    def close(self) -> None:
-        pass
-
-
-class UserDir:
-    """One user's directory in the node root, opened once (O_NOFOLLOW): every name is looked up in that
-    directory, never through a path the user could swap, and every file must be a regular one of the
-    directory's owner that nobody else may write."""
-
-    def __init__(self, fd: int, uid: int, path: str, refused: list[Refused], root_fd: int = -1) -> None:
+    def __init__(self, fd: int, uid: int | None, path: str, refused: list[Refused], root_fd: int = -1) -> None:
         self.fd, self.uid, self.path, self._refused = fd, uid, path, refused
         self._root_fd = root_fd
         # the kernel's change time of each file opened: a lock's is when its rank started (nobody can set it
@@ -155,9 +117,9 @@ class UserDir:
         why = ""
         if not stat.S_ISREG(st.st_mode):
             why = "not a regular file"
-        elif st.st_uid != self.uid:
+        elif self.uid is not None and st.st_uid != self.uid:
             why = f"belongs to uid {st.st_uid}, its directory to uid {self.uid}"
-        elif st.st_mode & 0o022:
+        elif self.uid is not None and st.st_mode & 0o022:
             why = f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
         if why:
             os.close(fd)
@@ -176,25 +138,7 @@ class UserDir:
 
     def read(self, name: str, limit: int) -> bytes | None:
         fd = self._open(name)
-        if fd is None:
-            return None
-        try:
-            return os.read(fd, _read_size(fd, limit))
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-
-    def header(self, name: str) -> bytes | None:
-        fd = self._open(name)
-        if fd is None:
-            return None
-        try:
-            return os.pread(fd, files.HEADER_SIZE, 0)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
+        return None if fd is None else _read_and_close(fd, limit)
 
     def remove(self, *names: str) -> None:
         for n in names:
@@ -207,7 +151,10 @@ class UserDir:
         """Remove this directory once empty for ``EMPTY_DIR_GRACE`` s (the daemon owns the sticky root, so it
         may): the user's jobs are over, and a fallback ``u<uid>-<hex>`` would otherwise stay until reboot.
         A rank makes its lock in it right after making it, so a directory a rank is about to use is never
-        empty that long; a rank that finds its directory gone makes it again (RankPublisher)."""
+        empty that long; a rank that finds its directory gone makes it again (RankPublisher). A private spool
+        stays: its server runs in it."""
+        if self._root_fd < 0:
+            return
         try:
             if os.listdir(self.fd) or now - os.fstat(self.fd).st_mtime < EMPTY_DIR_GRACE:
                 return
@@ -219,13 +166,15 @@ class UserDir:
         os.close(self.fd)
 
 
-SpoolDir = JobDir | UserDir
-
-
-def _read_size(fd: int, limit: int) -> int:
-    """What to ask of a read of at most ``limit`` bytes: the file's size and one more (a read allocates what it
-    asks for: a whole MiB per sample of a few KiB cost more than the rest of the read)."""
-    return min(limit, os.fstat(fd).st_size + 1)
+def _read_and_close(fd: int, limit: int) -> bytes | None:
+    """At most ``limit`` bytes of the open file ``fd``, or None if it cannot be read. It asks for the file's size
+    and one more (a read allocates what it asks for: a whole MiB per sample of a few KiB cost more than the rest)."""
+    try:
+        return os.read(fd, min(limit, os.fstat(fd).st_size + 1))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 # the root's own files (the daemon's), never read as a user's
@@ -239,18 +188,28 @@ def open_dirs(spool_dir: str, refused: list[Refused] | None = None) -> Iterator[
 
     Raises OSError at once when the spool itself cannot be listed (a read then has nothing). Each user's
     directory is closed once the caller moves on to the next (or stops)."""
+    refused = [] if refused is None else refused
     if not is_node_root(spool_dir):
-        return iter([JobDir(spool_dir, os.listdir(spool_dir))])
+        return _closing(
+            SpoolDir(os.open(spool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), None, spool_dir, refused)
+        )
     root_fd = os.open(spool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         names = sorted(os.listdir(root_fd))
     except OSError:
         os.close(root_fd)
         raise
-    return _user_dirs(root_fd, names, spool_dir, [] if refused is None else refused)
+    return _user_dirs(root_fd, names, spool_dir, refused)
 
 
-def _user_dirs(root_fd: int, names: list[str], root: str, refused: list[Refused]) -> Iterator[UserDir]:
+def _closing(d: SpoolDir) -> Iterator[SpoolDir]:
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def _user_dirs(root_fd: int, names: list[str], root: str, refused: list[Refused]) -> Iterator[SpoolDir]:
     me = os.geteuid()
     try:
         for name in names:
@@ -265,7 +224,7 @@ def _user_dirs(root_fd: int, names: list[str], root: str, refused: list[Refused]
         os.close(root_fd)
 
 
-def _open_user_dir(root_fd: int, name: str, root: str, me: int, refused: list[Refused]) -> UserDir | None:
+def _open_user_dir(root_fd: int, name: str, root: str, me: int, refused: list[Refused]) -> SpoolDir | None:
     entry = f"{root}/{name}"
     try:
         lst = os.lstat(name, dir_fd=root_fd)
@@ -299,7 +258,7 @@ def _open_user_dir(root_fd: int, name: str, root: str, me: int, refused: list[Re
         os.close(fd)
         refused.append(Refused(entry, "replaced while it was opened"))
         return None
-    return UserDir(fd, st.st_uid, entry, refused, root_fd)
+    return SpoolDir(fd, st.st_uid, entry, refused, root_fd)
 
 
 # ---------------------------------------------------------------- the rank's side
@@ -332,15 +291,6 @@ def daemon_root(node_dir: str) -> str | None:
         )
         return None
     return node_dir
-
-
-def daemon_running(root: str) -> bool:
-    """Whether the daemon holds its lock (the lock is 0644: a rank may open it to ask)."""
-    try:
-        fd = os.open(os.path.join(root, files.SERVER_LOCK), _OPEN)
-    except OSError:
-        return False
-    return not files.probe_lock(fd)
 
 
 def user_dir(root: str) -> str:
@@ -395,27 +345,13 @@ def _unusable(path: str, uid: int) -> str:
 
 def _mkdir(path: str) -> None:
     """mkdir 2770 without a chmod: a chmod by a user outside the directory's group clears its setgid bit,
-    and files made in it afterwards would no longer be in the daemon's group. A umask that would take the
-    group's bits is set aside for the one call (the umask is the process's: that instant is the cost)."""
-    if _umask() & 0o070:
-        old = os.umask(0o007)
-        try:
-            os.mkdir(path, 0o770)
-        finally:
-            os.umask(old)
-    else:
-        os.mkdir(path, 0o770)
-
-
-def _umask() -> int:
+    and files made in it afterwards would no longer be in the daemon's group. The umask (a usual one, 022,
+    takes the group's write bit) is set aside for the one call; it is the process's: that instant is the cost."""
+    old = os.umask(0o007)
     try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o077  # unknown: assume the strictest
+        os.mkdir(path, 0o770)
+    finally:
+        os.umask(old)
 
 
 def share(fd: int) -> None:

@@ -291,14 +291,9 @@ def _reap_unpublished(d: node.SpoolDir, name: str) -> None:
         d.remove(name + ".tmp", lock)
 
 
-def read_samples(
-    spool_dir: str, max_ranks: int, reap: bool = True, rejected: list[Rejected] | None = None
-) -> list[RankSample]:
+def read_samples(spool_dir: str, max_ranks: int, reap: bool = True) -> list[RankSample]:
     """Live ranks' newest samples, one per rank (dead ranks' files removed when ``reap``)."""
-    read = read_spool(spool_dir, max_ranks, 0.0, reap=reap)
-    if rejected is not None:
-        rejected += read.rejected
-    return read.live
+    return read_spool(spool_dir, max_ranks, 0.0, reap=reap).live
 
 
 def _read(
@@ -331,7 +326,3 @@ def any_rank_files(spool_dir: str) -> bool:
         return any(any(files.RANK_FILE.match(n) for n in d.names()) for d in node.open_dirs(spool_dir))
     except OSError:
         return False
-
-
-def sample_age(sample: RankSample, now: float | None = None) -> float:
-    return sample.age(time.time() if now is None else now)

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from vramwatch.spool.files import NODE_READINGS, replace_file
@@ -65,19 +65,13 @@ def write_node_readings(
 ) -> None:
     """Replace the readings file atomically; never raises (the status line is a convenience)."""
     try:
-        doc: dict[str, Any] = {"time": time.time() if now is None else now, "gpus": []}
+        doc: dict[str, Any] = {
+            "time": time.time() if now is None else now,
+            "gpus": [{k: v for k, v in asdict(g).items() if v is not None} for g in gpus],
+            "identities": [asdict(g) for g in identities],
+        }
         if nvml_absent:
             doc["nvml_absent"] = nvml_absent
-        doc["identities"] = [
-            {"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id, "name": g.name} for g in identities
-        ]
-        for g in gpus:
-            entry: dict[str, Any] = {"uuid": g.uuid}
-            if g.power_watts is not None:
-                entry["power_watts"] = float(g.power_watts)
-            if g.memory_free_bytes is not None:
-                entry["memory_free_bytes"] = float(g.memory_free_bytes)
-            doc["gpus"].append(entry)
         replace_file(os.path.join(spool_dir, NODE_READINGS), json.dumps(doc).encode())
     except Exception as e:  # noqa: BLE001 - disk full, a spool removed under us: ranks just show less
         log.debug("vramwatch: writing %s failed: %r", NODE_READINGS, e)
@@ -101,11 +95,6 @@ def read_node(spool_dir: str, now: float | None = None) -> NodeReadings:
         return NodeReadings(out, absent if isinstance(absent, str) and absent.isidentifier() else "")
     except (OSError, ValueError, TypeError, AttributeError):
         return NodeReadings(out)
-
-
-def read_node_readings(spool_dir: str, now: float | None = None) -> dict[str, GpuReadings]:
-    """uuid -> readings, from a fresh readings file; empty when there is none."""
-    return read_node(spool_dir, now).gpus
 
 
 def _number(v: Any) -> float | None:

@@ -109,15 +109,10 @@ class TrainingState:
     grad_norm: str = ""
 
     def __bool__(self) -> bool:
-        return bool(
-            self.exit_reason
-            or self.collectives is not None
-            or self.waits
-            or self.phase
-            or self.nonfinite
-            or self.loss
-            or self.grad_norm
-        )
+        return self != _NO_TRAINING_STATE
+
+
+_NO_TRAINING_STATE = TrainingState()
 
 
 @dataclass(frozen=True, slots=True)
