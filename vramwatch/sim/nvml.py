@@ -33,13 +33,6 @@ from vramwatch.sim.state import SimNode, load_or_create, state_path
 # what an H200 on driver 580 reports for nvmlDeviceGetSupportedEventTypes (measured)
 SUPPORTED_EVENTS = 0xFF9F
 _NO_INSTANCE = 0xFFFFFFFF
-# alias -> the name injected errors are keyed by
-_CANON = {
-    "nvmlEventSetWait_v2": "nvmlEventSetWait",
-    "nvmlDeviceGetComputeRunningProcesses_v3": "nvmlDeviceGetComputeRunningProcesses",
-    "nvmlDeviceGetPciInfo_v3": "nvmlDeviceGetPciInfo",
-    "nvmlInitWithFlags": "nvmlInit",
-}
 
 
 # SimNode.nvml_absent -> what nvmlInit raises
@@ -70,7 +63,6 @@ _MIG_CALLS = frozenset(
         "nvmlDeviceGetName",
         "nvmlDeviceGetMemoryInfo",
         "nvmlDeviceGetComputeRunningProcesses",
-        "nvmlDeviceIsMigDeviceHandle",
         "nvmlDeviceGetGpuInstanceId",
         "nvmlDeviceGetComputeInstanceId",
         "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
@@ -157,7 +149,6 @@ class SimNvml:
 
     # --- plumbing ---
     def _call(self, fn: str, handle: SimHandle | None = None) -> tuple[SimNode, Any]:
-        fn = _CANON.get(fn, fn)
         if self._inits <= 0:
             raise _err(pynvml.NVML_ERROR_UNINITIALIZED)
         node = self._node()
@@ -211,9 +202,6 @@ class SimNvml:
         with self._lock:
             self._inits += 1
 
-    def nvmlInitWithFlags(self, flags: int) -> None:
-        self.nvmlInit()
-
     def nvmlShutdown(self) -> None:
         self._call("nvmlShutdown")
         with self._lock:
@@ -255,14 +243,9 @@ class SimNvml:
         m = self._instance(g, h)
         return f"{g.name} MIG {m.profile}" if m is not None else g.name  # as "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
 
-    def nvmlDeviceGetIndex(self, h: SimHandle) -> int:
-        return self._call("nvmlDeviceGetIndex", h)[1].index
-
     def nvmlDeviceGetPciInfo(self, h: SimHandle) -> SimpleNamespace:
         g = self._call("nvmlDeviceGetPciInfo", h)[1]
         return SimpleNamespace(busId=g.pci_bus_id.encode(), busIdLegacy=g.pci_bus_id.encode())  # bytes, as ctypes
-
-    nvmlDeviceGetPciInfo_v3 = nvmlDeviceGetPciInfo
 
     def nvmlDeviceGetMigMode(self, h: SimHandle) -> list[int]:
         g = self._call("nvmlDeviceGetMigMode", h)[1]
@@ -280,10 +263,6 @@ class SimNvml:
         if not g.mig or int(index) >= len(g.mig_instances):
             raise _err(pynvml.NVML_ERROR_NOT_FOUND)  # no MIG device at that index
         return SimHandle(h.index, int(index))
-
-    def nvmlDeviceIsMigDeviceHandle(self, h: SimHandle) -> int:
-        self._call("nvmlDeviceIsMigDeviceHandle", h)
-        return 1 if h.mig >= 0 else 0
 
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: SimHandle) -> SimHandle:
         self._call("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", h)
@@ -473,8 +452,6 @@ class SimNvml:
             for pid, used in self._processes(node, g, m)
         ]
 
-    nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
-
     # --- events ---
     def nvmlDeviceGetSupportedEventTypes(self, h: SimHandle) -> int:
         self._call("nvmlDeviceGetSupportedEventTypes", h)
@@ -515,8 +492,6 @@ class SimNvml:
             if left <= 0:
                 raise _err(pynvml.NVML_ERROR_TIMEOUT)
             time.sleep(min(self._poll, left))
-
-    nvmlEventSetWait_v2 = nvmlEventSetWait
 
     def nvmlEventSetFree(self, es: SimEventSet) -> None:
         self._call("nvmlEventSetFree")
