@@ -287,26 +287,17 @@ class SimNvml:
     # --- readings ---
     def nvmlDeviceGetMemoryInfo(self, h: SimHandle, version: int | None = None) -> SimpleNamespace:
         node, g = self._call("nvmlDeviceGetMemoryInfo", h)
-        m = self._instance(g, h)
-        if m is not None:  # the instance's own memory: its processes and what else is on it
-            in_use = sum(used for _, used in self._processes(node, g, m)) + m.extra_used_bytes
-            used = min(m.total_bytes, in_use)
-            if not version:
-                return SimpleNamespace(total=m.total_bytes, free=m.total_bytes - used, used=used)
-            free = m.total_bytes - used
-            return SimpleNamespace(version=version, total=m.total_bytes, reserved=0, free=free, used=used)
-        in_use = sum(used for _, used in self._processes(node, g))
-        used = min(g.total_bytes, in_use + g.extra_used_bytes + g.driver_reserved_bytes)
-        free = g.total_bytes - used
+        m = self._instance(g, h)  # a MIG instance: its own memory, its processes and what else is on it
+        own = m if m is not None else g
+        reserved = 0 if m is not None else g.driver_reserved_bytes
+        in_use = sum(used for _, used in self._processes(node, g, m)) + own.extra_used_bytes
+        used = min(own.total_bytes, in_use + reserved)
+        free = own.total_bytes - used
         if not version:
-            return SimpleNamespace(total=g.total_bytes, free=free, used=used)
+            return SimpleNamespace(total=own.total_bytes, free=free, used=used)
         # v2 reports the driver's reservation apart (measured: v2.used = v1.used - reserved)
         return SimpleNamespace(
-            version=version,
-            total=g.total_bytes,
-            reserved=g.driver_reserved_bytes,
-            free=free,
-            used=used - g.driver_reserved_bytes,
+            version=version, total=own.total_bytes, reserved=reserved, free=free, used=used - reserved
         )
 
     def nvmlDeviceGetPowerUsage(self, h: SimHandle) -> int:
