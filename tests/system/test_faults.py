@@ -65,13 +65,12 @@ INIT_CALLS = {
 # identity getters: a failure leaves that label empty (gpu_info stays) and `up` 0 until a slow-cadence
 # re-enumeration reads them; one server for all four
 IDENTITY_CALLS = ("nvmlSystemGetDriverVersion", "nvmlDeviceGetName", "nvmlDeviceGetPciInfo", "nvmlDeviceGetMigMode")
-# not called while serving: fallbacks for older drivers (only after NOT_SUPPORTED) and calls made only at
-# shutdown
+# not called while serving: fallbacks for older drivers (only after NOT_SUPPORTED), the lost GPU's probe
+# and the Xid event set's release
 NOT_ON_THE_READ_PATH = {
     "nvmlDeviceGetTemperature",
     "nvmlDeviceGetCurrentClocksThrottleReasons",
     "nvmlDeviceGetHandleByUUID",
-    "nvmlShutdown",
     "nvmlEventSetFree",
 }
 # the GPM and NVLink collectors' calls (slow cadence): their failures, NOT_SUPPORTED and lost GPUs are
@@ -92,7 +91,6 @@ MIG_CALLS = {
     "nvmlDeviceGetMigDeviceHandleByIndex",
     "nvmlDeviceGetGpuInstanceId",
     "nvmlDeviceGetComputeInstanceId",
-    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
 }
 FAST = {"nvml_interval": 0.1, "nvml_slow_interval": 0.3, "dead_rank_grace_seconds": 2}
 

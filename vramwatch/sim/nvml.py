@@ -65,7 +65,6 @@ _MIG_CALLS = frozenset(
         "nvmlDeviceGetComputeRunningProcesses",
         "nvmlDeviceGetGpuInstanceId",
         "nvmlDeviceGetComputeInstanceId",
-        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
     }
 )
 MAX_MIG_DEVICES = 7  # nvmlDeviceGetMaxMigDeviceCount of an H200 (7 GPU instances at most)
@@ -125,7 +124,7 @@ class SimNvml:
         self._node = node
         self._samples = samples or (lambda: [])
         self._poll = poll
-        self._inits = 0
+        self._initialized = False
         self._lock = threading.Lock()
         self.gpm_samples_live = 0  # allocated and not yet freed (a leak shows here)
 
@@ -149,7 +148,7 @@ class SimNvml:
 
     # --- plumbing ---
     def _call(self, fn: str, handle: SimHandle | None = None) -> tuple[SimNode, Any]:
-        if self._inits <= 0:
+        if not self._initialized:
             raise _err(pynvml.NVML_ERROR_UNINITIALIZED)
         node = self._node()
         if handle is None:
@@ -199,13 +198,7 @@ class SimNvml:
         code = node.error_for("nvmlInit", None)
         if code is not None:
             raise _err(code)
-        with self._lock:
-            self._inits += 1
-
-    def nvmlShutdown(self) -> None:
-        self._call("nvmlShutdown")
-        with self._lock:
-            self._inits -= 1
+        self._initialized = True
 
     def nvmlSystemGetDriverVersion(self) -> str:
         node, _ = self._call("nvmlSystemGetDriverVersion")
@@ -263,12 +256,6 @@ class SimNvml:
         if not g.mig or int(index) >= len(g.mig_instances):
             raise _err(pynvml.NVML_ERROR_NOT_FOUND)  # no MIG device at that index
         return SimHandle(h.index, int(index))
-
-    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: SimHandle) -> SimHandle:
-        self._call("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", h)
-        if h.mig < 0:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return SimHandle(h.index)
 
     def nvmlDeviceGetGpuInstanceId(self, h: SimHandle) -> int:
         g = self._call("nvmlDeviceGetGpuInstanceId", h)[1]
