@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vramwatch.rank.identity import process_start
+
 MIB = 1 << 20
 STATE_FILE = "sim-node.json"
 MAX_XIDS = 256  # the queue keeps the newest events only
@@ -160,13 +162,13 @@ class SimNode:
 
     def drive_by(self, pid: int) -> None:
         """Mark the state as driven by process ``pid``: it is stale once that process is gone."""
-        self.driver = {"pid": int(pid), "start": _start_time(pid)}
+        self.driver = {"pid": int(pid), "start": process_start(pid)}
 
     def stale(self) -> bool:
         if not self.driver:
             return False  # a state nobody drives (a test's edit) holds until changed
         pid = int(self.driver.get("pid", 0))
-        return pid <= 0 or _start_time(pid) != self.driver.get("start")
+        return pid <= 0 or process_start(pid) != self.driver.get("start")
 
     # --- driving ---
     def gpu(self, index: int) -> SimGpu:
@@ -222,16 +224,6 @@ def _profile_bytes(profile: str) -> int:
         return int(profile.split(".", 1)[1].lower().split("gb", 1)[0]) << 30
     except (IndexError, ValueError):
         return 1 << 30
-
-
-def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); "" when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-    except OSError:
-        return ""
-    return fields[19] if len(fields) > 19 else ""
 
 
 def state_path(spool_dir: str) -> str:
