@@ -28,6 +28,7 @@ INVALID_ARGUMENT = 2  # a link number beyond the GPU's links
 NVLINK_STATE_ACTIVE = 1
 MAX_LINKS_FALLBACK = 18  # NVML_NVLINK_MAX_LINKS of older bindings
 # contract.NVLINK_ERROR_TYPES -> NVML_NVLINK_ERROR_DL_* counters summed into it
+_NO_LINKS = "no NVLink error counters (%s); not asked again until NVML re-inits"
 COUNTERS: dict[str, tuple[int, ...]] = {"replay": (0,), "recovery": (1,), "crc": (2, 3)}
 
 
@@ -71,7 +72,9 @@ class NvlinkCollector(NvmlSessionCollector[tuple[LinkErrors, ...]]):
                 if nb.classify(e) in ("lost", "session"):
                     raise
                 if link == 0 and nb.classify(e) == "unsupported":
-                    self._no_links(d, f"nvmlDeviceGetNvLinkState: {nb.error_name(e)} (NVML error {nb.error_code(e)})")
+                    self._unavailable_gpu(
+                        d, f"nvmlDeviceGetNvLinkState: {nb.error_name(e)} (NVML error {nb.error_code(e)})", _NO_LINKS
+                    )
                     return ()
                 if nb.error_code(e) == INVALID_ARGUMENT:
                     break  # past the GPU's last link
@@ -79,12 +82,8 @@ class NvlinkCollector(NvmlSessionCollector[tuple[LinkErrors, ...]]):
             if int(state) == NVLINK_STATE_ACTIVE:
                 links.append(link)
         if not links:
-            self._no_links(d, "no active link")
+            self._unavailable_gpu(d, "no active link", _NO_LINKS)
         return tuple(links)
-
-    def _no_links(self, d: nb.Device, detail: str) -> None:
-        self.unavailable[d.uuid] = detail
-        self._once_info(d, ("nvlink",), "no NVLink error counters (%s); not asked again until NVML re-inits", detail)
 
     def _counts(self, d: nb.Device, links: tuple[int, ...]) -> tuple[tuple[int, str, float], ...]:
         nv = self.session.nv

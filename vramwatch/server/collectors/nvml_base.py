@@ -26,6 +26,8 @@ class SessionDown(Exception):
 class NvmlSessionCollector(Collector[S]):
     """A collector reading through the shared NVML session: the prelude, the re-init and the failure sort."""
 
+    what = "reading"  # what a failed read of one GPU was doing, for its log line
+
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
         self.settings = settings
         self.session = session or nb.session_for(settings)
@@ -98,8 +100,6 @@ class NvmlSessionCollector(Collector[S]):
 
     def _read_failed(self, d: nb.Device, e: BaseException) -> bool:
         return self._failed(d, e, self.what)
-
-    what = "reading"  # what a failed read was doing, for its log line
 
     def _once_info(self, d: nb.Device, key: tuple[Any, ...], what: str, *args: Any) -> None:
         """Log ``vramwatch: GPU <index> <uuid>: <what % args>`` once per ``key``, at INFO."""

@@ -44,8 +44,7 @@ class ProcessesCollector(NvmlSessionCollector[tuple[GpuProcesses, ...]]):
         except Exception as e:
             if nb.classify(e) != "unsupported":
                 raise
-            self.unavailable[d.uuid] = nb.error_name(e)
-            self._once_info(d, ("processes",), "compute processes are %s; not asked again", nb.error_name(e))
+            self._unavailable_gpu(d, nb.error_name(e), "compute processes are %s; not asked again")
             return None
         rows = tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in list(procs)[:MAX_PROCESSES])
         return GpuProcesses(d.index, d.uuid, rows)
