@@ -63,9 +63,7 @@ class _Sampler:
 
 
 class _Unsupported(Exception):
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
+    """The GPU has no GPM; the message names the NVML call and its answer."""
 
 
 @register("gpm", lambda s: s.nvml and s.gpm, "GPU activity from NVML GPM (SM, tensor, DRAM, PCIe, NVLink).")
@@ -96,19 +94,13 @@ class GpmCollector(NvmlSessionCollector[tuple[GpmReading, ...]]):
         return self._failed(d, e, self.what, detail=_code(e))
 
     def _read_device(self, d: nb.Device) -> GpmReading | None:
-        nv = self.session.nv
         try:
             sm = self._samplers.get(d.uuid) or self._start(d)
-            try:
-                nv.nvmlGpmSampleGet(d.handle, sm.cur)
-            except Exception as e:
-                if nb.classify(e) == "unsupported":
-                    raise _Unsupported(f"nvmlGpmSampleGet: {_code(e)}") from e
-                raise
+            self._gpm("nvmlGpmSampleGet", d.handle, sm.cur)
         except _Unsupported as u:
             self._unavailable_gpu(
                 d,
-                u.detail,
+                str(u),
                 "GPM is unavailable (%s); the GPU activity families are absent for it, not asked again "
                 "until NVML re-inits",
             )
@@ -123,13 +115,7 @@ class GpmCollector(NvmlSessionCollector[tuple[GpmReading, ...]]):
     def _start(self, d: nb.Device) -> _Sampler:
         """Check GPM support, then allocate the GPU's two buffers (freed by :meth:`_free`)."""
         nv = self.session.nv
-        try:
-            support = nv.nvmlGpmQueryDeviceSupport(d.handle)
-        except Exception as e:
-            if nb.classify(e) == "unsupported":
-                raise _Unsupported(f"nvmlGpmQueryDeviceSupport: {_code(e)}") from e
-            raise
-        if not getattr(support, "isSupportedDevice", 0):
+        if not getattr(self._gpm("nvmlGpmQueryDeviceSupport", d.handle), "isSupportedDevice", 0):
             raise _Unsupported("nvmlGpmQueryDeviceSupport: isSupportedDevice=0")
         first = nv.nvmlGpmSampleAlloc()
         try:
@@ -139,6 +125,15 @@ class GpmCollector(NvmlSessionCollector[tuple[GpmReading, ...]]):
             raise
         sm = self._samplers[d.uuid] = _Sampler(first, second)
         return sm
+
+    def _gpm(self, call: str, *args: Any) -> Any:
+        """NVML's ``call(*args)``; an answer that GPM is unsupported raises :class:`_Unsupported`."""
+        try:
+            return getattr(self.session.nv, call)(*args)
+        except Exception as e:
+            if nb.classify(e) == "unsupported":
+                raise _Unsupported(f"{call}: {_code(e)}") from e
+            raise
 
     def _metrics(self, d: nb.Device, sm: _Sampler) -> dict[str, float]:
         nv = self.session.nv
