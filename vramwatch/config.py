@@ -95,20 +95,22 @@ def _web_config(v: str) -> None:
         check_web_config(v)  # its ConfigError (a ValueError) names the field inside the file
 
 
-def _opt(default: Any, doc: str, check: Callable[[Any], None] | None = None) -> Any:
+def _opt(default: Any, doc: str, check: Callable[[Any], None] | None = None, server: bool = False) -> Any:
+    """A setting; ``server``: one the node's server serves by (see SERVER_SETTINGS)."""
     if isinstance(check, Within):  # the range is stated once, here, for the docs, --help and the error
         doc = f"{doc} Allowed: {check.describe()}."
-    return field(default=default, metadata={"doc": doc, "check": check})
+    return field(default=default, metadata={"doc": doc, "check": check, "server": server})
 
 
 @dataclass(frozen=True)
 class Settings:
-    port: int = _opt(DEFAULT_PORT, "TCP port of the node's one scrape target.", _port)
+    port: int = _opt(DEFAULT_PORT, "TCP port of the node's one scrape target.", _port, server=True)
     host: str = _opt(
         "127.0.0.1",
         "Address the server binds. Loopback by default: set 0.0.0.0 (with a "
         "NetworkPolicy or firewall) for a cluster scrape.",
         _host,
+        server=True,
     )
     serve: str = _opt(
         "auto",
@@ -150,22 +152,27 @@ class Settings:
         "(its figures publish once the walk completes).",
         Within(1, 10**8),
     )
-    nvml: bool = _opt(True, "Collect NVML device readings in the server.")
-    nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _seconds)
+    nvml: bool = _opt(True, "Collect NVML device readings in the server.", server=True)
+    nvml_interval: float = _opt(1.0, "Seconds between fast NVML reads.", _seconds, server=True)
     nvml_slow_interval: float = _opt(
         10.0,
         "Seconds between slow NVML reads (energy, PCIe replays, ECC, remapped rows, processes, GPM, NVLink errors, "
         "MIG instances).",
         _seconds,
+        server=True,
     )
-    gpus: str = _opt("all", "all: every GPU of the node; job: only GPUs a rank uses.", _choice("all", "job"))
-    xid: bool = _opt(True, "Watch Xid events on every GPU.")
-    processes: bool = _opt(True, "Count foreign compute processes on the job's GPUs.")
+    gpus: str = _opt(
+        "all", "all: every GPU of the node; job: only GPUs a rank uses.", _choice("all", "job"), server=True
+    )
+    xid: bool = _opt(True, "Watch Xid events on every GPU.", server=True)
+    processes: bool = _opt(True, "Count foreign compute processes on the job's GPUs.", server=True)
     gpm: bool = _opt(
-        True, "Read GPU activity from NVML GPM (SM, tensor, DRAM, PCIe, NVLink; Hopper and newer) on the slow cadence."
+        True,
+        "Read GPU activity from NVML GPM (SM, tensor, DRAM, PCIe, NVLink; Hopper and newer) on the slow cadence.",
+        server=True,
     )
-    nvlink: bool = _opt(True, "Read NVLink error counters of each active link on the slow cadence.")
-    simulate: bool = _opt(False, "Use the simulated GPU instead of torch and NVML (tests, demo).")
+    nvlink: bool = _opt(True, "Read NVLink error counters of each active link on the slow cadence.", server=True)
+    simulate: bool = _opt(False, "Use the simulated GPU instead of torch and NVML (tests, demo).", server=True)
     hostname: str = _opt("", "hostname label (default: this host's name).", _label_value)
     rank: int = _opt(-1, "Global rank (-1: from RANK, SLURM_PROCID, ...).", Within(0, MAX_INT32, off=-1))
     local_rank: int = _opt(-1, "Local rank (-1: from LOCAL_RANK, SLURM_LOCALID, ...).", Within(0, MAX_INT32, off=-1))
@@ -182,18 +189,22 @@ class Settings:
         64,
         "Most ranks one target serves, of all jobs on the node; more are dropped (bounded cardinality).",
         Within(1, 1024),
+        server=True,
     )
     dead_rank_grace_seconds: float = _opt(
         90.0,
         "Seconds a rank's final sample (the OOM that killed it) stays served after its last publish, so every "
         "Prometheus scraping the target sees it: at least 2-3 scrape intervals (see docs/nothing-lost.md).",
         Within(1.0, 3600.0, unit=" s"),
+        server=True,
     )
     linger: float = _opt(
         10.0, "Seconds a rank-started server stays up after the last rank left.", Within(0.0, 86400.0, unit=" s")
     )
-    max_connections: int = _opt(8, "Concurrent HTTP requests served; more get 503.", Within(1, 256))
-    web_config_file: str = _opt("", "exporter-toolkit web config (TLS, basic auth): see docs/security.md.", _web_config)
+    max_connections: int = _opt(8, "Concurrent HTTP requests served; more get 503.", Within(1, 256), server=True)
+    web_config_file: str = _opt(
+        "", "exporter-toolkit web config (TLS, basic auth): see docs/security.md.", _web_config, server=True
+    )
     status_every: int = _opt(0, "Print a status line every N steps (0: off).", Within(0, 10**9))
     status_all_ranks: bool = _opt(False, "Status line on every rank, not only rank 0.")
     oom_snapshot_dir: str = _opt("", "Write a memory snapshot on OOM into this directory (empty: off).")
@@ -237,23 +248,7 @@ FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fiel
 
 # What a node server does with the settings it was started with: a rank that meets a server started with
 # others is not served as it asked (server.json carries them; rank/server_spawn.py compares)
-SERVER_SETTINGS = (
-    "port",
-    "host",
-    "simulate",
-    "nvml",
-    "nvml_interval",
-    "nvml_slow_interval",
-    "gpus",
-    "xid",
-    "processes",
-    "gpm",
-    "nvlink",
-    "max_ranks",
-    "dead_rank_grace_seconds",
-    "max_connections",
-    "web_config_file",
-)
+SERVER_SETTINGS = tuple(name for name, f in FIELDS.items() if f.metadata["server"])
 
 
 def server_settings(settings: Settings) -> dict[str, str]:

@@ -26,15 +26,10 @@ def root() -> Path:
     raise FileNotFoundError(f"vramwatch's deploy files are missing: neither {PACKAGE_DATA} nor {SOURCE_TREE}")
 
 
-def path(rel: str) -> Path:
-    return root() / rel
-
-
 def shipped_text(rel: str) -> str:
     """The text of one shipped file; FileNotFoundError names it."""
-    p = path(rel)
     try:
-        return p.read_text(encoding="utf-8")
+        return (root() / rel).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"vramwatch ships no {rel} (looked in {root()})") from None
 

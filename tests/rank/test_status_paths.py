@@ -95,7 +95,7 @@ def line(hb=None, **kw):
 
 def test_defaults_and_the_line_without_devices():
     s, got = line()
-    assert (s.rank, s.spool_dir, s.show_rank, s.mode, s.lines) == (0, "", False, "auto", 0)
+    assert (s.rank, s.spool_dir, s.show_rank, s.lines) == (0, "", False, 0)
     s.heartbeat.steps = 5
     s.on_step()
     assert got == [(["vramwatch: step 5, 0.000 s/step, no CUDA device in use yet"], "step 5, 0.000 s/step")]
@@ -145,25 +145,7 @@ def test_a_failing_line_warns_once_exactly(caplog):
     ]
 
 
-def test_postfix_mode_writes_to_the_bar_only(bars, caplog):
-    hb = Heartbeat()
-    s = StatusLine(hb, 5, mode="postfix")
-    s.on_sample([dev(), dev(1, "GPU-b")])
-    s._nvml_absent = "no_devices"  # as read from the node's readings
-    hb.steps = 5
-    with caplog.at_level(logging.INFO, logger="vramwatch.status"):
-        s.on_step()  # no bar yet: a postfix-only line goes nowhere
-        bar = Bar(pos=0)
-        bars.append(bar)
-        hb.steps = 10
-        s.on_step()
-    assert not [r for r in caplog.records if r.name == "vramwatch.status"]
-    bodies = [status.format_device(d, {}) for d in (dev(), dev(1, "GPU-b"))]
-    assert bar.postfix == [(" | ".join(bodies), False)]  # no redraw of its own: tqdm's next update shows it
-    assert Bar.written == []  # the notice went with the first line, which had no bar
-
-
-def test_auto_mode_puts_the_notice_above_the_bar_and_log_mode_ignores_bars(bars, caplog):
+def test_the_notice_goes_above_the_bar_once(bars, caplog):
     bar = Bar(pos=0)
     bars.append(bar)
     hb = Heartbeat()
@@ -175,13 +157,7 @@ def test_auto_mode_puts_the_notice_above_the_bar_and_log_mode_ignores_bars(bars,
     hb.steps = 10
     s.on_step()
     assert Bar.written == [status.nvml_absent_line("no_devices")]  # once
-    logged = StatusLine(hb, 5, mode="log")
-    with caplog.at_level(logging.INFO, logger="vramwatch.status"):
-        logged.report()
-    assert [r.getMessage() for r in caplog.records if r.name == "vramwatch.status"] == [
-        "vramwatch: step 10, 0.000 s/step, no CUDA device in use yet"
-    ]
-    assert len(bar.postfix) == 2
+    assert len(bar.postfix) == 2 and not [r for r in caplog.records if r.name == "vramwatch.status"]
 
 
 @pytest.fixture
@@ -201,10 +177,9 @@ def ours(log):
 
 def test_without_logging_configured_lines_go_to_stderr(bare_status_log, capsys):
     bare_status_log.handlers.clear()  # the test runner's capture too: hasHandlers() would see it
-    StatusLine(Heartbeat(), 5, mode="postfix")
     StatusLine(Heartbeat(), 5, emit=lambda lines, head: None)
-    assert ours(bare_status_log) == []  # neither prints by itself
-    s = StatusLine(Heartbeat(), 5, mode="log")
+    assert ours(bare_status_log) == []  # it does not print by itself
+    s = StatusLine(Heartbeat(), 5)
     (h,) = ours(bare_status_log)
     assert bare_status_log.propagate is False and bare_status_log.level == logging.INFO
     s.report()

@@ -45,11 +45,10 @@ def test_the_start_line_goes_to_the_callers_emit_with_its_own_head():
     assert got == [([text], "start")]
 
 
-@pytest.mark.parametrize(("mode", "logged"), [("auto", True), ("log", True), ("postfix", False)])
-def test_the_start_line_is_logged_unless_only_a_bar_is_wanted(status_records, mode, logged):
-    s = StatusLine(Heartbeat(), 5, mode=mode)
+def test_the_start_line_is_logged(status_records):
+    s = StatusLine(Heartbeat(), 5)
     text = s.start(1, "j")
-    assert status_records() == ([text] if logged else [])
+    assert status_records() == [text]
 
 
 def test_a_one_byte_limit_still_shows_headroom():

@@ -65,18 +65,12 @@ INIT_CALLS = {
 # identity getters: a failure leaves that label empty (gpu_info stays) and `up` 0 until a slow-cadence
 # re-enumeration reads them; one server for all four
 IDENTITY_CALLS = ("nvmlSystemGetDriverVersion", "nvmlDeviceGetName", "nvmlDeviceGetPciInfo", "nvmlDeviceGetMigMode")
-# not called while serving: fallbacks for older drivers (only after NOT_SUPPORTED), aliases (errors are keyed
-# by the canonical name), and calls made only at shutdown
+# not called while serving: fallbacks for older drivers (only after NOT_SUPPORTED), the lost GPU's probe
+# and the Xid event set's release
 NOT_ON_THE_READ_PATH = {
     "nvmlDeviceGetTemperature",
     "nvmlDeviceGetCurrentClocksThrottleReasons",
     "nvmlDeviceGetHandleByUUID",
-    "nvmlDeviceGetIndex",
-    "nvmlDeviceGetComputeRunningProcesses_v3",
-    "nvmlDeviceGetPciInfo_v3",
-    "nvmlEventSetWait_v2",
-    "nvmlInitWithFlags",
-    "nvmlShutdown",
     "nvmlEventSetFree",
 }
 # the GPM and NVLink collectors' calls (slow cadence): their failures, NOT_SUPPORTED and lost GPUs are
@@ -97,8 +91,6 @@ MIG_CALLS = {
     "nvmlDeviceGetMigDeviceHandleByIndex",
     "nvmlDeviceGetGpuInstanceId",
     "nvmlDeviceGetComputeInstanceId",
-    "nvmlDeviceIsMigDeviceHandle",
-    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
 }
 FAST = {"nvml_interval": 0.1, "nvml_slow_interval": 0.3, "dead_rank_grace_seconds": 2}
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vramwatch.rank.handle import Handle
 
-__all__ = ["framework_settings", "start_for_framework"]
+__all__ = ["framework_settings", "int_attr", "start_for_framework", "stop_if_started"]
 
 log = logging.getLogger("vramwatch")
 
@@ -68,3 +68,20 @@ def start_for_framework(
     except Exception as e:  # noqa: BLE001 - a callback never stops training
         log.warning("vramwatch: could not start from the training framework: %r", e)
         return None, False
+
+
+def stop_if_started(handle: Handle | None, owned: bool, stop_on_end: bool) -> None:
+    """At the end of training: stop the exporter the callback started itself, so no stale heartbeat stays."""
+    import vramwatch
+
+    if owned and stop_on_end and handle is not None and vramwatch.current() is handle:
+        vramwatch.stop()
+
+
+def int_attr(obj: Any, name: str) -> int | None:
+    """A framework's rank number, or None; a property that needs a distributed state we lack reads None."""
+    try:
+        v = getattr(obj, name)
+        return int(v) if v is not None else None
+    except Exception:  # noqa: BLE001
+        return None

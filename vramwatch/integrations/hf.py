@@ -35,20 +35,13 @@ from typing import Any
 from transformers import TrainerCallback
 
 import vramwatch
-from vramwatch.integrations import framework_settings, start_for_framework
+from vramwatch.integrations import framework_settings, start_for_framework, stop_if_started
+from vramwatch.integrations import int_attr as _attr
 from vramwatch.integrations.phases import CallbackPhases
 
 __all__ = ["VramwatchCallback"]
 
 log = logging.getLogger("vramwatch")
-
-
-def _attr(obj: Any, name: str) -> int | None:
-    try:
-        v = getattr(obj, name)
-        return int(v) if v is not None else None
-    except Exception:  # noqa: BLE001 - a property that needs a distributed state we do not have
-        return None
 
 
 def _tokens_seen(args: Any, state: Any) -> int | None:
@@ -152,8 +145,5 @@ class VramwatchCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.phases.close()
-        if self._owned and self.stop_on_end:
-            self._owned = False
-            if vramwatch.current() is self.handle:
-                vramwatch.stop()
-        self.handle = None
+        stop_if_started(self.handle, self._owned, self.stop_on_end)
+        self.handle, self._owned = None, False

@@ -37,7 +37,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import vramwatch
-from vramwatch.integrations import framework_settings, start_for_framework
+from vramwatch.integrations import framework_settings, start_for_framework, stop_if_started
+from vramwatch.integrations import int_attr as _attr
 from vramwatch.integrations.phases import CallbackPhases
 
 
@@ -58,15 +59,8 @@ def _callback_base() -> type:
 __all__ = ["VramwatchCallback"]
 
 log = logging.getLogger("vramwatch")
+
 _GRAD_NORM_KEYS = ("grad_norm", "grad_2.0_norm_total", "train/grad_norm")
-
-
-def _attr(obj: Any, name: str) -> int | None:
-    try:
-        v = getattr(obj, name)
-        return int(v) if v is not None else None
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def _first_dim(x: Any) -> int | None:
@@ -226,10 +220,6 @@ class VramwatchCallback(_callback_base()):  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.phases.close()
-        if stage != "fit":
-            return
-        if self._owned and self.stop_on_end:
-            self._owned = False
-            if vramwatch.current() is self.handle:
-                vramwatch.stop()
-        self.handle = None
+        if stage == "fit":
+            stop_if_started(self.handle, self._owned, self.stop_on_end)
+            self.handle, self._owned = None, False

@@ -43,9 +43,6 @@ class CallbackPhases:
                 except Exception:  # noqa: BLE001
                     pass
 
-    def is_open(self, name: str) -> bool:
-        return name in self._open
-
     def step_ended(self) -> None:
         self._step_end = time.perf_counter()
         self._opened_at_end = self._opened

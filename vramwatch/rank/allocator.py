@@ -128,16 +128,11 @@ def alloc_conf(env: Mapping[str, str] | None = None) -> dict[str, str]:
             k, v = part.split(":", 1)
             conf[k.strip()] = v.strip()
     expandable = conf.get("expandable_segments", "false").lower() in ("true", "1")
-    return {
+    return {  # config values are short numbers; anything else is cut so it cannot bloat a label
         "expandable_segments": "true" if expandable else "false",
-        "garbage_collection_threshold": _bounded(conf.get("garbage_collection_threshold", "")),
-        "max_split_size_mb": _bounded(conf.get("max_split_size_mb", "")),
+        "garbage_collection_threshold": conf.get("garbage_collection_threshold", "")[:16],
+        "max_split_size_mb": conf.get("max_split_size_mb", "")[:16],
     }
-
-
-def _bounded(v: str) -> str:
-    # config values are short numbers; anything else is cut so it cannot bloat a label
-    return v[:16]
 
 
 def segment_summary(segments: list[dict[str, Any]]) -> dict[int, dict[str, int]]:

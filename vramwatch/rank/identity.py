@@ -84,14 +84,17 @@ def _read(path: str) -> str:
         return ""
 
 
+def process_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); "" when it is gone."""
+    # the command name before it, in parentheses, may hold anything
+    return "".join(_read(f"/proc/{pid}/stat").rpartition(")")[2].split()[19:20])
+
+
 def process_job_id(pid: int) -> str:
     """``local-<hash>`` of a live process: the boot, its pid and its start time (Linux's /proc; the pid
     alone where there is none), the same for every rank that asks about it."""
-    stat = _read(f"/proc/{pid}/stat")
-    # field 22, the start time in clock ticks since boot; the command name before it may hold anything
-    start = stat.rpartition(")")[2].split()[19:20] if stat else []
     boot = _read("/proc/sys/kernel/random/boot_id")
-    digest = hashlib.sha256(f"{boot}:{pid}:{''.join(start)}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{boot}:{pid}:{process_start(pid)}".encode()).hexdigest()[:12]
     return f"local-{digest}"
 
 

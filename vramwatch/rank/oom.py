@@ -130,29 +130,25 @@ def _create_in(dir_fd: int, d: str, name: str) -> int:
 
 
 def snapshot_files(directory: str | int) -> list[tuple[float, int, str]]:
-    """(mtime, size, name) of the OOM snapshots (regular files) in ``directory`` (a path or a
-    descriptor), oldest first."""
-    out = []
+    """(mtime, size, name) of the OOM snapshots (regular files) in ``directory``, oldest first: a path (the
+    names are paths then) or a descriptor (the names are relative to it)."""
+    dir_fd = directory if isinstance(directory, int) else None
+    base = "" if dir_fd is not None else str(directory)
     try:
         names = os.listdir(directory)
     except OSError:
         return []
-    dir_fd = directory if isinstance(directory, int) else None
+    out = []
     for name in names:
         if name.startswith(PREFIX) and name.endswith(SUFFIX):
+            path = os.path.join(base, name)
             try:
-                if dir_fd is None:
-                    st = os.stat(os.path.join(str(directory), name), follow_symlinks=False)
-                else:
-                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                out.append(
-                    (st.st_mtime, st.st_size, name if dir_fd is not None else os.path.join(str(directory), name))
-                )
-    out.sort()
-    return out
+                out.append((st.st_mtime, st.st_size, path))
+    return sorted(out)
 
 
 def _remove(name: str, dir_fd: int) -> None:

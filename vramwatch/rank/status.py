@@ -21,7 +21,7 @@ At start, one line names the rank and its job (the ``job_id`` label of its serie
 
     vramwatch: rank 0 of 8, job_id 4711.0, pid 31337
 
-Where it goes: with ``mode="auto"`` a postfix on the active tqdm bar if there is one (the
+Where it goes: a postfix on the active tqdm bar if there is one (the
 Trainer's or Lightning's progress bar), else the ``vramwatch.status`` logger at INFO (printed to
 stderr when logging is not configured). Rank 0 only unless ``status_all_ranks``.
 """
@@ -124,7 +124,6 @@ class StatusLine:
         rank: int = 0,
         show_rank: bool = False,
         spool_dir: str = "",
-        mode: str = "auto",
         emit: Callable[[list[str], str], None] | None = None,
     ) -> None:
         self.heartbeat = heartbeat
@@ -132,7 +131,6 @@ class StatusLine:
         self.rank = rank
         self.show_rank = show_rank
         self.spool_dir = spool_dir
-        self.mode = mode
         self.emit = emit
         self.lines = 0
         self._next = self.every
@@ -143,7 +141,7 @@ class StatusLine:
         self._sum0 = 0.0
         self._steps0 = 1  # the first step has no duration
         self._failed = False
-        if emit is None and mode != "postfix":
+        if emit is None:
             _ensure_output()
 
     @classmethod
@@ -161,7 +159,7 @@ class StatusLine:
         text = f"vramwatch: rank {self.rank} of {world_size}, job_id {job_id}, pid {os.getpid()}"
         if self.emit is not None:
             self.emit([text], "start")
-        elif self.mode != "postfix":
+        else:
             status_log.info(text)
         return text
 
@@ -208,12 +206,12 @@ class StatusLine:
         if self.emit is not None:
             self.emit(lines, head)
             return lines
-        bar = active_tqdm() if self.mode in ("auto", "postfix") else None
+        bar = active_tqdm()
         if bar is not None:
             bar.set_postfix_str(" | ".join(bodies), refresh=False)
             if notice:
                 type(bar).write(notice)  # tqdm's own print, above the bars
-        elif self.mode != "postfix":
+        else:
             for line in lines:
                 status_log.info(line)
         return lines

@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import re
 import sys
 import time
 from datetime import UTC, datetime
 
 NEEDS = "grafana-foundation-sdk==0.0.21 and matplotlib (pip install 'vramwatch[report]')"
-_DUR = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
 def parse_duration(text: str) -> float:
-    parts = _DUR.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise argparse.ArgumentTypeError(f"not a duration (like 90s, 30m, 6h, 2d): {text!r}")
-    return sum(float(n) * _UNITS[u] for n, u in parts)
+    """Seconds in a Prometheus duration (``90s``, ``1h30m``), as the rules and promtool read them."""
+    from vramwatch.monitoring.config import parse_duration as prometheus_duration
+
+    try:
+        return prometheus_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration (like 90s, 30m, 6h, 2d): {text!r}") from None
 
 
 def parse_time(text: str) -> float:

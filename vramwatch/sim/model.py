@@ -32,18 +32,15 @@ class SimStorage:
 
 
 class SimTensor:
-    """A tensor of ``nbytes`` on simulated ``cuda:device``; ``view()`` shares its storage."""
+    """A tensor of ``nbytes`` on simulated ``cuda:device``."""
 
-    def __init__(self, nbytes: int, device: int = 0, storage: SimStorage | None = None) -> None:
+    def __init__(self, nbytes: int, device: int = 0) -> None:
         self.device = SimDevice(device)
-        self._storage = storage if storage is not None else SimStorage(nbytes)
+        self._storage = SimStorage(nbytes)
         self.grad: SimTensor | None = None
 
     def untyped_storage(self) -> SimStorage:
         return self._storage
-
-    def view(self) -> SimTensor:
-        return SimTensor(0, self.device.index, self._storage)
 
 
 class SimModel:

@@ -18,6 +18,7 @@ is the sum of those, ``extra_used_bytes`` and the driver's reservation.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -33,13 +34,6 @@ from vramwatch.sim.state import SimNode, load_or_create, state_path
 # what an H200 on driver 580 reports for nvmlDeviceGetSupportedEventTypes (measured)
 SUPPORTED_EVENTS = 0xFF9F
 _NO_INSTANCE = 0xFFFFFFFF
-# alias -> the name injected errors are keyed by
-_CANON = {
-    "nvmlEventSetWait_v2": "nvmlEventSetWait",
-    "nvmlDeviceGetComputeRunningProcesses_v3": "nvmlDeviceGetComputeRunningProcesses",
-    "nvmlDeviceGetPciInfo_v3": "nvmlDeviceGetPciInfo",
-    "nvmlInitWithFlags": "nvmlInit",
-}
 
 
 # SimNode.nvml_absent -> what nvmlInit raises
@@ -70,10 +64,8 @@ _MIG_CALLS = frozenset(
         "nvmlDeviceGetName",
         "nvmlDeviceGetMemoryInfo",
         "nvmlDeviceGetComputeRunningProcesses",
-        "nvmlDeviceIsMigDeviceHandle",
         "nvmlDeviceGetGpuInstanceId",
         "nvmlDeviceGetComputeInstanceId",
-        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
     }
 )
 MAX_MIG_DEVICES = 7  # nvmlDeviceGetMaxMigDeviceCount of an H200 (7 GPU instances at most)
@@ -124,6 +116,23 @@ class SimEventSet:
     freed: bool = False
 
 
+class _Reading:
+    """A per-device call answered from the GPU's state alone: ``read(gpu, *args)`` after ``_call``'s checks."""
+
+    def __init__(self, read: Callable[..., Any]) -> None:
+        self.read = read
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __call__(self, nv: SimNvml, h: SimHandle, *args: Any) -> Any:
+        return self.read(nv._call(self.name, h)[1], *args)
+
+    def __get__(self, nv: SimNvml | None, owner: type | None = None) -> Any:
+        return self if nv is None else functools.partial(self, nv)  # bound, as a method is
+
+
 class SimNvml:
     """A pynvml-compatible object; build it with :meth:`from_spool` or :meth:`from_node`."""
 
@@ -133,7 +142,7 @@ class SimNvml:
         self._node = node
         self._samples = samples or (lambda: [])
         self._poll = poll
-        self._inits = 0
+        self._initialized = False
         self._lock = threading.Lock()
         self.gpm_samples_live = 0  # allocated and not yet freed (a leak shows here)
 
@@ -157,8 +166,7 @@ class SimNvml:
 
     # --- plumbing ---
     def _call(self, fn: str, handle: SimHandle | None = None) -> tuple[SimNode, Any]:
-        fn = _CANON.get(fn, fn)
-        if self._inits <= 0:
+        if not self._initialized:
             raise _err(pynvml.NVML_ERROR_UNINITIALIZED)
         node = self._node()
         if handle is None:
@@ -208,16 +216,7 @@ class SimNvml:
         code = node.error_for("nvmlInit", None)
         if code is not None:
             raise _err(code)
-        with self._lock:
-            self._inits += 1
-
-    def nvmlInitWithFlags(self, flags: int) -> None:
-        self.nvmlInit()
-
-    def nvmlShutdown(self) -> None:
-        self._call("nvmlShutdown")
-        with self._lock:
-            self._inits -= 1
+        self._initialized = True
 
     def nvmlSystemGetDriverVersion(self) -> str:
         node, _ = self._call("nvmlSystemGetDriverVersion")
@@ -255,24 +254,7 @@ class SimNvml:
         m = self._instance(g, h)
         return f"{g.name} MIG {m.profile}" if m is not None else g.name  # as "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
 
-    def nvmlDeviceGetIndex(self, h: SimHandle) -> int:
-        return self._call("nvmlDeviceGetIndex", h)[1].index
-
-    def nvmlDeviceGetPciInfo(self, h: SimHandle) -> SimpleNamespace:
-        g = self._call("nvmlDeviceGetPciInfo", h)[1]
-        return SimpleNamespace(busId=g.pci_bus_id.encode(), busIdLegacy=g.pci_bus_id.encode())  # bytes, as ctypes
-
-    nvmlDeviceGetPciInfo_v3 = nvmlDeviceGetPciInfo
-
-    def nvmlDeviceGetMigMode(self, h: SimHandle) -> list[int]:
-        g = self._call("nvmlDeviceGetMigMode", h)[1]
-        return [1, 1] if g.mig else [0, 0]
-
     # --- MIG devices ---
-    def nvmlDeviceGetMaxMigDeviceCount(self, h: SimHandle) -> int:
-        self._call("nvmlDeviceGetMaxMigDeviceCount", h)
-        return MAX_MIG_DEVICES
-
     def nvmlDeviceGetMigDeviceHandleByIndex(self, h: SimHandle, index: int) -> SimHandle:
         g = self._call("nvmlDeviceGetMigDeviceHandleByIndex", h)[1]
         if h.mig >= 0 or not 0 <= int(index) < MAX_MIG_DEVICES:
@@ -281,63 +263,58 @@ class SimNvml:
             raise _err(pynvml.NVML_ERROR_NOT_FOUND)  # no MIG device at that index
         return SimHandle(h.index, int(index))
 
-    def nvmlDeviceIsMigDeviceHandle(self, h: SimHandle) -> int:
-        self._call("nvmlDeviceIsMigDeviceHandle", h)
-        return 1 if h.mig >= 0 else 0
-
-    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: SimHandle) -> SimHandle:
-        self._call("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", h)
-        if h.mig < 0:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return SimHandle(h.index)
-
     def nvmlDeviceGetGpuInstanceId(self, h: SimHandle) -> int:
-        g = self._call("nvmlDeviceGetGpuInstanceId", h)[1]
-        m = self._instance(g, h)
-        if m is None:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # not a MIG device handle
-        return int(m.gpu_instance_id)
+        return int(self._mig_device("nvmlDeviceGetGpuInstanceId", h).gpu_instance_id)
 
     def nvmlDeviceGetComputeInstanceId(self, h: SimHandle) -> int:
-        g = self._call("nvmlDeviceGetComputeInstanceId", h)[1]
-        m = self._instance(g, h)
-        if m is None:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return int(m.compute_instance_id)
+        return int(self._mig_device("nvmlDeviceGetComputeInstanceId", h).compute_instance_id)
 
-    # --- readings ---
+    def _mig_device(self, fn: str, h: SimHandle) -> Any:
+        m = self._instance(self._call(fn, h)[1], h)
+        if m is None:
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # not a MIG device handle
+        return m
+
+    # --- readings of the card's state alone, after the call's checks (injected errors, a lost GPU, MIG) ---
+    nvmlDeviceGetPciInfo = _Reading(  # the bus id in bytes, as the ctypes struct holds it
+        lambda g: SimpleNamespace(busId=g.pci_bus_id.encode(), busIdLegacy=g.pci_bus_id.encode())
+    )
+    nvmlDeviceGetMigMode = _Reading(lambda g: [1, 1] if g.mig else [0, 0])
+    nvmlDeviceGetMaxMigDeviceCount = _Reading(lambda g: MAX_MIG_DEVICES)
+    nvmlDeviceGetPowerUsage = _Reading(lambda g: int(round(g.power_w * 1000)))
+    nvmlDeviceGetEnforcedPowerLimit = _Reading(lambda g: int(round(g.power_limit_w * 1000)))
+    nvmlDeviceGetTotalEnergyConsumption = _Reading(lambda g: int(g.energy_mj))
+    nvmlDeviceGetTemperature = _Reading(lambda g, sensor: int(round(g.temperature_c)))
+    nvmlDeviceGetTemperatureV = _Reading(lambda g, sensor, version=0: int(round(g.temperature_c)))
+    # SM and graphics clocks are one on these parts
+    nvmlDeviceGetClockInfo = _Reading(
+        lambda g, clock: int(round(g.memory_clock_mhz if clock == pynvml.NVML_CLOCK_MEM else g.sm_clock_mhz))
+    )
+    nvmlDeviceGetCurrentClocksEventReasons = _Reading(lambda g: int(g.throttle_mask))
+    nvmlDeviceGetCurrentClocksThrottleReasons = _Reading(lambda g: int(g.throttle_mask))
+    nvmlDeviceGetTotalEccErrors = _Reading(
+        lambda g, kind, counter: int(
+            g.ecc_uncorrected if kind == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED else g.ecc_corrected
+        )
+    )
+    nvmlDeviceGetPcieReplayCounter = _Reading(lambda g: int(g.pcie_replays))
+    nvmlDeviceGetSupportedEventTypes = _Reading(lambda g: SUPPORTED_EVENTS)
+
+    # --- readings that need more than the card's state ---
     def nvmlDeviceGetMemoryInfo(self, h: SimHandle, version: int | None = None) -> SimpleNamespace:
         node, g = self._call("nvmlDeviceGetMemoryInfo", h)
-        m = self._instance(g, h)
-        if m is not None:  # the instance's own memory: its processes and what else is on it
-            in_use = sum(used for _, used in self._processes(node, g, m)) + m.extra_used_bytes
-            used = min(m.total_bytes, in_use)
-            if not version:
-                return SimpleNamespace(total=m.total_bytes, free=m.total_bytes - used, used=used)
-            free = m.total_bytes - used
-            return SimpleNamespace(version=version, total=m.total_bytes, reserved=0, free=free, used=used)
-        in_use = sum(used for _, used in self._processes(node, g))
-        used = min(g.total_bytes, in_use + g.extra_used_bytes + g.driver_reserved_bytes)
-        free = g.total_bytes - used
+        m = self._instance(g, h)  # a MIG instance: its own memory, its processes and what else is on it
+        own = m if m is not None else g
+        reserved = 0 if m is not None else g.driver_reserved_bytes
+        in_use = sum(used for _, used in self._processes(node, g, m)) + own.extra_used_bytes
+        used = min(own.total_bytes, in_use + reserved)
+        free = own.total_bytes - used
         if not version:
-            return SimpleNamespace(total=g.total_bytes, free=free, used=used)
+            return SimpleNamespace(total=own.total_bytes, free=free, used=used)
         # v2 reports the driver's reservation apart (measured: v2.used = v1.used - reserved)
         return SimpleNamespace(
-            version=version,
-            total=g.total_bytes,
-            reserved=g.driver_reserved_bytes,
-            free=free,
-            used=used - g.driver_reserved_bytes,
+            version=version, total=own.total_bytes, reserved=reserved, free=free, used=used - reserved
         )
-
-    def nvmlDeviceGetPowerUsage(self, h: SimHandle) -> int:
-        return int(round(self._call("nvmlDeviceGetPowerUsage", h)[1].power_w * 1000))
-
-    def nvmlDeviceGetEnforcedPowerLimit(self, h: SimHandle) -> int:
-        return int(round(self._call("nvmlDeviceGetEnforcedPowerLimit", h)[1].power_limit_w * 1000))
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, h: SimHandle) -> int:
-        return int(self._call("nvmlDeviceGetTotalEnergyConsumption", h)[1].energy_mj)
 
     def nvmlDeviceGetUtilizationRates(self, h: SimHandle) -> SimpleNamespace:
         g = self._call("nvmlDeviceGetUtilizationRates", h)[1]
@@ -345,39 +322,12 @@ class SimNvml:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return SimpleNamespace(gpu=int(round(g.utilization * 100)), memory=int(round(g.memory_utilization * 100)))
 
-    def nvmlDeviceGetTemperature(self, h: SimHandle, sensor: int) -> int:
-        return int(round(self._call("nvmlDeviceGetTemperature", h)[1].temperature_c))
-
-    def nvmlDeviceGetTemperatureV(self, h: SimHandle, sensor: int, version: int = 0) -> int:
-        return int(round(self._call("nvmlDeviceGetTemperatureV", h)[1].temperature_c))
-
-    def nvmlDeviceGetClockInfo(self, h: SimHandle, clock_type: int) -> int:
-        g = self._call("nvmlDeviceGetClockInfo", h)[1]
-        if clock_type == pynvml.NVML_CLOCK_MEM:
-            return int(round(g.memory_clock_mhz))
-        return int(round(g.sm_clock_mhz))  # SM and graphics clocks are one on these parts
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, h: SimHandle) -> int:
-        return int(self._call("nvmlDeviceGetCurrentClocksEventReasons", h)[1].throttle_mask)
-
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: SimHandle) -> int:
-        return int(self._call("nvmlDeviceGetCurrentClocksThrottleReasons", h)[1].throttle_mask)
-
-    def nvmlDeviceGetTotalEccErrors(self, h: SimHandle, error_type: int, counter_type: int) -> int:
-        g = self._call("nvmlDeviceGetTotalEccErrors", h)[1]
-        if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
-            return int(g.ecc_uncorrected)
-        return int(g.ecc_corrected)
-
     def nvmlDeviceGetRemappedRows(self, h: SimHandle) -> tuple[int, int, int, int]:
         g = self._call("nvmlDeviceGetRemappedRows", h)[1]
         if g.mig:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         corr, unc, pending, failure = (list(g.remapped) + [0, 0, 0, 0])[:4]
         return int(corr), int(unc), int(pending), int(failure)
-
-    def nvmlDeviceGetPcieReplayCounter(self, h: SimHandle) -> int:
-        return int(self._call("nvmlDeviceGetPcieReplayCounter", h)[1].pcie_replays)
 
     def nvmlDeviceGetFieldValues(self, h: SimHandle, field_ids: list[Any]) -> list[SimpleNamespace]:
         """Only the GPU recovery action (field 230); any other field answers NOT_SUPPORTED in its own
@@ -473,13 +423,7 @@ class SimNvml:
             for pid, used in self._processes(node, g, m)
         ]
 
-    nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
-
     # --- events ---
-    def nvmlDeviceGetSupportedEventTypes(self, h: SimHandle) -> int:
-        self._call("nvmlDeviceGetSupportedEventTypes", h)
-        return SUPPORTED_EVENTS
-
     def nvmlEventSetCreate(self) -> SimEventSet:
         self._call("nvmlEventSetCreate")
         return SimEventSet()
@@ -515,8 +459,6 @@ class SimNvml:
             if left <= 0:
                 raise _err(pynvml.NVML_ERROR_TIMEOUT)
             time.sleep(min(self._poll, left))
-
-    nvmlEventSetWait_v2 = nvmlEventSetWait
 
     def nvmlEventSetFree(self, es: SimEventSet) -> None:
         self._call("nvmlEventSetFree")

@@ -22,31 +22,9 @@ Driving it from a test or the demo::
         node.nvml_absent = "library_not_found"     # a node without NVML: libnvidia-ml.so.1 "not found"
                                                    # at nvmlInit; or "driver_not_loaded", "no_devices"
 
-What each field means:
-
-- ``SimGpu``: ``power_w``/``power_limit_w`` (watts), ``utilization``/``memory_utilization`` (0..1),
-  ``temperature_c``, ``sm_clock_mhz``/``memory_clock_mhz``, ``throttle_mask`` (NVML bits),
-  ``energy_mj`` (the energy counter, mJ since "driver load"; :meth:`SimGpu.tick` advances it by the
-  power draw), ``ecc_corrected``/``ecc_uncorrected`` (volatile counts), ``remapped`` (rows:
-  correctable, uncorrectable, pending, failure), ``pcie_replays``, ``extra_used_bytes`` (device memory
-  held by something that is neither a rank nor a foreign process), ``driver_reserved_bytes`` (what NVML's
-  v2 memory call reports as reserved), ``lost`` (every device call raises GPU_IS_LOST), ``recovery_action``
-  (NVML's GPU recovery action value, None: the driver lacks the field), ``mig`` (MIG
-  mode on: utilisation and remapped rows become NOT_SUPPORTED, as on real MIG parents; GPM too),
-  ``mig_instances`` (:class:`SimMig`: the MIG devices NVML enumerates under it, each with its MIG- uuid,
-  GPU/compute instance ids, profile and memory; ``g.enable_mig(("3g.71gb", "3g.71gb"))`` sets both;
-  ``CUDA_VISIBLE_DEVICES=MIG-<uuid>`` puts a simulated rank on one).
-  GPM: ``gpm`` (supported), ``sm_activity``/``sm_occupancy``/``tensor_activity``/``dram_bandwidth_utilization``
-  (0..1) and ``pcie_*``/``nvlink_*_bytes_per_second``, reported for the interval between two GPM samples
-  as they were when the newer one was taken; ``nvlink_links`` (active links, 0: none) and
-  ``nvlink_errors`` (``"link:counter"`` -> count, counter an ``NVML_NVLINK_ERROR_DL_*`` number).
-- ``SimNode.errors``: NVML function name -> NVML error code, raised as a real ``pynvml.NVMLError``.
-  Keys: ``"nvmlDeviceGetPowerUsage"`` (every GPU), ``"nvmlDeviceGetPowerUsage:1"`` (GPU 1 only),
-  ``"*"`` / ``"*:1"`` (every per-device call), ``"nvmlInit"``, ``"nvmlEventSetWait"``, ...
-- ``SimNode.xids``: the event queue; an event set delivers the events injected after it registered.
-- ``SimNode.foreign``: compute processes that are not ranks (``{"gpu", "pid", "used_bytes"}``).
-  The ranks' own processes come from their spool samples: each rank's pid, with its reserved bytes plus
-  ``context_bytes`` (what a CUDA context costs), on every GPU it has a device on.
+Each field's meaning is beside it below; ``SimNode.errors`` keys are ``"nvmlDeviceGetPowerUsage"`` (every
+GPU), ``"nvmlDeviceGetPowerUsage:1"`` (GPU 1 only), ``"*"`` / ``"*:1"`` (every per-device call),
+``"nvmlInit"``, ``"nvmlEventSetWait"``, ...
 """
 
 from __future__ import annotations
@@ -58,6 +36,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from vramwatch.rank.identity import process_start
 
 MIB = 1 << 20
 STATE_FILE = "sim-node.json"
@@ -91,22 +71,25 @@ class SimGpu:
     sm_clock_mhz: float = 1980.0
     memory_clock_mhz: float = 3201.0
     throttle_mask: int = 0  # NVML clocks-event-reason bits
-    energy_mj: float = 0.0
+    energy_mj: float = 0.0  # the energy counter, mJ since "driver load"; tick() advances it by the power draw
     ecc_corrected: int = 0
     ecc_uncorrected: int = 0
     remapped: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # corr, unc, pending, failure
     pcie_replays: int = 0
     extra_used_bytes: int = 0  # memory used by something other than the ranks and foreign processes
-    driver_reserved_bytes: int = 615 * MIB
-    lost: bool = False
+    driver_reserved_bytes: int = 615 * MIB  # what NVML's v2 memory call reports as reserved
+    lost: bool = False  # every device call raises GPU_IS_LOST
     # NVML's GPU recovery action (field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): 0 none, 1 gpu_reset,
     # 2 node_reboot, 3 drain_p2p, 4 drain_and_reset, ...; None: a driver without the field (NOT_SUPPORTED)
     recovery_action: int | None = 0
+    # MIG mode: utilisation, remapped rows and GPM become NOT_SUPPORTED, as on real MIG parents;
+    # CUDA_VISIBLE_DEVICES=MIG-<uuid> puts a simulated rank on one of mig_instances
     mig: bool = False
     # GPM (NVML's performance counters, Hopper and newer): False makes nvmlGpmQueryDeviceSupport say
     # isSupportedDevice=0; the rates are what the next GPM interval reports
     gpm: bool = True
-    sm_activity: float = 0.0  # 0..1
+    # GPM rates (0..1, bytes/s) of the interval between two GPM samples, as they were at the newer one
+    sm_activity: float = 0.0
     sm_occupancy: float = 0.0
     tensor_activity: float = 0.0
     dram_bandwidth_utilization: float = 0.0
@@ -136,9 +119,11 @@ class SimGpu:
 class SimNode:
     gpus: list[SimGpu]
     driver_version: str = "580.159.04 (simulated)"
+    # compute processes that are not ranks; a rank's own comes from its spool sample: its pid, its reserved
+    # bytes plus context_bytes, on every GPU it has a device on
     foreign: list[dict[str, Any]] = field(default_factory=list)  # {"gpu": i, "pid": p, "used_bytes": n}
-    xids: list[dict[str, Any]] = field(default_factory=list)  # {"seq", "gpu", "xid", "time"}
-    errors: dict[str, int] = field(default_factory=dict)  # NVML function name (or "*") -> NVML error code
+    xids: list[dict[str, Any]] = field(default_factory=list)  # the event queue: {"seq", "gpu", "xid", "time"}
+    errors: dict[str, int] = field(default_factory=dict)  # NVML function (or "*") -> error code, raised as NVMLError
     # a node without NVML, one of contract.NVML_ABSENT_REASONS: library_not_found (nvmlInit: LIBRARY_NOT_FOUND),
     # driver_not_loaded (nvmlInit: DRIVER_NOT_LOADED), no_devices (NVML answers, with no GPU)
     nvml_absent: str = ""
@@ -177,13 +162,13 @@ class SimNode:
 
     def drive_by(self, pid: int) -> None:
         """Mark the state as driven by process ``pid``: it is stale once that process is gone."""
-        self.driver = {"pid": int(pid), "start": _start_time(pid)}
+        self.driver = {"pid": int(pid), "start": process_start(pid)}
 
     def stale(self) -> bool:
         if not self.driver:
             return False  # a state nobody drives (a test's edit) holds until changed
         pid = int(self.driver.get("pid", 0))
-        return pid <= 0 or _start_time(pid) != self.driver.get("start")
+        return pid <= 0 or process_start(pid) != self.driver.get("start")
 
     # --- driving ---
     def gpu(self, index: int) -> SimGpu:
@@ -239,16 +224,6 @@ def _profile_bytes(profile: str) -> int:
         return int(profile.split(".", 1)[1].lower().split("gb", 1)[0]) << 30
     except (IndexError, ValueError):
         return 1 << 30
-
-
-def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); "" when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-    except OSError:
-        return ""
-    return fields[19] if len(fields) > 19 else ""
 
 
 def state_path(spool_dir: str) -> str:

@@ -13,7 +13,6 @@ A metric one GPU does not report (NVLink throughput without NVLink) is dropped f
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from prometheus_client.core import Metric
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Cadence, ScrapeContext, Tick, register
+from vramwatch.server.collectors import Cadence, ScrapeContext, register
 from vramwatch.server.collectors.nvml_base import NvmlSessionCollector
 from vramwatch.server.collectors.xid import job_uuids
 
@@ -64,94 +63,59 @@ class _Sampler:
 
 
 class _Unsupported(Exception):
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
+    """The GPU has no GPM; the message names the NVML call and its answer."""
 
 
 @register("gpm", lambda s: s.nvml and s.gpm, "GPU activity from NVML GPM (SM, tensor, DRAM, PCIe, NVLink).")
 class GpmCollector(NvmlSessionCollector[tuple[GpmReading, ...]]):
     cadence = Cadence.SLOW
 
+    what = "reading GPM"
+
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
         super().__init__(settings, session)
         self._samplers: dict[str, _Sampler] = {}
-        self.unavailable: dict[str, str] = {}  # uuid -> why it has no GPM (the NVML call and code), until re-init
         self.last_failure: dict[str, str] = {}  # uuid -> the newest failed read's NVML error (kept after recovery)
 
     def _forget(self) -> None:  # old buffers belong to the old session
         self._free_all()
-        self.unavailable.clear()
+        super()._forget()
 
     def _down(self) -> None:
         self._free_all()
         return None
 
-    def _read_gpus(self, tick: Tick, reinit: bool) -> tuple[tuple[GpmReading, ...] | None, bool]:
-        s = self.session
-        ok = True
-        out = []
-        lost = s.lost
-        for d in s.devices:
-            if d.uuid in self.unavailable:
-                continue
-            if d.lost or d.uuid in lost:  # the NVML collector probes it; our buffers start over when it is back
-                self._free(d.uuid)
-                ok = False
-                continue
-            try:
-                values = self._read_gpu(d)
-            except _Unsupported as u:
-                self._free(d.uuid)
-                self.unavailable[d.uuid] = u.detail
-                s.once(
-                    ("unsupported", d.uuid, "gpm"),
-                    "vramwatch: GPU %d %s: GPM is unavailable (%s); the GPU activity families are absent for it, "
-                    "not asked again until NVML re-inits",
-                    d.index,
-                    d.uuid,
-                    u.detail,
-                    level=logging.INFO,
-                )
-                continue
-            except Exception as e:  # noqa: BLE001 - an NVMLError of any kind, sorted by _failed
-                self._free(d.uuid)  # lost or failed: the next read primes afresh
-                if nb.classify(e) not in ("quiet", "session"):
-                    self.last_failure[d.uuid] = _code(e)
-                ok = self._failed(d, e, "reading GPM", detail=_code(e)) and ok
-                continue
-            if values is not None:
-                out.append(GpmReading(d.index, d.uuid, values))
-        return tuple(out), ok
+    def _drop(self, d: nb.Device) -> None:  # lost, failed or unsupported: the next read primes afresh
+        self._free(d.uuid)
 
-    def _read_gpu(self, d: nb.Device) -> dict[str, float] | None:
-        nv = self.session.nv
-        sm = self._samplers.get(d.uuid)
-        if sm is None:
-            sm = self._start(d)
+    def _read_failed(self, d: nb.Device, e: BaseException) -> bool:
+        if nb.classify(e) not in ("quiet", "session"):
+            self.last_failure[d.uuid] = _code(e)
+        return self._failed(d, e, self.what, detail=_code(e))
+
+    def _read_device(self, d: nb.Device) -> GpmReading | None:
         try:
-            nv.nvmlGpmSampleGet(d.handle, sm.cur)
-        except Exception as e:
-            if nb.classify(e) == "unsupported":
-                raise _Unsupported(f"nvmlGpmSampleGet: {_code(e)}") from e
-            raise
+            sm = self._samplers.get(d.uuid) or self._start(d)
+            self._gpm("nvmlGpmSampleGet", d.handle, sm.cur)
+        except _Unsupported as u:
+            self._unavailable_gpu(
+                d,
+                str(u),
+                "GPM is unavailable (%s); the GPU activity families are absent for it, not asked again "
+                "until NVML re-inits",
+            )
+            return None
         if not sm.primed:
             sm.prev, sm.cur, sm.primed = sm.cur, sm.prev, True
             return None
         values = self._metrics(d, sm)
         sm.prev, sm.cur = sm.cur, sm.prev
-        return values
+        return GpmReading(d.index, d.uuid, values)
 
     def _start(self, d: nb.Device) -> _Sampler:
         """Check GPM support, then allocate the GPU's two buffers (freed by :meth:`_free`)."""
         nv = self.session.nv
-        try:
-            support = nv.nvmlGpmQueryDeviceSupport(d.handle)
-        except Exception as e:
-            if nb.classify(e) == "unsupported":
-                raise _Unsupported(f"nvmlGpmQueryDeviceSupport: {_code(e)}") from e
-            raise
-        if not getattr(support, "isSupportedDevice", 0):
+        if not getattr(self._gpm("nvmlGpmQueryDeviceSupport", d.handle), "isSupportedDevice", 0):
             raise _Unsupported("nvmlGpmQueryDeviceSupport: isSupportedDevice=0")
         first = nv.nvmlGpmSampleAlloc()
         try:
@@ -161,6 +125,15 @@ class GpmCollector(NvmlSessionCollector[tuple[GpmReading, ...]]):
             raise
         sm = self._samplers[d.uuid] = _Sampler(first, second)
         return sm
+
+    def _gpm(self, call: str, *args: Any) -> Any:
+        """NVML's ``call(*args)``; an answer that GPM is unsupported raises :class:`_Unsupported`."""
+        try:
+            return getattr(self.session.nv, call)(*args)
+        except Exception as e:
+            if nb.classify(e) == "unsupported":
+                raise _Unsupported(f"{call}: {_code(e)}") from e
+            raise
 
     def _metrics(self, d: nb.Device, sm: _Sampler) -> dict[str, float]:
         nv = self.session.nv
@@ -178,15 +151,13 @@ class GpmCollector(NvmlSessionCollector[tuple[GpmReading, ...]]):
             ret = int(m.nvmlReturn)
             if ret in nb.UNSUPPORTED_CODES:
                 sm.skip.add(metric_id)
-                self.session.once(
-                    ("unsupported", d.uuid, "gpm", metric_id),
-                    "vramwatch: GPU %d %s: GPM metric %d (%s) is %s; not asked again until NVML re-inits",
-                    d.index,
-                    d.uuid,
+                self._once_info(
+                    d,
+                    ("gpm", metric_id),
+                    "GPM metric %d (%s) is %s; not asked again until NVML re-inits",
                     metric_id,
                     name,
                     nb.NAMES.get(ret, f"NVML_ERROR_{ret}"),
-                    level=logging.INFO,
                 )
                 continue
             v = float(m.value)

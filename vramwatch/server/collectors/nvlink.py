@@ -11,7 +11,6 @@ link it is, ``nvidia-smi nvlink -e`` tells once the alert points at the GPU.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ from prometheus_client.core import Metric
 from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Cadence, ScrapeContext, Tick, register
+from vramwatch.server.collectors import Cadence, ScrapeContext, register
 from vramwatch.server.collectors.nvml_base import NvmlSessionCollector
 from vramwatch.server.collectors.xid import job_uuids
 
@@ -29,6 +28,7 @@ INVALID_ARGUMENT = 2  # a link number beyond the GPU's links
 NVLINK_STATE_ACTIVE = 1
 MAX_LINKS_FALLBACK = 18  # NVML_NVLINK_MAX_LINKS of older bindings
 # contract.NVLINK_ERROR_TYPES -> NVML_NVLINK_ERROR_DL_* counters summed into it
+_NO_LINKS = "no NVLink error counters (%s); not asked again until NVML re-inits"
 COUNTERS: dict[str, tuple[int, ...]] = {"replay": (0,), "recovery": (1,), "crc": (2, 3)}
 
 
@@ -43,35 +43,23 @@ class LinkErrors:
 class NvlinkCollector(NvmlSessionCollector[tuple[LinkErrors, ...]]):
     cadence = Cadence.SLOW
 
+    what = "reading NVLink errors"
+
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
         super().__init__(settings, session)
         self._links: dict[str, tuple[int, ...]] = {}  # uuid -> its active links
         self._skip: dict[str, set[int]] = {}  # uuid -> counters it does not report
-        self.unavailable: dict[str, str] = {}  # uuid -> why it has no NVLink counters, until NVML re-inits
 
     def _forget(self) -> None:
         self._links.clear()
         self._skip.clear()
-        self.unavailable.clear()
+        super()._forget()
 
-    def _read_gpus(self, tick: Tick, reinit: bool) -> tuple[tuple[LinkErrors, ...] | None, bool]:
-        s = self.session
-        ok = True
-        out = []
-        lost = s.lost
-        for d in s.devices:
-            if d.lost or d.uuid in lost:
-                ok = False
-                continue
-            try:
-                links = self._links.get(d.uuid)
-                if links is None:
-                    links = self._links[d.uuid] = self._discover(d)
-                if links:
-                    out.append(LinkErrors(d.index, d.uuid, self._counts(d, links)))
-            except Exception as e:  # noqa: BLE001 - an NVMLError of any kind, sorted by _failed
-                ok = self._failed(d, e, "reading NVLink errors") and ok
-        return tuple(out), ok
+    def _read_device(self, d: nb.Device) -> LinkErrors | None:
+        links = self._links.get(d.uuid)
+        if links is None:
+            links = self._links[d.uuid] = self._discover(d)
+        return LinkErrors(d.index, d.uuid, self._counts(d, links)) if links else None
 
     def _discover(self, d: nb.Device) -> tuple[int, ...]:
         """The GPU's active links; lost and session errors go up, the rest end or skip a link."""
@@ -84,7 +72,9 @@ class NvlinkCollector(NvmlSessionCollector[tuple[LinkErrors, ...]]):
                 if nb.classify(e) in ("lost", "session"):
                     raise
                 if link == 0 and nb.classify(e) == "unsupported":
-                    self._no_links(d, f"nvmlDeviceGetNvLinkState: {nb.error_name(e)} (NVML error {nb.error_code(e)})")
+                    self._unavailable_gpu(
+                        d, f"nvmlDeviceGetNvLinkState: {nb.error_name(e)} (NVML error {nb.error_code(e)})", _NO_LINKS
+                    )
                     return ()
                 if nb.error_code(e) == INVALID_ARGUMENT:
                     break  # past the GPU's last link
@@ -92,19 +82,8 @@ class NvlinkCollector(NvmlSessionCollector[tuple[LinkErrors, ...]]):
             if int(state) == NVLINK_STATE_ACTIVE:
                 links.append(link)
         if not links:
-            self._no_links(d, "no active link")
+            self._unavailable_gpu(d, "no active link", _NO_LINKS)
         return tuple(links)
-
-    def _no_links(self, d: nb.Device, detail: str) -> None:
-        self.unavailable[d.uuid] = detail
-        self.session.once(
-            ("unsupported", d.uuid, "nvlink"),
-            "vramwatch: GPU %d %s: no NVLink error counters (%s); not asked again until NVML re-inits",
-            d.index,
-            d.uuid,
-            detail,
-            level=logging.INFO,
-        )
 
     def _counts(self, d: nb.Device, links: tuple[int, ...]) -> tuple[tuple[int, str, float], ...]:
         nv = self.session.nv
@@ -130,13 +109,11 @@ class NvlinkCollector(NvmlSessionCollector[tuple[LinkErrors, ...]]):
             if nb.classify(e) != "unsupported":
                 raise
         skip.add(counter)
-        self.session.once(
-            ("unsupported", d.uuid, "nvlink", counter),
-            "vramwatch: GPU %d %s: NVLink error counter %d is not reported; not asked again until NVML re-inits",
-            d.index,
-            d.uuid,
+        self._once_info(
+            d,
+            ("nvlink", counter),
+            "NVLink error counter %d is not reported; not asked again until NVML re-inits",
             counter,
-            level=logging.INFO,
         )
         return None
 

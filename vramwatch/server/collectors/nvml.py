@@ -93,33 +93,14 @@ def _memory_v1(nv: Any, h: Any) -> dict[Key, float]:
     }
 
 
-def _power(nv: Any, h: Any) -> dict[Key, float]:
-    return {("gpu_power_watts", ""): nv.nvmlDeviceGetPowerUsage(h) / 1000.0}  # mW
-
-
-def _power_limit(nv: Any, h: Any) -> dict[Key, float]:
-    return {("gpu_power_limit_watts", ""): nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0}  # mW
+def _scalar(family: str, call: str, *args: int, times: float = 1.0, per: float = 1.0) -> Getter:
+    """A getter of one NVML call that answers one number: ``family``'s value, in its base unit (x times / per)."""
+    return lambda nv, h: {(family, ""): float(getattr(nv, call)(h, *args)) * times / per}
 
 
 def _utilization(nv: Any, h: Any) -> dict[Key, float]:
     u = nv.nvmlDeviceGetUtilizationRates(h)
     return {("gpu_utilization_ratio", ""): u.gpu / 100.0, ("gpu_memory_utilization_ratio", ""): u.memory / 100.0}
-
-
-def _temperature_v(nv: Any, h: Any) -> dict[Key, float]:
-    return {("gpu_temperature_celsius", ""): float(nv.nvmlDeviceGetTemperatureV(h, NVML_TEMPERATURE_GPU))}
-
-
-def _temperature(nv: Any, h: Any) -> dict[Key, float]:  # deprecated in NVML 13, kept for older drivers
-    return {("gpu_temperature_celsius", ""): float(nv.nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU))}
-
-
-def _sm_clock(nv: Any, h: Any) -> dict[Key, float]:
-    return {("gpu_sm_clock_hertz", ""): nv.nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM) * 1e6}  # MHz
-
-
-def _memory_clock(nv: Any, h: Any) -> dict[Key, float]:
-    return {("gpu_memory_clock_hertz", ""): nv.nvmlDeviceGetClockInfo(h, NVML_CLOCK_MEM) * 1e6}
 
 
 def _reasons(mask: int) -> dict[Key, float]:
@@ -134,10 +115,6 @@ def _throttle_old(nv: Any, h: Any) -> dict[Key, float]:  # the deprecated name, 
     return _reasons(int(nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)))
 
 
-def _energy(nv: Any, h: Any) -> dict[Key, float]:
-    return {("gpu_energy_joules_total", ""): nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0}  # mJ
-
-
 def _ecc(nv: Any, h: Any) -> dict[Key, float]:
     corr = nv.nvmlDeviceGetTotalEccErrors(h, NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_VOLATILE_ECC)
     unc = nv.nvmlDeviceGetTotalEccErrors(h, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC)
@@ -147,10 +124,6 @@ def _ecc(nv: Any, h: Any) -> dict[Key, float]:
 def _remapped(nv: Any, h: Any) -> dict[Key, float]:
     rows = nv.nvmlDeviceGetRemappedRows(h)
     return {("gpu_remapped_rows", kind): float(v) for kind, v in zip(REMAPPED_KINDS, rows, strict=False)}
-
-
-def _pcie_replays(nv: Any, h: Any) -> dict[Key, float]:
-    return {("gpu_pcie_replays_total", ""): float(nv.nvmlDeviceGetPcieReplayCounter(h))}
 
 
 def _recovery_action(nv: Any, h: Any) -> dict[Key, float]:
@@ -174,20 +147,32 @@ class Field:
     getters: tuple[Getter, ...]  # tried in order; one a GPU does not support is dropped for that GPU
 
 
+_TEMPERATURE = "gpu_temperature_celsius"
 FIELDS: tuple[Field, ...] = (
     Field("memory", False, (_memory_v2, _memory_v1)),
-    Field("power", False, (_power,)),
-    Field("power_limit", False, (_power_limit,)),
+    Field("power", False, (_scalar("gpu_power_watts", "nvmlDeviceGetPowerUsage", per=1000.0),)),  # mW, as the limit
+    Field("power_limit", False, (_scalar("gpu_power_limit_watts", "nvmlDeviceGetEnforcedPowerLimit", per=1000.0),)),
     Field("utilization", False, (_utilization,)),
-    Field("temperature", False, (_temperature_v, _temperature)),
-    Field("sm_clock", False, (_sm_clock,)),
-    Field("memory_clock", False, (_memory_clock,)),
+    Field(
+        "temperature",
+        False,
+        (  # nvmlDeviceGetTemperature is deprecated in NVML 13, kept for older drivers
+            _scalar(_TEMPERATURE, "nvmlDeviceGetTemperatureV", NVML_TEMPERATURE_GPU),
+            _scalar(_TEMPERATURE, "nvmlDeviceGetTemperature", NVML_TEMPERATURE_GPU),
+        ),
+    ),
+    Field("sm_clock", False, (_scalar("gpu_sm_clock_hertz", "nvmlDeviceGetClockInfo", NVML_CLOCK_SM, times=1e6),)),
+    Field(
+        "memory_clock", False, (_scalar("gpu_memory_clock_hertz", "nvmlDeviceGetClockInfo", NVML_CLOCK_MEM, times=1e6),)
+    ),
     Field("throttle", False, (_throttle, _throttle_old)),
     Field("recovery_action", False, (_recovery_action,)),
-    Field("energy", True, (_energy,)),
+    Field(
+        "energy", True, (_scalar("gpu_energy_joules_total", "nvmlDeviceGetTotalEnergyConsumption", per=1000.0),)
+    ),  # mJ
     Field("ecc", True, (_ecc,)),
     Field("remapped_rows", True, (_remapped,)),
-    Field("pcie_replays", True, (_pcie_replays,)),
+    Field("pcie_replays", True, (_scalar("gpu_pcie_replays_total", "nvmlDeviceGetPcieReplayCounter"),)),
 )
 
 VALUE_FAMILIES = tuple(

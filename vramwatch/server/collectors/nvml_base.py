@@ -9,8 +9,8 @@ read that saw trouble keeps its data and turns ``up`` 0 through :class:`ReadFail
 
 from __future__ import annotations
 
-from abc import abstractmethod
-from typing import TypeVar
+import logging
+from typing import Any, TypeVar
 
 from vramwatch.config import Settings
 from vramwatch.server import nvml_backend as nb
@@ -26,10 +26,13 @@ class SessionDown(Exception):
 class NvmlSessionCollector(Collector[S]):
     """A collector reading through the shared NVML session: the prelude, the re-init and the failure sort."""
 
+    what = "reading"  # what a failed read of one GPU was doing, for its log line
+
     def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
         self.settings = settings
         self.session = session or nb.session_for(settings)
         self._generation = -1  # the session generation our remembered state belongs to
+        self.unavailable: dict[str, str] = {}  # uuid -> why it is not read (the NVML call and code), until re-init
 
     def read(self, tick: Tick) -> S | None:
         snap, ok = self._read(tick)
@@ -56,14 +59,59 @@ class NvmlSessionCollector(Collector[S]):
 
     def _forget(self) -> None:
         """Drop what was remembered per GPU (handles, verdicts, buffers): NVML re-initialised."""
+        self.unavailable.clear()
 
     def _down(self) -> S | None:
         """The snapshot once a read found the session down."""
         return None
 
-    @abstractmethod
     def _read_gpus(self, tick: Tick, reinit: bool) -> tuple[S | None, bool]:
-        """(snapshot, ok) with the session up; ``reinit``: the first read since NVML (re)initialised."""
+        """(snapshot, ok) with the session up; ``reinit``: the first read since NVML (re)initialised.
+
+        By default each GPU in turn through :meth:`_read_device`, skipping the :attr:`unavailable` ones; a lost
+        GPU (the nvml collector probes it) or a failed read turns ``up`` 0.
+        """
+        ok = True
+        out = []
+        lost = self.session.lost
+        for d in self.session.devices:
+            if d.uuid in self.unavailable:
+                continue
+            if d.lost or d.uuid in lost:
+                self._drop(d)
+                ok = False
+                continue
+            try:
+                reading = self._read_device(d)
+            except Exception as e:  # noqa: BLE001 - an NVMLError of any kind, sorted by _failed
+                self._drop(d)
+                ok = self._read_failed(d, e) and ok
+                continue
+            if reading is not None:
+                out.append(reading)
+        return tuple(out), ok  # type: ignore[return-value]
+
+    def _read_device(self, d: nb.Device) -> Any:
+        """One GPU's reading (None: nothing to show)."""
+        raise NotImplementedError
+
+    def _drop(self, d: nb.Device) -> None:
+        """Release what is held for a GPU that is lost or failed a read: the next read starts afresh."""
+
+    def _read_failed(self, d: nb.Device, e: BaseException) -> bool:
+        return self._failed(d, e, self.what)
+
+    def _once_info(self, d: nb.Device, key: tuple[Any, ...], what: str, *args: Any) -> None:
+        """Log ``vramwatch: GPU <index> <uuid>: <what % args>`` once per ``key``, at INFO."""
+        self.session.once(
+            ("unsupported", d.uuid, *key), "vramwatch: GPU %d %s: " + what, d.index, d.uuid, *args, level=logging.INFO
+        )
+
+    def _unavailable_gpu(self, d: nb.Device, why: str, what: str) -> None:
+        """``d`` offers nothing here (``why``: the NVML call and code): skipped until NVML re-inits, said once."""
+        self._drop(d)
+        self.unavailable[d.uuid] = why
+        self._once_info(d, (self.name,), what, why)
 
     def _failed(self, d: nb.Device, e: BaseException, what: str, detail: str = "") -> bool:
         """Sort an NVML error from reading one GPU: whether the read is still ok (no data yet is).

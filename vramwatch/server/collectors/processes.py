@@ -11,16 +11,14 @@ reserved bytes. Only counts and bytes are exported: no pid label, ever.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
-from vramwatch.config import Settings
 from vramwatch.monitoring import contract
 from vramwatch.server import nvml_backend as nb
-from vramwatch.server.collectors import Cadence, ScrapeContext, Tick, register
+from vramwatch.server.collectors import Cadence, ScrapeContext, register
 from vramwatch.server.collectors.nvml_base import NvmlSessionCollector
 from vramwatch.spool.files import process_id
 
@@ -38,43 +36,18 @@ class GpuProcesses:
 class ProcessesCollector(NvmlSessionCollector[tuple[GpuProcesses, ...]]):
     cadence = Cadence.SLOW
 
-    def __init__(self, settings: Settings, session: nb.NvmlSession | None = None) -> None:
-        super().__init__(settings, session)
-        self._unsupported: set[str] = set()
+    what = "listing compute processes"
 
-    def _forget(self) -> None:
-        self._unsupported.clear()
-
-    def _read_gpus(self, tick: Tick, reinit: bool) -> tuple[tuple[GpuProcesses, ...] | None, bool]:
-        s = self.session
-        ok = True
-        out = []
-        lost = s.lost
-        for d in s.devices:
-            if d.uuid in self._unsupported:
-                continue
-            if d.uuid in lost:
-                ok = False
-                continue
-            try:
-                procs = s.nv.nvmlDeviceGetComputeRunningProcesses(d.handle)
-            except Exception as e:  # noqa: BLE001
-                if nb.classify(e) == "unsupported":
-                    self._unsupported.add(d.uuid)
-                    s.once(
-                        ("unsupported", d.uuid, "processes"),
-                        "vramwatch: GPU %d %s: compute processes are %s; not asked again",
-                        d.index,
-                        d.uuid,
-                        nb.error_name(e),
-                        level=logging.INFO,
-                    )
-                    continue
-                ok = self._failed(d, e, "listing compute processes") and ok
-                continue
-            rows = tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in list(procs)[:MAX_PROCESSES])
-            out.append(GpuProcesses(d.index, d.uuid, rows))
-        return tuple(out), ok
+    def _read_device(self, d: nb.Device) -> GpuProcesses | None:
+        try:
+            procs = self.session.nv.nvmlDeviceGetComputeRunningProcesses(d.handle)
+        except Exception as e:
+            if nb.classify(e) != "unsupported":
+                raise
+            self._unavailable_gpu(d, nb.error_name(e), "compute processes are %s; not asked again")
+            return None
+        rows = tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in list(procs)[:MAX_PROCESSES])
+        return GpuProcesses(d.index, d.uuid, rows)
 
     def families(self, snapshot: tuple[GpuProcesses, ...], ctx: ScrapeContext) -> Iterable[Metric]:
         return process_families(snapshot, ctx, self.settings.gpus == "job")

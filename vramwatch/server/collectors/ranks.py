@@ -37,26 +37,9 @@ def _rank_labels(s: RankSample) -> list[str]:
 RankFailed = Callable[[RankSample, Exception], None]
 
 _ROLE_FAMILY = "vramwatch_memory_role_bytes"
-_RANK_FAMILIES = (
-    _ROLE_FAMILY,
-    "torch_cuda_allocator_info",
-    "vramwatch_oom_snapshot_info",
-    "vramwatch_oom_snapshot_timestamp_seconds",
-    "vramwatch_training_steps_total",
-    "vramwatch_training_tokens_total",
-    "vramwatch_training_samples_total",
-    "vramwatch_model_flops_per_token",
-    "vramwatch_training_last_step_timestamp_seconds",
-    "vramwatch_training_step_duration_seconds",
-    "vramwatch_training_loss",
-    "vramwatch_training_grad_norm",
-    "vramwatch_sample_age_seconds",
-    "vramwatch_rank_info",
-    "vramwatch_rank_exits_total",
-    "vramwatch_collectives_total",
-    "vramwatch_training_wait_seconds_total",
-    "vramwatch_training_phase_start_timestamp_seconds",
-    "vramwatch_training_nonfinite_total",
+# the per-rank families (not per device), in the contract's order
+_RANK_FAMILIES = tuple(
+    m.name for m in contract.METRICS if m.collector in ("allocator", "heartbeat") and m.labels != contract.RANK_DEVICE
 )
 _NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 

@@ -202,18 +202,8 @@ class XidWatcher:
                 continue
             try:
                 mask = XID_EVENT & int(nv.nvmlDeviceGetSupportedEventTypes(d.handle))
-                if not mask:
-                    raise _NoXid()
-                nv.nvmlDeviceRegisterEvents(d.handle, mask, self._es)
-            except _NoXid:
-                s.once(
-                    ("xid-unsupported", d.uuid),
-                    "vramwatch: GPU %d %s offers no Xid events; not watched",
-                    d.index,
-                    d.uuid,
-                    level=logging.INFO,
-                )
-                continue
+                if mask:
+                    nv.nvmlDeviceRegisterEvents(d.handle, mask, self._es)
             except Exception as e:
                 kind = nb.classify(e)
                 if kind in ("unsupported", "lost"):
@@ -227,6 +217,15 @@ class XidWatcher:
                     )
                     continue
                 raise  # session trouble, UNKNOWN, ...: free the set and back off
+            if not mask:
+                s.once(
+                    ("xid-unsupported", d.uuid),
+                    "vramwatch: GPU %d %s offers no Xid events; not watched",
+                    d.index,
+                    d.uuid,
+                    level=logging.INFO,
+                )
+                continue
             self.registered[d.uuid] = d.index
             self.ledger.preinit(d.index, d.uuid)
         if self.registered:
@@ -286,10 +285,6 @@ class XidWatcher:
                 self.session.nv.nvmlEventSetFree(es)
             except Exception:  # noqa: BLE001
                 pass
-
-
-class _NoXid(Exception):
-    pass
 
 
 @register("xid", lambda s: s.xid, "Xid events from NVML's event set (a watcher thread per server).")
