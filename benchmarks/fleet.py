@@ -597,7 +597,8 @@ def panel_times(prom: Prometheus, end: float, step: float, repeats: int, selecti
 
 def series_counts(prom: Prometheus, at: float, nodes: int, gpus: int, ranks: int) -> dict[str, Any]:
     def one(expr: str) -> float:
-        r = prom.query(expr, at)
+        params = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+        r = json.loads(http_get(f"{prom.url}/api/v1/query?{params}", 600)[1])["data"]["result"]
         return float(r[0]["value"][1]) if r else 0.0
 
     scraped = f'job="{EXPORTER_JOB}", __name__!~".*:.*"'  # not the rules' records
