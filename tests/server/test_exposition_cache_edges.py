@@ -229,3 +229,15 @@ def test_reply_now_declines_a_render_of_a_failed_read(node, monkeypatch):
     cached.reply("", False)
     assert cached._render is not None and not cached._render.ok
     assert cached.reply_now("", False) is None
+
+
+def test_keep_read_renders_only_a_render_that_old_and_reaps_a_gone_ranks_file(node):
+    cached = node.cached
+    cached.keep_read(60.0)
+    assert cached.renders == 1  # nothing rendered yet
+    cached.keep_read(60.0)
+    assert cached.renders == 1
+    _dead(node.spool, 5, node.clock.now - GRACE - 1)  # gone, past its grace: the next read reaps it
+    cached.current().built_at -= 60.0
+    cached.keep_read(60.0)
+    assert cached.renders == 2 and not (node.spool / "rank-5-999999.json").exists()

@@ -12,11 +12,14 @@ gzipped once per render when asked.
 rank's final sample stays for ``dead_rank_grace_seconds``, so a render that carries final samples
 expires when the first of them leaves. A render from a failed read of the spool is never served again
 (the next scrape reads again), nor one from before the server's guard changed its word on the spool.
+Without scrapes the server's loop still renders now and then (:meth:`CachedExposition.keep_read`): the
+read reaps what dead ranks left.
 """
 
 from __future__ import annotations
 
 import gzip
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -29,6 +32,8 @@ from prometheus_client.registry import CollectorRegistry
 
 from vramwatch.server.collectors import ScrapeContext
 from vramwatch.server.registry import ExporterCollector
+
+log = logging.getLogger("vramwatch")
 
 AGE_GAP = 1.0  # default gap: an unchanged render older than this is rendered again, for its ages
 _MAX_BODIES = 8  # bodies kept per render: the Accept header picks the content type, and a client may send any
@@ -104,6 +109,16 @@ class CachedExposition:
             r = self._current(render=True)
             assert r is not None
             return r
+
+    def keep_read(self, every: float) -> None:
+        """Render when the last render is ``every`` s old, scraped or not: the spool's read behind it reaps the
+        files of ranks that are gone (for the server's own loop)."""
+        r = self._render
+        if r is None or time.monotonic() - r.built_at >= every:
+            try:
+                self.current()
+            except Exception:  # the next scrape renders for itself, and answers 500 if that fails too
+                log.debug("vramwatch: rendering /metrics failed", exc_info=True)
 
     def _current(self, render: bool) -> _Render | None:
         exp = self.exporter

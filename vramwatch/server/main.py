@@ -29,6 +29,7 @@ log = logging.getLogger("vramwatch")
 HTTP_THREAD = "vramwatch-http"  # the event loop's thread (its kernel name too)
 # A rank-started server gives up if no rank shows up this long after it started.
 _FIRST_RANK_GRACE = 60.0
+READ_EVERY = 10.0  # s: a server that stays reads the spool at least this often, scraped or not
 
 
 class StartupError(Exception):
@@ -124,7 +125,7 @@ class Server:
         self.http.serve_forever()
 
     def run(self, exit_when_idle: bool = False) -> None:
-        assert self.http is not None and self.exporter is not None
+        assert self.http is not None and self.exporter is not None and self.exposition is not None
         self._serving = threading.Thread(target=self._serve_forever, name=HTTP_THREAD, daemon=True)
         self._serving.start()
         started = time.monotonic()
@@ -133,7 +134,8 @@ class Server:
             while not self._stop.wait(1.0):
                 self.guard.check(self.exporter.spool_health)
                 self.exporter.spool_trouble, self.exporter.spool_vanished = self.guard.trouble, self.guard.vanished
-                if not exit_when_idle:
+                if not exit_when_idle:  # a server that stays: read now and then, so what dead ranks left is reaped
+                    self.exposition.keep_read(READ_EVERY)
                     continue
                 now = time.monotonic()
                 read = spool.read_spool(
