@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import re
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -231,13 +232,50 @@ def test_reply_now_declines_a_render_of_a_failed_read(node, monkeypatch):
     assert cached.reply_now("", False) is None
 
 
-def test_keep_read_renders_only_a_render_that_old_and_reaps_a_gone_ranks_file(node):
+# --- the refresher, stepped by the test ---
+
+
+def test_the_refresher_renders_nothing_before_the_first_scrape_nor_after_idle_s(node, monkeypatch):
+    mono = [1000.0]
+    monkeypatch.setattr(exposition_cache.time, "monotonic", lambda: mono[0])
     cached = node.cached
-    cached.keep_read(60.0)
-    assert cached.renders == 1  # nothing rendered yet
-    cached.keep_read(60.0)
-    assert cached.renders == 1
-    _dead(node.spool, 5, node.clock.now - GRACE - 1)  # gone, past its grace: the next read reaps it
-    cached.current().built_at -= 60.0
-    cached.keep_read(60.0)
-    assert cached.renders == 2 and not (node.spool / "rank-5-999999.json").exists()
+    assert not cached.refresh() and cached.renders == 0
+    cached.reply("", True)
+    assert not cached.refresh() and cached.renders == 1  # younger than a gap
+    mono[0] += cached.gap
+    assert cached.refresh() and cached.renders == 2
+    assert cached.reply_now("", True) is not None  # the asked format was encoded ahead: no worker needed
+    assert cached.reply_now(OM, False) is None  # one never asked was not
+    last_scrape = mono[0]
+    mono[0] = last_scrape + exposition_cache.IDLE_S
+    assert cached.refresh() and cached.renders == 3
+    mono[0] += cached.gap + 0.001
+    assert not cached.refresh() and cached.renders == 3  # nobody scraped for longer than IDLE_S: it rests
+
+
+def test_with_the_refresher_running_a_render_a_look_past_the_gap_is_served(node, monkeypatch):
+    mono = [1000.0]
+    monkeypatch.setattr(exposition_cache.time, "monotonic", lambda: mono[0])
+    cached = node.cached
+    first = cached.reply("", False)
+    monkeypatch.setattr(type(cached), "refreshing", property(lambda self: True))
+    mono[0] += cached.gap + cached.look - 0.125  # the refresher renders at its next look
+    assert cached.reply_now("", False) == first and cached.renders == 1
+    mono[0] += 0.125
+    assert cached.reply_now("", False) is None
+
+
+def test_start_runs_the_refresher_and_stop_joins_it(node):
+    cached = node.cached
+    cached.start()
+    try:
+        assert cached.refreshing
+        cached.reply("", False)
+        node.publish(steps=9)
+        wait = time.monotonic() + 10
+        while cached.renders < 2 and time.monotonic() < wait:
+            time.sleep(0.05)
+        assert cached.renders >= 2 and b'rank="0"} 9.0' in cached.reply_now("", False).body
+    finally:
+        cached.stop()
+    assert not cached.refreshing

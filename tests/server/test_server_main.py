@@ -355,8 +355,9 @@ def test_open_binds_says_where_in_server_json_and_close_without_run_releases_it_
         }
         assert spool.server_running(settings.spool_dir)
         assert server.http.admission.total == 3  # max_connections reaches the listener
+        assert server.exposition.refreshing
         names = _new_threads(before)
-        assert "vramwatch-nvml" in names, names  # the collectors read already
+        assert "vramwatch-render" in names and "vramwatch-nvml" in names, names  # the collectors read already
     finally:
         closing = threading.Thread(target=server.close, daemon=True)
         closing.start()

@@ -29,7 +29,6 @@ log = logging.getLogger("vramwatch")
 HTTP_THREAD = "vramwatch-http"  # the event loop's thread (its kernel name too)
 # A rank-started server gives up if no rank shows up this long after it started.
 _FIRST_RANK_GRACE = 60.0
-READ_EVERY = 10.0  # s: a server that stays reads the spool at least this often, scraped or not
 
 
 class StartupError(Exception):
@@ -94,6 +93,7 @@ class Server:
             raise StartupError(why) from None
         for c in self.collectors:
             c.start()
+        self.exposition.start()
         try:
             self.guard.write_info(self._server_info())
         except OSError as e:
@@ -125,7 +125,7 @@ class Server:
         self.http.serve_forever()
 
     def run(self, exit_when_idle: bool = False) -> None:
-        assert self.http is not None and self.exporter is not None and self.exposition is not None
+        assert self.http is not None and self.exporter is not None
         self._serving = threading.Thread(target=self._serve_forever, name=HTTP_THREAD, daemon=True)
         self._serving.start()
         started = time.monotonic()
@@ -134,8 +134,7 @@ class Server:
             while not self._stop.wait(1.0):
                 self.guard.check(self.exporter.spool_health)
                 self.exporter.spool_trouble, self.exporter.spool_vanished = self.guard.trouble, self.guard.vanished
-                if not exit_when_idle:  # a server that stays: read now and then, so what dead ranks left is reaped
-                    self.exposition.keep_read(READ_EVERY)
+                if not exit_when_idle:
                     continue
                 now = time.monotonic()
                 read = spool.read_spool(
@@ -159,6 +158,8 @@ class Server:
         self._stop.set()
 
     def close(self) -> None:
+        if self.exposition is not None:
+            self.exposition.stop()
         for c in self.collectors:
             c.stop()
         if self.http is not None:
