@@ -255,15 +255,15 @@ def _per(c0: float | None, c1: float | None, n: int) -> float | None:
 def measure(url: str, pid: int, scrapes: int, rate: float, idle_s: float) -> dict[str, Any]:
     """Idle CPU of the server, then ``scrapes`` scrapes at ``rate``/s: latency, bytes, CPU per scrape.
 
-    Every format the windows ask for (plain text, OpenMetrics, gzip) is asked once first. The server
-    renders only for a scrape (at most once per gap), so ``marginal`` = (CPU over the scrapes - the idle
-    rate x their time) / scrapes is what the scrapes cost, their renders included; ``total`` = all the server's CPU / scrapes, the
+    Every format the windows ask for (plain text, OpenMetrics, gzip) is asked once first, so the idle
+    window renders what the scraped ones do: ``marginal`` = (CPU over the scrapes - the idle rate x their
+    time) / scrapes is what the scrapes themselves cost; ``total`` = all the server's CPU / scrapes, the
     idle (background) work included, which at a low rate is most of it."""
     port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
     raw_get(port)  # Prometheus' request: OpenMetrics, gzip
     common.http_get(url)  # urllib: plain text
     status, gz, _ = common.http_get(url, gzip=True)
-    time.sleep(1.0)  # a gap: the next render is the first scrape's of the window
+    time.sleep(1.0)  # the refresher's next render carries every format
     c0, t0 = cpu_seconds(pid), time.monotonic()
     time.sleep(idle_s)
     c1, t1 = cpu_seconds(pid), time.monotonic()
