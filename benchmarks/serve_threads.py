@@ -63,14 +63,14 @@ def _record_busy() -> None:
     from vramwatch.server.collectors.framework import Runner
     from vramwatch.server.exposition_cache import CachedExposition
 
-    current, poll = CachedExposition._current, Runner.poll_once
+    build, poll = CachedExposition.refresh, Runner.poll_once
 
-    def render(self: CachedExposition) -> Any:
-        t0, n = time.monotonic(), self.renders
-        r = current(self)
-        if self.renders != n and len(_BUSY) < 100000:
+    def refresh(self: CachedExposition) -> bool:
+        t0 = time.monotonic()
+        did = build(self)
+        if did and len(_BUSY) < 100000:
             _BUSY.append(("render", t0, time.monotonic()))
-        return r
+        return did
 
     def poll_once(self: Runner) -> None:
         t0 = time.monotonic()
@@ -87,7 +87,7 @@ def _record_busy() -> None:
             _BUSY.append((f"gc{info['generation']}", gc_start[0], time.monotonic()))
 
     gc.callbacks.append(on_gc)
-    CachedExposition._current = render  # type: ignore[method-assign]
+    CachedExposition.refresh = refresh  # type: ignore[method-assign]
     Runner.poll_once = poll_once  # type: ignore[method-assign]
 
 
