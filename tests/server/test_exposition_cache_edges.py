@@ -219,9 +219,10 @@ def test_reply_now_serves_only_a_current_render_in_a_format_already_built(node):
     gap_later(cached)
     assert cached.reply_now("", False) is None  # then a worker renders it
     assert cached.renders == 1
-    assert b'rank="0"} 9.0' in cached.reply("", False).body and cached.renders == 2
-    with cached._lock:  # a worker rendering: the loop never waits for it
-        assert cached.reply_now("", False) is None
+    latest = cached.reply("", False)
+    assert b'rank="0"} 9.0' in latest.body and cached.renders == 2
+    with cached._lock:  # a render under way: the loop serves the last one meanwhile, without waiting
+        assert cached.reply_now("", False) == latest
 
 
 def test_reply_now_declines_a_render_of_a_failed_read(node, monkeypatch):
@@ -279,3 +280,22 @@ def test_start_runs_the_refresher_and_stop_joins_it(node):
     finally:
         cached.stop()
     assert not cached.refreshing
+
+
+def test_a_refresh_builds_aside_while_the_loop_serves_the_last_render(node, monkeypatch):
+    mono = [1000.0]
+    monkeypatch.setattr(exposition_cache.time, "monotonic", lambda: mono[0])
+    monkeypatch.setattr(type(node.cached), "refreshing", property(lambda self: True))
+    cached, exp = node.cached, node.exp
+    first = cached.reply("", True)
+    mono[0] += cached.gap + 0.125  # due for the refresher, still served
+    during: list[object] = []
+    real = exp.families
+
+    def families(ctx):  # the scrape that comes while the refresher renders
+        during.append(cached.reply_now("", True))
+        return real(ctx)
+
+    monkeypatch.setattr(exp, "families", families)
+    assert cached.refresh() and during == [first]
+    assert cached.reply_now("", True) not in (None, first)  # the new render, gzip built ahead

@@ -143,6 +143,7 @@ class CachedExposition:
             r = self._build()
             for (ctype, gzip_ok), encoder in list(self._asked.items()):
                 self._body(r, ctype, gzip_ok, encoder)
+            self._render = r  # swapped in whole: the loop serves the last one meanwhile
             return True
 
     # --- renders ---
@@ -162,9 +163,8 @@ class CachedExposition:
         guard = (exp.spool_trouble, exp.spool_vanished)
         ctx = exp.context()
         fams = list(exp.families(ctx))
-        self._render = _Render(ctx, fams, exp.last_read_ok, guard, exp.last_read_expires, time.monotonic())
         self.renders += 1
-        return self._render
+        return _Render(ctx, fams, exp.last_read_ok, guard, exp.last_read_expires, time.monotonic())
 
     def current(self) -> _Render:
         """The render a scrape serves now, rendered again if it is a gap old or stale."""
@@ -180,7 +180,7 @@ class CachedExposition:
         if r is None or self._stale(r, self.look if self.refreshing else 0.0):
             if not render:
                 return None
-            r = self._build()
+            r = self._render = self._build()
         else:
             self.exporter.mark_served(r.ctx)
         return r
@@ -213,15 +213,11 @@ class CachedExposition:
 
     def reply_now(self, accept: str, gzip_ok: bool) -> Reply | None:
         """:meth:`reply`'s answer if it needs no render and no encoding, else None: for the server's event loop,
-        which hands only the scrapes that need one to a worker thread (a thread costs more than the answer)."""
-        if not self._lock.acquire(blocking=False):
-            return None  # a render is under way: a worker answers after it
-        try:
-            ctype = choose_encoder(accept)[1]
-            r = self._render
-            body = None if r is None else r.bodies.get((ctype, gzip_ok))
-            if body is None or self._current(render=False) is None:
-                return None
-        finally:
-            self._lock.release()
+        which hands only the scrapes that need one to a worker thread (a thread costs more than the answer), and
+        never waits for a render under way."""
+        ctype = choose_encoder(accept)[1]
+        r = self._render  # no lock: a render under way is swapped in whole when done
+        body = None if r is None else r.bodies.get((ctype, gzip_ok))
+        if body is None or self._current(render=False) is not r:
+            return None
         return Reply(body, ctype, "gzip") if gzip_ok else Reply(body, ctype)
