@@ -104,6 +104,8 @@ class Rig:
     def plant(self, doc: Any) -> None:
         with open(self.bad_path, "wb") as fh:
             fh.write(files.frame(json.dumps(doc, allow_nan=True).encode()))
+        if self.exposition._render is not None:  # a gap later: the next scrape renders the new sample
+            self.exposition._render.built_at -= self.exposition.gap
 
     def scrape(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         return parse_metrics(self.exposition.reply("", False).body.decode())  # raising here is a 500

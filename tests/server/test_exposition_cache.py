@@ -1,4 +1,4 @@
-"""The cached /metrics: rendered once per change (and once a gap for the ages), byte-identical to a whole render."""
+"""The cached /metrics: rendered at most once a gap (at once for a birth or death), byte-identical to a whole render."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from vramwatch import spool
 from vramwatch.config import Settings
 from vramwatch.server import registry as registry_module
 from vramwatch.server.collectors import Collector, Runner, ScrapeContext, Tick
-from vramwatch.server.exposition_cache import AGE_GAP, CachedExposition, RegistryExposition
+from vramwatch.server.exposition_cache import CachedExposition, RegistryExposition
 from vramwatch.server.registry import ExporterCollector
 from vramwatch.spool import files
 
@@ -94,11 +94,16 @@ def two_ranks(
 
 @pytest.fixture
 def node(tmp_path, monkeypatch):
-    """Two live ranks, the cache over them (no refresher), a whole render, a clock."""
+    """Two live ranks, the cache over them, a whole render, a clock."""
     exp, whole, pubs, runner, clock = two_ranks(str(tmp_path), monkeypatch)
     yield exp, CachedExposition(exp, clock=clock), whole, pubs, runner, clock
     for p in pubs:
         p.close()
+
+
+def gap_later(cached: CachedExposition) -> None:
+    """The last render is one gap old: the next scrape renders again."""
+    cached.current().built_at -= cached.gap
 
 
 def same_but_spool_time(a: bytes, b: bytes) -> bool:
@@ -113,7 +118,7 @@ def test_cached_bytes_equal_a_whole_render_and_its_ages_move_once_a_gap(node, ac
     assert same_but_spool_time(first.body, whole.reply(accept, False).body)
     clock.now += 7.25
     assert cached.reply(accept, False) == first and cached.renders == 1  # the ages are the render's
-    cached.current().built_at -= AGE_GAP  # the render is a gap old: rendered again, with today's ages
+    gap_later(cached)  # the render is a gap old: rendered again, with today's ages
     a, b = cached.reply(accept, False), whole.reply(accept, False)
     assert a.content_type == b.content_type and a.encoding is None
     assert same_but_spool_time(a.body, b.body)
@@ -136,19 +141,21 @@ def test_gzip_is_one_member_holding_the_same_text(node, accept):
     assert cached.renders == 1
 
 
-def test_a_new_sample_or_snapshot_renders_again_once(node):
+def test_a_new_sample_or_snapshot_waits_for_the_gap_then_renders_once(node):
     _, cached, _, pubs, runner, clock = node
     for _ in range(5):
         cached.reply("", False)
     assert cached.renders == 1
-    # the same size, another value: the record's CRC tells them apart (an mtime may not)
     pubs[0].publish(sample(0, clock.now - 0.5, steps=4))
+    runner.poll_once()
+    body = cached.reply("", False).body
+    assert b'steps_total{job_id="",local_rank="0",rank="0"} 3.0' in body and b"counter_reads 1.0" in body
+    gap_later(cached)
     body = cached.reply("", False).body
     assert b'vramwatch_training_steps_total{job_id="",local_rank="0",rank="0"} 4.0' in body and cached.renders == 2
-    runner.poll_once()
-    assert b"counter_reads 2.0" in cached.reply("", False).body and cached.renders == 3
+    assert b"counter_reads 2.0" in body
     cached.reply("", True)
-    assert cached.renders == 3
+    assert cached.renders == 2
 
 
 GRACE = Settings().dead_rank_grace_seconds
@@ -168,19 +175,19 @@ def test_a_dead_ranks_final_sample_is_cached_for_its_grace_window_then_gone(node
     _, cached, _, _, _, clock = node
     cached.reply("", False)
     _dead(tmp_path, 5, clock.now)
+    assert b'rank="5"' not in cached.reply("", False).body  # within the gap: the last render
+    gap_later(cached)
     n = cached.renders
     bodies = [cached.reply("", False).body for _ in range(3)]
-    assert cached.renders == n + 1, "rendered once when it died, then served from memory"
+    assert cached.renders == n + 1, "rendered once at the gap, then served from memory"
     assert all(b'rank="5"' in b and not _live_gauges(b, 5) for b in bodies)  # counters, no memory gauges
     clock.now += GRACE - 1
     assert b'rank="5"' in cached.reply("", False).body and cached.renders == n + 1
-    clock.now += 2  # its window is over
-    assert b'rank="5"' not in cached.reply("", False).body
+    clock.now += 2  # its window is over: rendered again at once, the gap notwithstanding
+    assert b'rank="5"' not in cached.reply("", False).body and cached.renders == n + 2
     assert not (tmp_path / "rank-5-999999.json").exists()
-    cached.reply("", False)  # the spool was looked at before that read reaped the file: one render more
-    n = cached.renders
     cached.reply("", False)
-    assert cached.renders == n  # the spool is clean again: back to the cache
+    assert cached.renders == n + 2  # back to the cache
 
 
 def test_a_rejected_file_is_counted_per_read_of_the_spool(node, tmp_path):
@@ -199,7 +206,7 @@ def test_a_rejected_file_is_counted_per_read_of_the_spool(node, tmp_path):
 
     try:
         assert [spool_errors() for _ in range(3)] == [(1.0, 0.0)] * 3  # one read, down while the file lasts
-        pubs[0].publish(sample(0, clock.now))
+        gap_later(cached)
         assert spool_errors() == (2.0, 0.0)  # the next read met it again
     finally:
         os.close(fd)
@@ -228,139 +235,13 @@ def test_only_asked_formats_are_rendered(node):
     _, cached, _, _, _, _ = node
     cached.reply("", False)
     render = cached.current()
-    (fmt,) = render.formats.values()
-    assert fmt.gz is None  # no gzip yet
+    text = "text/plain; version=0.0.4; charset=utf-8"
+    assert list(render.bodies) == [(text, False)]  # no gzip yet
     cached.reply("", True)
-    assert fmt.gz is not None and len(render.formats) == 1
+    assert list(render.bodies) == [(text, False), (text, True)]
 
 
 def test_sample_replace_keeps_the_size_used_above():
     a = spool.encode_sample(sample(0, 1.0, steps=3))
     b = spool.encode_sample(dataclasses.replace(sample(0, 1.0, steps=3), heartbeat=sample(0, 1.0, steps=4).heartbeat))
     assert len(a) == len(b) and a != b
-
-
-class Refresher:
-    """The cache's refresher thread, alive but stepped by the test (``refresh()``) rather than by time."""
-
-    def __init__(self, cached: CachedExposition, min_gap: float = 0.0) -> None:
-        self.cached = cached
-        cached.start(min_gap=min_gap, look=3600.0)  # its own loop never gets to a step
-
-    def step(self) -> bool:
-        return self.cached.refresh()
-
-
-def test_with_the_refresher_a_scrape_reads_nothing_and_changes_arrive_by_refresh(node, monkeypatch):
-    _, cached, _, pubs, runner, clock = node
-    refresher = Refresher(cached)
-    try:
-        assert not refresher.step()  # nothing rendered before the first scrape
-        cached.reply("", True)
-        looks = []
-        real = spool.spool_state
-        monkeypatch.setattr(spool, "spool_state", lambda d, headers=True: looks.append(headers) or real(d, headers))
-        for _ in range(5):
-            cached.reply("", True)
-            assert cached.reply_now("", True) is not None
-        assert looks == [] and cached.renders == 1  # a scrape touches no file: the refresher looks
-        assert not refresher.step() and cached.renders == 1  # nothing changed
-        pubs[0].publish(sample(0, clock.now, steps=4))
-        runner.poll_once()
-        # until the refresh
-        assert b'steps_total{job_id="",local_rank="0",rank="0"} 3.0' in cached.reply("", False).body
-        assert refresher.step() and cached.renders == 2  # both changes, one render
-        render = cached.current()
-        assert set(render.formats) == {"text/plain; version=0.0.4; charset=utf-8"}
-        assert next(iter(render.formats.values())).gz is not None  # gzip was asked: built ahead too
-        body = cached.reply("", False).body
-        assert b'steps_total{job_id="",local_rank="0",rank="0"} 4.0' in body and b"counter_reads 2.0" in body
-        assert cached.renders == 2
-    finally:
-        cached.stop()
-
-
-def test_min_gap_spaces_the_refreshers_renders(node):
-    _, cached, _, pubs, _, clock = node
-    cached.start(min_gap=0.2)
-    try:
-        cached.reply("", False)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 1.0:  # a change every 20 ms
-            pubs[0].publish(sample(0, time.monotonic()))
-            time.sleep(0.02)
-        assert 2 <= cached.renders <= 1 + 1.0 / 0.2 + 1, cached.renders
-    finally:
-        cached.stop()
-
-
-def test_the_refresher_renders_a_death_and_the_end_of_its_window(node, tmp_path):
-    _, cached, _, _, _, clock = node
-    refresher = Refresher(cached)
-    try:
-        cached.reply("", False)
-        _dead(tmp_path, 5, clock.now)
-        assert refresher.step()  # the death changed the sources
-        assert not refresher.step()  # nothing changes during the window
-        assert all(b'rank="5"' in cached.reply("", False).body for _ in range(3))  # every scraper sees it
-        clock.now += GRACE + 1
-        assert refresher.step()  # the window ended: rendered again, the final sample reaped
-        assert not (tmp_path / "rank-5-999999.json").exists()
-        assert b'rank="5"' not in cached.reply("", False).body
-    finally:
-        cached.stop()
-
-
-def test_the_refresher_renders_a_rank_that_appeared_or_died_at_its_next_look_within_the_gap(node, tmp_path):
-    _, cached, _, pubs, _, clock = node
-    refresher = Refresher(cached, min_gap=3600.0)  # a newer sample waits an hour: only births and deaths come
-    try:
-        cached.reply("", False)
-        pubs[0].publish(sample(0, clock.now, steps=8))
-        assert not refresher.step()  # a newer sample, within the gap: not yet
-        _dead(tmp_path, 5, clock.now)
-        assert b'rank="5"' not in cached.reply("", False).body  # the scrape itself looks at no file
-        assert refresher.step()  # a death: rendered at this look, the gap notwithstanding
-        body = cached.reply("", False).body
-        assert b'rank="5"' in body and not _live_gauges(body, 5)  # its final sample
-        assert b'steps_total{job_id="",local_rank="0",rank="0"} 8.0' in body  # and what else changed
-        cached.render_cost = 0.0  # (the share of a core its renders may take: the next test's)
-        assert not refresher.step()
-        late = spool.RankPublisher(str(tmp_path), 6)
-        late.publish(sample(6, clock.now))
-        assert refresher.step() and _live_gauges(cached.reply("", False).body, 6)  # a birth likewise
-        late.close()
-        cached.render_cost = 0.0
-        assert refresher.step()  # and its death
-        body = cached.reply("", False).body
-        assert b'rank="6"' in body and not _live_gauges(body, 6)
-    finally:
-        cached.stop()
-
-
-def test_a_rank_born_while_a_costly_render_is_fresh_waits_for_the_renders_share(node, tmp_path):
-    _, cached, _, _, _, clock = node
-    refresher = Refresher(cached, min_gap=3600.0)
-    try:
-        cached.reply("", False)
-        _dead(tmp_path, 5, clock.now)
-        cached.render_cost = 3600.0 * 0.02  # a render that may come once an hour
-        assert not refresher.step()
-        cached.render_cost = 0.0
-        assert refresher.step()
-    finally:
-        cached.stop()
-
-
-def test_a_costly_render_spaces_the_next_one_out(node):
-    _, cached, _, pubs, _, clock = node
-    refresher = Refresher(cached)
-    try:
-        cached.reply("", False)
-        pubs[0].publish(sample(0, clock.now, steps=5))
-        cached.render_cost = 3600.0 * 0.02  # a render whose share of a core would need an hour's gap
-        assert not refresher.step()
-        cached.render_cost = 0.0
-        assert refresher.step() and cached.render_cost > 0  # the refresher times its own renders
-    finally:
-        cached.stop()

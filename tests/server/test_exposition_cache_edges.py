@@ -1,13 +1,10 @@
-"""The exposition cache's edges: the bounds on what a client may make it keep,
-the refresher's clock boundaries (on a fake clock), its thread and its failures, and reply_now's refusals."""
+"""The exposition cache's edges: the bounds on what a client may make it keep, and what renders again."""
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
-import logging
 import re
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -16,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
-from test_exposition_cache import GRACE, Clock, Refresher, _dead, sample, two_ranks
+from test_exposition_cache import GRACE, Clock, _dead, gap_later, sample, two_ranks
 
 from vramwatch import spool
 from vramwatch.server import exposition_cache
@@ -51,7 +48,6 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
     exp, whole, pubs, runner, clock = two_ranks(str(tmp_path), monkeypatch)
     n = Node(exp, CachedExposition(exp, clock=clock), whole, pubs, runner, clock, tmp_path)
     yield n
-    n.cached.stop()
     for p in pubs:
         p.close()
 
@@ -100,7 +96,7 @@ ACCEPTS_10 = [
 ]
 
 
-def test_at_most_8_formats_are_kept_and_refreshed_the_rest_rendered_per_scrape(node):
+def test_at_most_8_bodies_are_kept_per_render_the_rest_encoded_per_scrape(node):
     cached = node.cached
     ctypes = [choose_encoder(a)[1] for a in ACCEPTS_10]
     assert len(set(ctypes)) == 10
@@ -108,129 +104,60 @@ def test_at_most_8_formats_are_kept_and_refreshed_the_rest_rendered_per_scrape(n
         for a in ACCEPTS_10:
             got, want = cached.reply(a, False), node.whole.reply(a, False)
             assert got.content_type == want.content_type and _spool_time_out(got.body) == _spool_time_out(want.body)
-    assert list(cached.current().formats) == ctypes[:8]
-    assert list(cached._asked) == ctypes[:8]
+    assert list(cached.current().bodies) == [(c, False) for c in ctypes[:8]]
     gz = cached.reply(ACCEPTS_10[9], True)  # a ninth format, gzipped: served, still not kept
     assert gzip.decompress(gz.body) == cached.reply(ACCEPTS_10[9], False).body
-    assert list(cached._asked) == ctypes[:8] and list(cached.current().formats) == ctypes[:8]
+    assert len(cached.current().bodies) == 8
     assert cached.renders == 1
-
-
-def test_at_most_32_accept_headers_have_their_encoder_remembered(node):
-    cached = node.cached
-    a = "text/plain;version=1.0.0;escaping=underscores"
-    assert choose_encoder(a) is not choose_encoder(a)  # a new answer every call: `is` tells a remembered one
-    first = cached._encoder(a)
-    assert first == (first[0], choose_encoder(a)[1]) and cached._encoder(a) is first
-    for i in range(31):
-        cached._encoder(f"text/plain;q=0.{i:02d}")
-    assert len(cached._encoders) == 32
-    x = "text/plain;q=1"
-    one, two = cached._encoder(x), cached._encoder(x)
-    assert one == two and one is not two and x not in cached._encoders
-    assert cached._encoder(a) is first and len(cached._encoders) == 32
-
-
-def test_gzip_asked_later_is_built_by_the_refresher_from_then_on(node):
-    cached = node.cached
-    refresher = Refresher(cached)
-    enc, ctype = cached._encoder("")
-    cached.reply("", False)
-    cached.reply("", False)
-    assert cached._asked == {ctype: (enc, False)}
-    node.publish(steps=4)
-    assert refresher.step()
-    assert cached._render is not None and cached._render.formats[ctype].gz is None  # nobody asked for gzip
-    assert cached.reply_now("", True) is None
-    cached.reply("", True)
-    assert cached._asked == {ctype: (enc, True)}
-    cached.reply("", False)  # a plain scrape does not take it back
-    assert cached._asked == {ctype: (enc, True)}
-    node.publish(steps=5)
-    cached.render_cost = 0.0  # (the last render's share of a core: not this test's)
-    assert refresher.step()
-    assert cached._render.formats[ctype].gz is not None
-    now = cached.reply_now("", True)
-    assert now is not None and now == cached.reply("", True)
-
-
-# --- reply_now ---
-
-
-def test_reply_now_answers_only_what_needs_no_render_and_no_lock(node, monkeypatch):
-    cached = node.cached
-    assert cached.reply_now("", False) is None  # nothing rendered
-    cached.reply("", False)
-    assert cached.reply_now("", False) is None  # rendered, but no refresher keeps it current
-    refresher = Refresher(cached)
-    assert cached.reply_now("", False) == cached.reply("", False)
-    assert cached.reply_now("", True) is None  # gzip never asked: not built
-    assert cached.reply_now(OM, False) is None  # a format never asked
-    cached.reply("", True)
-    assert cached.reply_now("", True) == cached.reply("", True)
-    read = node.exp.rank_view.read
-
-    def failing(now: float) -> object:
-        raise OSError("spool gone")
-
-    monkeypatch.setattr(node.exp.rank_view, "read", failing)
-    node.publish(steps=6)
-    assert refresher.step() and cached._render is not None and cached._render.key is None
-    assert cached.reply_now("", False) is None  # the last read failed: a worker reads again
-    monkeypatch.setattr(node.exp.rank_view, "read", read)
-    assert b"steps_total" in cached.reply("", False).body
-    assert cached.reply_now("", False) is not None
-    cached.stop()
-    assert cached.reply_now("", False) is None  # the refresher is gone
-
-
-def test_reply_now_declines_a_render_whose_dead_rank_left(node):
-    cached = node.cached
-    refresher = Refresher(cached)
-    cached.reply("", False)
-    _dead(node.spool, 5, node.clock.now)
-    assert refresher.step()
-    now = cached.reply_now("", False)
-    assert now is not None and b'rank="5"' in now.body
-    node.clock.now += GRACE + 1
-    assert cached.reply_now("", False) is None
-    assert b'rank="5"' not in cached.reply("", False).body
 
 
 def test_a_render_expires_at_the_instant_its_first_final_sample_leaves(node):
     cached = node.cached
     cached.reply("", False)
     assert cached._render is not None and cached._render.expires is None
-    assert not cached._render.expired(float("inf"))
     _dead(node.spool, 5, node.clock.now - 1.0)
+    gap_later(cached)
     cached.reply("", False)
     r = cached._render
     assert r.expires == node.clock.now - 1.0 + GRACE
-    assert not r.expired(r.expires - 0.001) and r.expired(r.expires) and r.expired(r.expires + 1)
     n = cached.renders
+    node.clock.now = r.expires - 0.001
+    cached.reply("", False)
+    assert cached.renders == n
     node.clock.now = r.expires
     cached.reply("", False)
     assert cached.renders == n + 1
 
 
-# --- what is rendered again, without the refresher ---
+def test_a_render_is_served_for_less_than_one_gap_whatever_else(node, monkeypatch):
+    mono = [1000.0]
+    monkeypatch.setattr(exposition_cache.time, "monotonic", lambda: mono[0])
+    cached = node.cached
+    cached.reply("", False)
+    mono[0] = 1000.0 + cached.gap - 0.25
+    cached.reply("", False)
+    assert cached.renders == 1
+    mono[0] = 1000.0 + cached.gap
+    cached.reply("", False)
+    assert cached.renders == 2
 
 
-def test_a_collectors_health_alone_renders_again(node):
+# --- what is rendered again ---
+
+
+def test_a_collectors_health_is_rendered_at_the_gap(node):
     cached, health = node.cached, node.runner.health
     cached.reply("", False)
     labels = b'{collector="counter",job_id="",rank=""}'
     changes = [
         ("duration", 0.125, b"vramwatch_collector_duration_seconds"),
         ("errors", 7, b"vramwatch_collector_errors_total"),
+        ("up", 0, b"vramwatch_collector_up"),
     ]
-    changes.append(("up", 0, b"vramwatch_collector_up"))
-    for i, (attr, value, family) in enumerate(changes):
+    for attr, value, family in changes:
         setattr(health, attr, value)
-        body = cached.reply("", False).body
-        assert family + labels + b" %r\n" % float(value) in body
-        assert cached.renders == 2 + i
-    cached.reply("", False)
+        gap_later(cached)
+        assert family + labels + b" %r\n" % float(value) in cached.reply("", False).body
     assert cached.renders == 4
 
 
@@ -247,7 +174,7 @@ def test_a_failed_read_is_read_again_by_the_next_scrape(node, monkeypatch):
     monkeypatch.setattr(node.exp.rank_view, "read", read)
     up = b'vramwatch_collector_up{collector="spool",job_id="",rank=""} '
     assert up + b"0.0\n" in cached.reply("", False).body
-    assert cached._render is not None and cached._render.key is None and cached.renders == 1
+    assert cached._render is not None and not cached._render.ok and cached.renders == 1
     failing.clear()  # nothing on disk changed, and yet
     assert up + b"1.0\n" in cached.reply("", False).body
     assert cached.renders == 2
@@ -275,256 +202,100 @@ def test_the_spool_coming_back_alone_renders_again(node):
     assert errors + b"1.0\n" in cached.reply("", False).body and cached.renders == 3
 
 
-def test_a_render_holds_the_snapshots_its_key_names(node):
-    # held, so that no later snapshot can take the id() the key compares
-    cached, runner = node.cached, node.runner
+# --- reply_now: the event loop's answer, never a render ---
+
+
+def test_reply_now_serves_only_a_current_render_in_a_format_already_built(node):
+    cached = node.cached
+    assert cached.reply_now("", False) is None  # nothing rendered
+    first = cached.reply("", False)
+    assert cached.reply_now("", False) == first
+    assert cached.reply_now("", True) is None  # gzip never asked: not built on the loop
+    assert cached.reply_now(OM, False) is None  # nor another format
+    assert cached.reply_now("", True) is None
+    assert cached.reply("", True).encoding == "gzip" and cached.reply_now("", True) == cached.reply("", True)
+    node.publish(steps=9)
+    assert cached.reply_now("", False) == first  # a newer sample waits for the gap
+    gap_later(cached)
+    assert cached.reply_now("", False) is None  # then a worker renders it
+    assert cached.renders == 1
+    latest = cached.reply("", False)
+    assert b'rank="0"} 9.0' in latest.body and cached.renders == 2
+    with cached._lock:  # a render under way: the loop serves the last one meanwhile, without waiting
+        assert cached.reply_now("", False) == latest
+
+
+def test_reply_now_declines_a_render_of_a_failed_read(node, monkeypatch):
+    cached = node.cached
+    monkeypatch.setattr(node.exp.rank_view, "read", lambda now, mono: (_ for _ in ()).throw(OSError("gone")))
     cached.reply("", False)
-    assert cached._render is not None and cached._render.snapshots == [1]
-    runner.poll_once()
-    cached.reply("", False)
-    assert cached._render.snapshots == [2] and cached._render.snapshots[0] is runner.snapshot
-    refresher = Refresher(cached)
-    runner.poll_once()
-    assert refresher.step() and cached._render.snapshots == [3]
-
-
-# --- the refresher, stepped on a fake clock ---
-
-
-class FakeTime:
-    """The cache module's ``time``: monotonic and thread (CPU) time stepped by the test."""
-
-    def __init__(self) -> None:
-        self.mono = 1000.0
-        self.cpu = 10.0
-        self.cpu_per_call = 0.0
-
-    def monotonic(self) -> float:
-        return self.mono
-
-    def thread_time(self) -> float:
-        t = self.cpu
-        self.cpu += self.cpu_per_call
-        return t
-
-
-@pytest.fixture
-def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
-    t = FakeTime()
-    monkeypatch.setattr(exposition_cache, "time", t)
-    return t
-
-
-def test_a_refresh_without_a_render_does_nothing_however_recent_the_scrape(node, fake_time):
-    fake_time.mono = 10.0  # ten seconds after boot: not idle either
-    assert not node.cached.refresh() and node.cached.renders == 0
-
-
-def test_the_refresher_rests_after_exactly_idle_s_without_a_scrape(node, fake_time):
-    cached = node.cached
-    refresher = Refresher(cached)
-    cached.reply("", False)  # at 1000
-    node.publish(steps=4)
-    fake_time.mono = 1000.0 + exposition_cache.IDLE_S  # 300 s: not yet idle
-    assert refresher.step() and cached.renders == 2
-    node.publish(steps=5)
-    fake_time.mono += 0.5
-    assert not refresher.step() and cached.renders == 2
-    assert (
-        b'steps_total{job_id="",local_rank="0",rank="0"} 4.0' in cached.reply("", False).body
-    )  # the scrape is served what there is, and wakes it
-    assert refresher.step() and cached.renders == 3
-
-
-def test_reply_now_counts_as_a_scrape_for_idleness(node, fake_time):
-    cached = node.cached
-    refresher = Refresher(cached)
-    cached.reply("", False)  # at 1000
-    fake_time.mono = 1250.0
-    assert cached.reply_now("", False) is not None
-    node.publish(steps=4)
-    fake_time.mono = 1400.0  # 400 s after the last reply(), 150 s after the last reply_now()
-    assert refresher.step() and cached.renders == 2
-
-
-def test_renders_keep_to_their_share_of_a_core_exactly(node, fake_time):
-    cached = node.cached
-    refresher = Refresher(cached)
-    cached.reply("", False)  # built at 1000
-    cached.render_cost = 1.0  # at most 2% of a core: the next render 50 s after this one
-    node.publish(steps=4)
-    fake_time.mono = 1049.5
-    assert not refresher.step()
-    fake_time.mono = 1050.0
-    assert refresher.step() and cached.renders == 2
-
-
-def test_min_gap_holds_a_newer_sample_back_exactly_that_long(node, fake_time):
-    cached = node.cached
-    refresher = Refresher(cached, min_gap=2.0)
-    cached.reply("", False)  # built at 1000
-    node.publish(steps=4)
-    fake_time.mono = 1001.5
-    assert not refresher.step()
-    fake_time.mono = 1002.0
-    assert refresher.step() and cached.renders == 2
-
-
-def test_render_cost_is_the_refresh_renders_own_thread_time(node, fake_time):
-    cached = node.cached
-    refresher = Refresher(cached)
-    cached.reply("", False)
-    node.publish(steps=4)
-    fake_time.cpu_per_call = 0.25
-    assert refresher.step() and cached.render_cost == 0.25
-    node.publish(steps=5)
-    fake_time.mono += 12.0  # under 0.25 / 2%: the next waits
-    assert not refresher.step()
-    fake_time.mono += 0.5
-    assert refresher.step()
-
-
-def test_an_expired_render_is_rendered_again_whatever_the_gap_and_share(node, fake_time):
-    cached = node.cached
-    refresher = Refresher(cached, min_gap=3600.0)
-    _dead(node.spool, 5, node.clock.now)
-    cached.reply("", False)
-    cached.render_cost = 3600.0
-    assert not refresher.step()
-    node.clock.now += GRACE + 1
-    assert refresher.step() and b'rank="5"' not in cached.reply("", False).body
-
-
-def test_without_start_a_refresh_renders_any_change(node):
-    cached = node.cached
-    cached.reply("", False)
-    assert not cached.refresh()
-    node.publish(steps=4)
-    assert cached.refresh() and cached.renders == 2
-
-
-def test_a_refresh_that_finds_a_scrape_rendered_meanwhile_does_nothing(node, monkeypatch):
-    cached = node.cached
-    refresher = Refresher(cached)
-    cached.reply("", False)
-    r = cached._render
-    assert r is not None
-    other = dataclasses.replace(r)  # what a scrape rendered while the refresh waited for the lock
-
-    class ScrapeFirst:
-        def __enter__(self) -> None:
-            cached._render = other
-
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-    node.publish(steps=4)
-    monkeypatch.setattr(cached, "_build_lock", ScrapeFirst())
-    assert not refresher.step()
-    assert cached._render is other and cached.renders == 1
-
-
-def test_within_the_gap_a_refresh_lists_the_ranks_and_reads_no_header(node, monkeypatch):
-    cached = node.cached
-    refresher = Refresher(cached, min_gap=3600.0)
-    cached.reply("", False)
-    real = spool.spool_state
-    looks: list[object] = []
-    listing_fails = [False]
-
-    def spool_state(d: str, headers: bool = True) -> spool.SpoolState | None:
-        looks.append(headers)
-        return None if listing_fails[0] and not headers else real(d, headers)
-
-    monkeypatch.setattr(spool, "spool_state", spool_state)
-    assert not refresher.step() and looks == [False]
-    looks.clear()
-    listing_fails[0] = True  # which ranks live is unknown: the sources are looked at, and are the same
-    assert not refresher.step() and looks == [False, True] and cached.renders == 1
-
-
-# --- the refresher's thread ---
-
-
-@pytest.mark.parametrize(
-    ("min_gap", "look", "want"),
-    [
-        (0.0, None, 0.02),
-        (0.08, None, 0.02),
-        (0.2, None, 0.05),
-        (0.4, None, 0.1),
-        (1.0, None, 0.25),
-        (10.0, None, 0.25),
-        (10.0, 3.0, 3.0),
-        (0.0, 0.5, 0.5),
-    ],
-)
-def test_the_refresher_looks_every_quarter_gap_within_20_to_250_ms(node, monkeypatch, min_gap, look, want):
-    cached = node.cached
-    seen: list[tuple[float, str, bool]] = []
-    me = threading.current_thread
-
-    monkeypatch.setattr(cached, "_loop", lambda look: seen.append((look, me().name, me().daemon)))
-    cached.start(min_gap, look)
-    assert cached._thread is not None
-    cached._thread.join(timeout=5.0)
-    assert seen == [(want, "vramwatch-render", True)] and cached.min_gap == min_gap
-
-
-def test_stop_joins_the_refresher_for_at_most_5_s(node, monkeypatch):
-    never_started = CachedExposition(node.exp)
-    never_started.stop()  # nothing to join
-    assert not never_started.refreshing
-    cached = node.cached
-    cached.start(min_gap=0.0, look=3600.0)
-    t = cached._thread
-    assert t is not None and cached.refreshing
-    joins: list[object] = []
-    real = t.join
-    monkeypatch.setattr(t, "join", lambda timeout=None: joins.append(timeout) or real(timeout))
-    cached.stop()
-    assert joins == [5.0] and not t.is_alive() and not cached.refreshing
-
-
-def test_a_failing_background_render_is_logged_dropped_and_the_loop_goes_on(node, monkeypatch, caplog):
-    cached = node.cached
-    caplog.set_level(logging.DEBUG, logger="vramwatch")
-    cached.reply("", False)
-    calls: list[int] = []
-
-    def refresh() -> bool:
-        calls.append(1)
-        raise RuntimeError("render broke")
-
-    monkeypatch.setattr(cached, "refresh", refresh)
-    cached.start(min_gap=0.0, look=0.01)
-    deadline = time.monotonic() + 10.0
-    while len(calls) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(calls) >= 3 and cached._render is None and cached.refreshing
-    cached.stop()
-    failed = [r for r in caplog.records if r.name == "vramwatch" and "background render" in r.getMessage()]
-    assert len(failed) >= 3
-    for rec in failed:
-        assert rec.levelno == logging.DEBUG and rec.getMessage() == "vramwatch: background render failed"
-        assert rec.exc_info is not None and rec.exc_info[0] is RuntimeError
-    assert b"counter_reads 1.0" in cached.reply("", False).body and cached.renders == 2  # the scrape renders
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the test
-def test_a_refresher_that_dies_stops_the_loop_serving_without_a_render(node, monkeypatch):
-    # the scrape reads a flag, not Thread.is_alive(): the dying thread must clear it, or the loop would
-    # serve the last render for ever with nothing keeping it current
-    cached = node.cached
-    cached.reply("", False)
-    assert cached.reply_now("", False) is None  # no refresher yet: a worker answers
-
-    def refresh() -> bool:
-        raise SystemExit  # what no `except Exception` catches: the thread ends
-
-    monkeypatch.setattr(cached, "refresh", refresh)
-    cached.start(min_gap=0.0, look=0.01)
-    assert cached._thread is not None
-    cached._thread.join(timeout=10.0)
-    assert not cached._thread.is_alive() and not cached.refreshing
+    assert cached._render is not None and not cached._render.ok
     assert cached.reply_now("", False) is None
+
+
+# --- the refresher, stepped by the test ---
+
+
+def test_the_refresher_renders_nothing_before_the_first_scrape_nor_after_idle_s(node, monkeypatch):
+    mono = [1000.0]
+    monkeypatch.setattr(exposition_cache.time, "monotonic", lambda: mono[0])
+    cached = node.cached
+    assert not cached.refresh() and cached.renders == 0
+    cached.reply("", True)
+    assert not cached.refresh() and cached.renders == 1  # younger than a gap
+    mono[0] += cached.gap
+    assert cached.refresh() and cached.renders == 2
+    assert cached.reply_now("", True) is not None  # the asked format was encoded ahead: no worker needed
+    assert cached.reply_now(OM, False) is None  # one never asked was not
+    last_scrape = mono[0]
+    mono[0] = last_scrape + exposition_cache.IDLE_S
+    assert cached.refresh() and cached.renders == 3
+    mono[0] += cached.gap + 0.001
+    assert not cached.refresh() and cached.renders == 3  # nobody scraped for longer than IDLE_S: it rests
+
+
+def test_with_the_refresher_running_a_render_a_look_past_the_gap_is_served(node, monkeypatch):
+    mono = [1000.0]
+    monkeypatch.setattr(exposition_cache.time, "monotonic", lambda: mono[0])
+    cached = node.cached
+    first = cached.reply("", False)
+    monkeypatch.setattr(type(cached), "refreshing", property(lambda self: True))
+    mono[0] += cached.gap + cached.look - 0.125  # the refresher renders at its next look
+    assert cached.reply_now("", False) == first and cached.renders == 1
+    mono[0] += 0.125
+    assert cached.reply_now("", False) is None
+
+
+def test_start_runs_the_refresher_and_stop_joins_it(node):
+    cached = node.cached
+    cached.start()
+    try:
+        assert cached.refreshing
+        cached.reply("", False)
+        node.publish(steps=9)
+        wait = time.monotonic() + 10
+        while cached.renders < 2 and time.monotonic() < wait:
+            time.sleep(0.05)
+        assert cached.renders >= 2 and b'rank="0"} 9.0' in cached.reply_now("", False).body
+    finally:
+        cached.stop()
+    assert not cached.refreshing
+
+
+def test_a_refresh_builds_aside_while_the_loop_serves_the_last_render(node, monkeypatch):
+    mono = [1000.0]
+    monkeypatch.setattr(exposition_cache.time, "monotonic", lambda: mono[0])
+    monkeypatch.setattr(type(node.cached), "refreshing", property(lambda self: True))
+    cached, exp = node.cached, node.exp
+    first = cached.reply("", True)
+    mono[0] += cached.gap + 0.125  # due for the refresher, still served
+    during: list[object] = []
+    real = exp.families
+
+    def families(ctx):  # the scrape that comes while the refresher renders
+        during.append(cached.reply_now("", True))
+        return real(ctx)
+
+    monkeypatch.setattr(exp, "families", families)
+    assert cached.refresh() and during == [first]
+    assert cached.reply_now("", True) not in (None, first)  # the new render, gzip built ahead

@@ -20,13 +20,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from enum import Enum
-from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar
-
-if TYPE_CHECKING:  # the email package is about 1 MB resident: for the annotation only
-    from email.message import Message
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
-Headers: TypeAlias = "Mapping[str, str] | Message"  # a request's headers, as parsed by http.client or given by a test
+Headers = Mapping[str, str]  # a request's fields (:class:`.request.Headers` looks names up in any case)
 
 __all__ = ["Admission", "Decision", "is_scrape", "scrape_wait"]
 

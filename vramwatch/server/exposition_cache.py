@@ -1,31 +1,19 @@
-"""The /metrics bytes, rendered once per change of what they show and served from memory in between.
+"""The /metrics bytes, rendered at most once per gap and served from memory in between.
 
-What the families show changes only when a rank publishes (once per ``interval``) or a collector
-reads (once per ``nvml_interval``). A refresher thread looks for such a change every fraction of an
-interval (each rank file's record header and lock, each collector's snapshot and health: no
-decoding) and renders again when it sees one, at most once per ``min(interval, nvml_interval)``, and
-never more often than keeps its renders within ``RENDER_MAX_SHARE`` of a core; a
-scrape serves the last render and costs no read at all. Until the first scrape nothing is rendered,
-and after ``IDLE_S`` without one the refresher rests again. A render is built aside and swapped in,
-so a scrape never waits on it. Without the refresher (it is not started, or died) a scrape compares
-the sources itself and renders when they changed, once for concurrent scrapes.
+What the families show changes when a rank publishes (once per ``interval``) or a collector reads (once
+per ``nvml_interval``), so the server renders once per ``gap``, the shorter of the two, and a scrape
+serves the last render: samples at most one gap plus one interval old. While anyone scrapes (one in the
+last ``IDLE_S``), a refresher thread renders when the render is a gap old, and encodes it in each format
+scrapes asked for (Prometheus text, OpenMetrics, gzipped or not), so the server's event loop answers a
+scrape from memory (:meth:`CachedExposition.reply_now`); a scrape that finds no current render (the
+first one, one after a long pause, a format never asked for) renders on a worker thread, and concurrent
+ones share one render.
 
-Freshness: a scrape serves the newest render, at most one render gap plus one look behind the spool
-(about 1.25 s at the defaults; Prometheus scrapes every 15 s or more); for a rank that appeared or
-died, one look (0.25 s at the defaults). ``vramwatch_sample_age_seconds`` moves with the clock rather
-than with the samples: a render older than the gap is rendered again even when nothing changed, so the
-ages served are at most one render old (the contract says so). Each content type asked for is encoded
-by prometheus_client's own encoder once per render, and gzipped once per render when asked.
-
-Dead ranks: a rank's death (its lock freed) changes the sources, so it is rendered at the next look;
-its final sample then stays for ``dead_rank_grace_seconds`` without changing anything on disk, so a
-render that carries final samples expires when the first of them leaves, and is rendered again then.
-A rejected file or a failed read is counted per read of the spool, and a failed read is tried again
-at the next look.
-
-Serving: :meth:`CachedExposition.reply_now` is the part of a scrape that needs neither a render nor a
-lock (the render is current and has the asked format built), so the HTTP server's event loop answers
-such a scrape itself; anything else goes to a worker thread through :meth:`CachedExposition.reply`.
+``vramwatch_sample_age_seconds`` is as of the render: at most one gap (and one look of the refresher) old,
+as the contract says. A dead rank's final sample stays for ``dead_rank_grace_seconds``, so a render that
+carries final samples expires when the first of them leaves. A render from a failed read of the spool is
+never served again (the next scrape reads again), nor one from before the server's guard changed its
+word on the spool.
 """
 
 from __future__ import annotations
@@ -42,15 +30,15 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
-from vramwatch import spool
 from vramwatch.server.collectors import ScrapeContext
 from vramwatch.server.registry import ExporterCollector
 
 log = logging.getLogger("vramwatch")
-
 Encoder = Callable[..., bytes]
-_MAX_FORMATS = 8  # content types kept per render: the Accept header picks one, and a client may send any
-_MAX_ACCEPTS = 32  # Accept headers whose encoder is remembered (Prometheus and curl send one each)
+
+AGE_GAP = 1.0  # default gap: a render older than this is rendered again, for its ages
+IDLE_S = 300.0  # no scrape this long: the refresher rests until the next one
+_MAX_BODIES = 8  # bodies kept per render: the Accept header picks the content type, and a client may send any
 
 
 @dataclass(frozen=True)
@@ -83,10 +71,6 @@ def gzipped(body: bytes) -> bytes:
     return gzip.compress(body, compresslevel=1, mtime=0)
 
 
-def _reply(body: bytes, ctype: str, gzip_ok: bool) -> Reply:
-    return Reply(gzipped(body), ctype, "gzip") if gzip_ok else Reply(body, ctype)
-
-
 class RegistryExposition:
     """No cache: every request renders the registry (for a registry handed straight to the HTTP server)."""
 
@@ -95,248 +79,145 @@ class RegistryExposition:
 
     def reply(self, accept: str, gzip_ok: bool) -> Reply:
         encoder, ctype = choose_encoder(accept)
-        return _reply(encoder(self.registry), ctype, gzip_ok)
-
-
-@dataclass
-class _Format:
-    """One content type's bytes of a render, and their gzip form once it was asked for."""
-
-    body: bytes
-    gz: bytes | None = None  # one attribute, set whole: the event loop reads it without the render's lock
+        body = encoder(self.registry)
+        return Reply(gzipped(body), ctype, "gzip") if gzip_ok else Reply(body, ctype)
 
 
 @dataclass(eq=False)
 class _Render:
-    """One render's families and, per content type asked for so far, its bytes."""
-
     ctx: ScrapeContext
     fams: list[Metric]
-    key: tuple[object, ...] | None  # the sources it was rendered from; None: compare unequal to anything
+    ok: bool  # the spool was read: else it is never served again
+    guard: tuple[str, int]  # the guard's word on the spool it was rendered with (trouble, vanishings)
     expires: float | None  # wall time the first dead rank's final sample in it leaves (None: never)
-    snapshots: list[object]  # held, so no new snapshot can take an id() in the key
     built_at: float
-    formats: dict[str, _Format] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    _names: tuple[tuple[str, bool], ...] | None = None
-
-    @property
-    def names(self) -> tuple[tuple[str, bool], ...] | None:
-        """The rank files it was rendered from, each with whether its rank was alive (None: unknown)."""
-        if self.key is None:
-            return None
-        if self._names is None:  # a scrape compares them every time: build the tuple once
-            state: spool.SpoolState = self.key[0]  # type: ignore[assignment]
-            self._names = tuple((name, alive) for name, _, alive in state)
-        return self._names
-
-    def format(self, ctype: str, encoder: Encoder, gzip_ok: bool) -> _Format:
-        with self.lock:
-            f = self.formats.get(ctype)
-            if f is None:
-                f = _Format(encoder(_Families(self.fams)))
-                if len(self.formats) < _MAX_FORMATS:
-                    self.formats[ctype] = f
-            if gzip_ok and f.gz is None:
-                f.gz = gzipped(f.body)
-            return f
-
-    def expired(self, now: float) -> bool:
-        return self.expires is not None and now >= self.expires
-
-
-AGE_GAP = 1.0  # without a refresher, a render's ages are served at most this old
-IDLE_S = 300.0  # no scrape this long: the refresher stops rendering until the next one
-# Most of one core the refresher's renders may use: a render that takes longer than this share of
-# its gap (a large node: 64 ranks render in tens of ms) spaces the next one out instead.
-RENDER_MAX_SHARE = 0.02
+    bodies: dict[tuple[str, bool], bytes] = field(default_factory=dict)  # (content type, gzipped) -> bytes
 
 
 class CachedExposition:
-    """The server's /metrics: rendered when the spool or a collector changed, else served from memory."""
+    """The server's /metrics: rendered at most once a gap, served from memory in between."""
 
-    def __init__(self, exporter: ExporterCollector, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, exporter: ExporterCollector, gap: float = AGE_GAP, clock: Callable[[], float] = time.time):
         self.exporter = exporter
+        self.gap = gap
+        self.look = min(0.25, max(0.02, gap / 4))  # how often the refresher looks at the render's age
         self._clock = clock
-        self._build_lock = threading.Lock()  # one render at a time
+        self._lock = threading.Lock()  # one render at a time: concurrent scrapes share it
         self._render: _Render | None = None
-        self._asked: dict[str, tuple[Encoder, bool]] = {}  # content type -> encoder, gzip wanted
-        self._scraped_at = 0.0
+        self._asked: dict[tuple[str, bool], Encoder] = {}  # the formats scrapes asked for: encoded ahead
+        self._scraped_at = -IDLE_S  # monotonic time of the last scrape
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # the refresher runs: a flag its thread clears on the way out, so that a scrape asks no lock
-        # (Thread.is_alive() takes one: a cold scrape's microseconds on the loop)
-        self._refreshing = False
-        self.min_gap = 0.0
-        self.render_cost = 0.0  # CPU seconds of the refresher's last render (its thread's clock)
-        self.renders = 0  # how many times the families were rendered (tests and benchmarks read it)
-        self._encoders: dict[str, tuple[Encoder, str]] = {}  # Accept header -> choose_encoder's answer
+        self.renders = 0  # how many times the families were rendered (tests read it)
 
-    # --- the refresher ---
-    def start(self, min_gap: float, look: float | None = None) -> None:
-        """Render on change from a thread, at most once per ``min_gap`` s, looking every ``look`` s
-        (default: a quarter of the gap, within 0.02-0.25 s)."""
-        self.min_gap = min_gap
-        look = min(0.25, max(0.02, min_gap / 4)) if look is None else look
-        self._thread = threading.Thread(target=self._loop, args=(look,), name="vramwatch-render", daemon=True)
-        self._refreshing = True
-        try:
-            self._thread.start()
-        except BaseException:
-            self._refreshing = False
-            raise
+    # --- the refresher: renders before a scrape needs it, while anyone scrapes ---
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="vramwatch-render", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 
-    def _loop(self, look: float) -> None:
-        try:
-            while not self._stop.wait(look):
-                try:
-                    self.refresh()
-                except Exception:
-                    # the next scrape renders for itself, and answers 500 if that fails too
-                    log.debug("vramwatch: background render failed", exc_info=True)
-                    self._render = None
-        finally:
-            self._refreshing = False
-
-    def refresh(self) -> bool:
-        """Render again if the sources changed since the last render; whether it did.
-
-        Within ``min_gap`` of the last render only which ranks live is looked at (a directory listing
-        and a lock probe per rank, no record read): a rank that appeared or died is rendered at this
-        look, a newer sample at the first look after the gap."""
-        r = self._render
-        if r is None or time.monotonic() - self._scraped_at > IDLE_S:
-            return False  # nobody scrapes: nothing to keep fresh
-        expired = r.expired(self._clock())  # once per dead rank: never waits
-        if not expired:
-            since = time.monotonic() - r.built_at
-            if since < self.render_cost / RENDER_MAX_SHARE:
-                return False  # a birth or death waits too: renders stay within their share of a core
-            if since < self.min_gap and (r.names is None or self._names() == r.names):
-                return False
-        with self._build_lock:
-            if self._render is not r:
-                return False  # a scrape rendered meanwhile
-            snapshots = self._snapshots()
-            key = self._sources(snapshots)
-            if key is not None and key == r.key and not expired and time.monotonic() - r.built_at < self.age_gap:
-                return False  # unchanged, and its ages are younger than a gap
-            t0 = time.thread_time()
-            new = self._build(snapshots, key)
-            for ctype, (encoder, gzip_ok) in list(self._asked.items()):
-                new.format(ctype, encoder, gzip_ok)  # ready before the next scrape asks
-            self._render = new
-            self.render_cost = time.thread_time() - t0
-            return True
-
-    @property
-    def age_gap(self) -> float:
-        """An unchanged render older than this is rendered again, for its ages (the gap; AGE_GAP without one)."""
-        return self.min_gap or AGE_GAP
-
     @property
     def refreshing(self) -> bool:
-        return self._refreshing
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.look):
+            try:
+                self.refresh()
+            except Exception:  # the next scrape renders for itself, and answers 500 if that fails too
+                log.debug("vramwatch: background render failed", exc_info=True)
+
+    def refresh(self) -> bool:
+        """Render (and encode each format asked for) if the render is a gap old and someone scraped in the
+        last ``IDLE_S``; whether it did. Nothing is rendered before the first scrape."""
+        if time.monotonic() - self._scraped_at > IDLE_S:
+            return False
+        with self._lock:
+            r = self._render
+            if r is not None and not self._stale(r, 0.0):
+                return False
+            r = self._build()
+            for (ctype, gzip_ok), encoder in list(self._asked.items()):
+                self._body(r, ctype, gzip_ok, encoder)
+            self._render = r  # swapped in whole: the loop serves the last one meanwhile
+            return True
 
     # --- renders ---
-    def _snapshots(self) -> list[object]:
-        return [c.snapshot for c in self.exporter.collectors]
-
-    def _sources(self, snapshots: list[object]) -> tuple[object, ...] | None:
-        """What the families depend on besides the clock; None when only a read will do."""
-        state = spool.spool_state(self.exporter.spool_dir)
-        if state is None:
-            return None
-        health = tuple((c.health.up, c.health.errors, c.health.duration) for c in self.exporter.collectors)
-        # the spool's `up` and errors follow the guard, which the server hands over after the guard's check: a
-        # render between the two has the new directory and the old trouble, and a spool made again (empty,
-        # as before) reads as the old one
-        guard = (self.exporter.spool_trouble, self.exporter.spool_vanished)
-        return state, tuple(map(id, snapshots)), health, guard
-
-    def _build(self, snapshots: list[object], key: tuple[object, ...] | None) -> _Render:
-        # the snapshots and the spool were looked at before the read: whatever changes in between
-        # only makes the next look render again
-        ctx = self.exporter.context()
-        fams = list(self.exporter.families(ctx))
+    def _stale(self, r: _Render, slack: float) -> bool:
         exp = self.exporter
-        self.renders += 1
-        return _Render(
-            ctx,
-            fams,
-            key if exp.last_read_ok else None,
-            exp.last_read_expires,
-            snapshots,
-            time.monotonic(),
+        # the spool's `up` and errors follow the guard, which hands them over after its check: a spool made
+        # again (empty, as before) shows its trouble's end and its count at once
+        return (
+            not r.ok
+            or r.guard != (exp.spool_trouble, exp.spool_vanished)
+            or time.monotonic() - r.built_at >= self.gap + slack
+            or (r.expires is not None and self._clock() >= r.expires)
         )
 
+    def _build(self) -> _Render:
+        exp = self.exporter
+        guard = (exp.spool_trouble, exp.spool_vanished)
+        ctx = exp.context()
+        fams = list(exp.families(ctx))
+        self.renders += 1
+        return _Render(ctx, fams, exp.last_read_ok, guard, exp.last_read_expires, time.monotonic())
+
     def current(self) -> _Render:
-        """The render a scrape serves now, rendering one if none will do."""
+        """The render a scrape serves now, rendered again if it is a gap old or stale."""
+        with self._lock:
+            r = self._current(render=True)
+            assert r is not None
+            return r
+
+    def _current(self, render: bool) -> _Render | None:
         self._scraped_at = time.monotonic()
         r = self._render
-        if r is not None and r.key is not None and self.refreshing and not r.expired(self._clock()):
-            # the refresher keeps it current: a newer sample, a rank that appeared or died, comes with
-            # its next look (the scrape itself touches no file)
-            return self._serve(r)
-        with self._build_lock:  # concurrent scrapes wait for one render instead of each doing its own
-            r = self._render
-            snapshots = self._snapshots()
-            key = self._sources(snapshots)
-            stale = r is not None and time.monotonic() - r.built_at >= self.age_gap  # its ages too old
-            if r is None or r.expired(self._clock()) or key is None or key != r.key or stale:
-                r = self._render = self._build(snapshots, key)
-        return self._serve(r)
-
-    def _names(self) -> tuple[tuple[str, bool], ...] | None:
-        state = spool.spool_state(self.exporter.spool_dir, headers=False)
-        return None if state is None else tuple((name, alive) for name, _, alive in state)
-
-    def _serve(self, r: _Render) -> _Render:
-        self.exporter.mark_served(r.ctx)
+        # while the refresher runs, it renders at its next look: a render up to one look past the gap will do
+        if r is None or self._stale(r, self.look if self.refreshing else 0.0):
+            if not render:
+                return None
+            r = self._render = self._build()
+        else:
+            self.exporter.mark_served(r.ctx)
         return r
 
-    def _encoder(self, accept: str) -> tuple[Encoder, str]:
-        """``choose_encoder``, remembered for the few Accept headers a node's scrapers send."""
-        hit = self._encoders.get(accept)
-        if hit is None:
-            hit = choose_encoder(accept)
-            if len(self._encoders) < _MAX_ACCEPTS:  # the header is the client's: never an unbounded table
-                self._encoders[accept] = hit
-        return hit
+    @staticmethod
+    def _body(r: _Render, ctype: str, gzip_ok: bool, encoder: Encoder) -> bytes:
+        """The render's bytes in one format, encoded (and gzipped) once per render, whoever asks first."""
+        body = r.bodies.get((ctype, gzip_ok))
+        if body is None:
+            body = r.bodies.get((ctype, False))
+            if body is None:
+                body = encoder(_Families(r.fams))
+                if len(r.bodies) < _MAX_BODIES:
+                    r.bodies[(ctype, False)] = body
+            if gzip_ok:
+                body = gzipped(body)
+                if len(r.bodies) < _MAX_BODIES:
+                    r.bodies[(ctype, True)] = body
+        return body
 
     def reply(self, accept: str, gzip_ok: bool) -> Reply:
-        encoder, ctype = self._encoder(accept)
-        if ctype not in self._asked and len(self._asked) < _MAX_FORMATS:
-            self._asked[ctype] = (encoder, gzip_ok)
-        elif gzip_ok and ctype in self._asked and not self._asked[ctype][1]:
-            self._asked[ctype] = (encoder, True)
-        f = self.current().format(ctype, encoder, gzip_ok)
-        return Reply(f.gz, ctype, "gzip") if gzip_ok and f.gz is not None else Reply(f.body, ctype)
+        encoder, ctype = choose_encoder(accept)
+        with self._lock:
+            if (ctype, gzip_ok) not in self._asked and len(self._asked) < _MAX_BODIES:
+                self._asked[(ctype, gzip_ok)] = encoder
+            r = self._current(render=True)
+            assert r is not None
+            body = self._body(r, ctype, gzip_ok, encoder)
+        return Reply(body, ctype, "gzip") if gzip_ok else Reply(body, ctype)
 
     def reply_now(self, accept: str, gzip_ok: bool) -> Reply | None:
-        """The answer :meth:`reply` would give, if it needs no render and no lock; else None.
-
-        For the server's event loop: it serves a scrape without handing it to a worker when the
-        refresher keeps the render current and this format (and its gzip form, if asked) is built.
-        The checks are :meth:`current`'s fast path, and none touches a file (a listing and a lock probe
-        per rank cost a scrape 9 us at 1 rank, 37 us at 8, 262 us at 64 on the CPU machine, and each
-        system call gave the GIL to whatever thread wanted it); anything else (no render yet, a failed
-        read, a format never asked for, no refresher) is left to :meth:`reply` on a worker.
-        """
-        r = self._render
-        if r is None or not self._refreshing or r.expired(self._clock()):
+        """:meth:`reply`'s answer if it needs no render and no encoding, else None: for the server's event loop,
+        which hands only the scrapes that need one to a worker thread (a thread costs more than the answer), and
+        never waits for a render under way."""
+        ctype = choose_encoder(accept)[1]
+        r = self._render  # no lock: a render under way is swapped in whole when done
+        body = None if r is None else r.bodies.get((ctype, gzip_ok))
+        if body is None or self._current(render=False) is not r:
             return None
-        _, ctype = self._encoder(accept)
-        f = r.formats.get(ctype)
-        if f is None or (gzip_ok and f.gz is None):
-            return None
-        if r.key is None:
-            return None  # the last read failed: a worker reads again
-        self._scraped_at = time.monotonic()
-        self._serve(r)
-        return Reply(f.gz, ctype, "gzip") if gzip_ok and f.gz is not None else Reply(f.body, ctype)
+        return Reply(body, ctype, "gzip") if gzip_ok else Reply(body, ctype)

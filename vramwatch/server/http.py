@@ -122,7 +122,6 @@ class ExporterHTTPServer:
         self._auth_waiting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
-        self._date_at, self._date_text = 0, ""  # the Date field, formatted once a second
         self._shutdown = threading.Event()
         self._stopped = threading.Event()
         self._stopped.set()
@@ -436,17 +435,11 @@ class ExporterHTTPServer:
             self._busy("no thread could be started")
         return fut
 
-    def _date(self) -> str:
-        now = int(time.time())
-        if now != self._date_at:
-            self._date_at, self._date_text = now, email.utils.formatdate(now, usegmt=True)
-        return self._date_text
-
     def _response(
         self, code: int, body: bytes, ctype: str, req: Request, served: Served, extra: dict[str, str] | None = None
     ) -> bytes:
         version = "HTTP/1.1" if req.keep_alive else "HTTP/1.0"
-        fields = {"Server": "vramwatch", "Date": self._date(), "Content-Type": ctype}
+        fields = {"Server": "vramwatch", "Date": email.utils.formatdate(usegmt=True), "Content-Type": ctype}
         fields |= {"Content-Length": str(len(body)), **(extra or {}), **served.headers}
         head = f"{version} {code} {_REASONS[code]}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
         return head.encode("latin-1") + b"\r\n" + (b"" if req.method == "HEAD" else body)

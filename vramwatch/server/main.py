@@ -72,7 +72,8 @@ class Server:
             web_config = load_web_config(self.settings.web_config_file)  # read again on use
         self.collectors = enabled_collectors(self.settings)
         self.exporter = ExporterCollector(self.settings, self.spool_dir, self.collectors, self.mode)
-        self.exposition = CachedExposition(self.exporter)
+        # nothing shown changes faster than a rank publishes or a collector reads: the ages' gap
+        self.exposition = CachedExposition(self.exporter, gap=min(self.settings.interval, self.settings.nvml_interval))
         try:
             self.http = ExporterHTTPServer(
                 (self.settings.host, self.settings.port),
@@ -92,8 +93,7 @@ class Server:
             raise StartupError(why) from None
         for c in self.collectors:
             c.start()
-        # nothing shown changes faster than a rank publishes or a collector reads
-        self.exposition.start(min_gap=min(self.settings.interval, self.settings.nvml_interval))
+        self.exposition.start()
         try:
             self.guard.write_info(self._server_info())
         except OSError as e:

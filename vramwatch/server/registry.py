@@ -1,4 +1,4 @@
-"""The server's one prometheus_client collector: reads the spool, asks each collector (cached: exposition_cache)."""
+"""The server's one prometheus_client collector: reads the spool, asks each collector (rendered by exposition_cache)."""
 
 from __future__ import annotations
 
@@ -77,17 +77,10 @@ class ExporterCollector:
         return self.families(self.context())
 
     def families(self, ctx: ScrapeContext) -> Iterable[Metric]:
-        age: list[Metric] = []
-        for f in ranks.families(ctx, self._rank_failed):
-            if f.name == ranks.AGE_FAMILY:
-                age.append(f)
-            else:
-                yield f
+        yield from ranks.families(ctx, self._rank_failed)
         for c in self.collectors:
             yield from c.collect(ctx)  # a bad snapshot drops its families, never the scrape
         yield from self._self_health(ctx)
-        # last: the one family that moves with the clock, not with the samples
-        yield from age
 
     def _rank_failed(self, s: spool.RankSample, e: Exception) -> None:
         self.spool_health.failed(
