@@ -10,7 +10,6 @@ version (:mod:`.codec`), and the server's NVML readings file the ranks' status l
 
 from __future__ import annotations
 
-from vramwatch.spool.changes import SpoolState, spool_state
 from vramwatch.spool.codec import SampleRejected, decode_sample, encode_sample
 from vramwatch.spool.files import (
     SERVER_INFO,
@@ -71,7 +70,6 @@ __all__ = [
     "SpoolRead",
     "SpoolReader",
     "SampleRejected",
-    "SpoolState",
     "TrainingState",
     "any_rank_files",
     "decode_sample",
@@ -84,7 +82,6 @@ __all__ = [
     "read_samples",
     "read_spool",
     "server_running",
-    "spool_state",
     "write_node_readings",
     "write_server_info",
 ]
