@@ -49,7 +49,6 @@ def process_id(instance: int) -> int:
 
 _MAGIC = b"VWS1"
 _HEADER = struct.Struct("<4sII")  # magic, payload length, CRC32 of the payload
-HEADER_SIZE = _HEADER.size
 
 
 def rank_stem(rank: int, pid: int, job_id: str = "") -> str:
