@@ -25,8 +25,8 @@ if [ "$stage" = bench ]; then
   timeout 110 $PY benchmarks/rss_floor.py --repeats 1 --settle 3 --out $O/rss_floor.json > $O/rss_floor.log 2>&1; echo "rss rc=$?"; tail -n 14 $O/rss_floor.log
 else
   say "direct cost"
-  BUDGET=${BUDGET:-280} OUT=$O bash benchmarks/run_gpu.sh --full direct > $O/direct.log 2>&1; echo "direct rc=$?"; tail -n 25 $O/direct.log
+  BUDGET=${BUDGET:-240} OUT=$O bash benchmarks/run_gpu.sh --full direct > $O/direct.log 2>&1; echo "direct rc=$?"; tail -n 25 $O/direct.log
   say "GPU tests"
-  timeout 300 $PY -m pytest -m gpu tests/gpu -q -rfEs -p no:cacheprovider > $O/pytest-gpu.txt 2>&1; echo "pytest rc=$?"; tail -n 8 $O/pytest-gpu.txt
+  timeout 240 $PY -m pytest -m gpu tests/gpu -q -rfEs -p no:cacheprovider > $O/pytest-gpu.txt 2>&1; echo "pytest rc=$?"; tail -n 8 $O/pytest-gpu.txt
 fi
 say done
