@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +136,7 @@ RECORD_SOURCES = {
     promql.STALL_MEAN_RECORD: "vramwatch_training_step_duration_seconds_count",
     **{r: "vramwatch_training_step_duration_seconds_count" for r in promql.STEP_QUANTILE_RECORDS.values()},
     promql.LEAK_PROJECTION_RECORD: "torch_cuda_memory_step_peak_allocated_bytes",
+    promql.PEAK_FLOPS_RECORD: "torch_cuda_memory_allocated_bytes",
     promql.MEMORY_RATIO_RECORD: "gpu_memory_used_bytes",
 }
 INSTANT_RECORDS = (
@@ -250,10 +251,12 @@ class Fleet:
     records_until: float = math.inf  # the recorded series' history ends here (the rules record after it)
 
     @classmethod
-    def build(cls, series: list[Series], nodes: int, per_job: int, records_until: float = math.inf) -> Fleet:
+    def build(
+        cls, series: list[Series], nodes: int, per_job: int, records_until: float = math.inf, up: bool = True
+    ) -> Fleet:
         local = 1 + max((int(s.labels["local_rank"]) for s in series if s.labels.get("local_rank")), default=0)
-        raw = [s for s in series if s.kind != "record"]
-        ordered = [*raw, Series("up", {}, 1.0, "const"), *(s for s in series if s.kind == "record")]
+        raw = [s for s in series if s.kind != "record"] + ([Series("up", {}, 1.0, "const")] if up else [])
+        ordered = [*raw, *(s for s in series if s.kind == "record")]
         prefixes = [[line_prefix(s.name, relabel(s.labels, i, per_job, local)) for s in ordered] for i in range(nodes)]
         steps = [_counter_step(s, series) for s in ordered]
         return cls(prefixes, [s.value for s in ordered], steps, [s.kind for s in ordered], records_until)
@@ -629,16 +632,17 @@ class History:
     end: float
     until: float
     nodes: int = 0
-    series_per_node: int = 0
+    live_per_node: int = 0  # the scraped series of a node (and up)
+    records: list[str] = field(default_factory=list)  # the recorded series backfilled so far
 
     @classmethod
-    def open(cls, work: Path, args: argparse.Namespace, series_per_node: int) -> History:
+    def open(cls, work: Path, args: argparse.Namespace, live_per_node: int) -> History:
         state = work / "state.json"
         if state.exists():
             h = cls(tsdb=work / "tsdb", **json.loads(state.read_text()))
-            if h.series_per_node != series_per_node:
+            if h.live_per_node != live_per_node:
                 raise SystemExit(
-                    f"fleet: {work} holds nodes of {h.series_per_node} series, this template has {series_per_node}: "
+                    f"fleet: {work} holds nodes of {h.live_per_node} series, this template has {live_per_node}: "
                     "use a fresh --work"
                 )
             progress(f"fleet: {work} holds {h.nodes} nodes already, up to {time.ctime(h.until)}")
@@ -649,14 +653,15 @@ class History:
             start=now - args.history_hours * 3600,
             end=now,
             until=now + args.ahead_minutes * 60,
-            series_per_node=series_per_node,
+            live_per_node=live_per_node,
+            records=sorted(RECORD_SOURCES),
         )
         h.tsdb.mkdir(parents=True, exist_ok=True)
         h.save(work)
         return h
 
     def save(self, work: Path) -> None:
-        keys = ("start", "end", "until", "nodes", "series_per_node")
+        keys = ("start", "end", "until", "nodes", "live_per_node", "records")
         (work / "state.json").write_text(json.dumps({k: getattr(self, k) for k in keys}))
 
 
@@ -664,6 +669,14 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
     if nodes < hist.nodes:
         raise SystemExit(f"fleet: the TSDB in --work holds {hist.nodes} nodes; it measures {hist.nodes} or more")
     fleet = Fleet.build(series, nodes, args.nodes_per_job, records_until=hist.end)
+    missing = sorted(set(RECORD_SOURCES) - set(hist.records))
+    if missing and hist.nodes:  # records the rules gained since: their history for the nodes already there
+        progress(f"fleet: backfilling the records the TSDB lacks: {', '.join(missing)}")
+        records = [s for s in series if s.name in missing]
+        only = Fleet.build(records, hist.nodes, args.nodes_per_job, records_until=hist.end, up=False)
+        backfill(only, range(hist.nodes), hist.start, hist.end, hist.tsdb, work, args.file_gb * 1e9, args.jobs)
+    hist.records = sorted(RECORD_SOURCES)
+    hist.save(work)
     fill = None
     if hist.nodes < nodes:
         fill = backfill(
@@ -750,8 +763,8 @@ def judged(key: str, name: str) -> bool:
 def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES, per_job: int = 16) -> dict[str, Any]:
     """Per rule group and panel: seconds at each measured size, and at ``target`` (measured or from the line).
 
-    A panel with one job chosen reads that job's nodes only: at a size not measured it is the median of the
-    sizes that held a whole job (``per_job`` nodes or more), not a line through the fleet's sizes."""
+    A panel with one job chosen is extrapolated along its line too: the rank families narrow to the job and
+    stay flat, but the GPU families carry no job label, so their panels read every GPU of the fleet."""
     measured = {s["nodes"]: s for s in sizes}
     xs = sorted(measured)
     out: dict[str, Any] = {
@@ -767,11 +780,8 @@ def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES, per_job: in
         rows = {}
         for name in names:
             pts = [(x, get(measured[x], name)) for x in xs if get(measured[x], name) is not None]
-            whole_jobs = [y for x, y in pts if x >= per_job]
             if target in measured:
                 at = get(measured[target], name)
-            elif key == "panels_job" and whole_jobs:
-                at = statistics.median(whole_jobs)  # one job chosen: the same 16 nodes at any larger size
             else:
                 line = fit([float(x) for x, _ in pts], [y for _, y in pts], target)
                 # a cost does not fall as the fleet grows: a line tilted down by noise gives the largest size's
@@ -891,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
         "dashboards": [str(p.relative_to(ROOT)) for p in sorted(DASHBOARDS.glob("*.json"))],
         "measurements": [],
     }
-    hist = History.open(work, args, len(series) + 1)
+    hist = History.open(work, args, sum(1 for s in series if s.kind != "record") + 1)
     try:
         for n in sizes:
             progress(f"fleet: --- {n} nodes ---")

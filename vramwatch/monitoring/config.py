@@ -384,8 +384,9 @@ class MonitoringConfig:
     )
     gpu_peak_flops: tuple[tuple[str, float], ...] = setting(
         peaks.DENSE_BF16,
-        "Peak dense BF16 FLOP/s by GPU name (a regex on gpu_info's name, the first match wins): the MFU "
-        "panel divides the model's FLOP/s by it. The defaults are half of NVIDIA's datasheet BF16 figures, "
+        "Peak dense BF16 FLOP/s by GPU name (a regex on gpu_info's name, the first match wins): the rules "
+        "record each rank's peak from it, and the MFU panel divides the model's FLOP/s by that. The "
+        "defaults are half of NVIDIA's datasheet BF16 figures, "
         "which are printed with 2:4 sparsity (A100, H100 SXM/PCIe/NVL, H200 SXM/NVL; sources in "
         "vramwatch/monitoring/peaks.py). A mapping in YAML (or a list of one-entry mappings, the Helm chart's "
         "form: Helm does not keep a mapping's order); set your own for another GPU or precision.",

@@ -140,6 +140,8 @@ BUSY_STALL_RECORD = "vramwatch:training_busy_stall:age_seconds"
 OWN_MEAN_RECORD = "vramwatch:training_own_seconds_per_step:mean"
 OWN_SKEW_RECORD = "vramwatch:training_own_seconds_per_step:skew_ratio"
 INPUT_WAIT_SKEW_RECORD = "vramwatch:training_data_wait_seconds_per_step:skew_ratio"
+# panels group: per rank, the peak dense BF16 FLOP/s of the GPU(s) it allocates on (the MFU panel's divisor)
+PEAK_FLOPS_RECORD = "vramwatch:gpu_peak_flops:per_rank"
 # allocator group: per rank, the step peak extrapolated over leak_window to leak_horizon_hours ahead
 LEAK_PROJECTION_RECORD = "vramwatch:torch_cuda_memory_step_peak_allocated_bytes:predict_linear"
 # health group: per GPU and Xid, the events of the last xid_window (only where there were any)
@@ -157,6 +159,7 @@ RECORDS = (
     OWN_SKEW_RECORD,
     INPUT_WAIT_SKEW_RECORD,
     *STEP_QUANTILE_RECORDS.values(),
+    PEAK_FLOPS_RECORD,
     LEAK_PROJECTION_RECORD,
     XID_EVENTS_RECORD,
     GPU_JOB_RECORD,

@@ -12,7 +12,6 @@ from typing import TypeVar
 
 from vramwatch.monitoring import contract, promql
 from vramwatch.monitoring.config import MonitoringConfig
-from vramwatch.monitoring.promql import num
 
 with warnings.catch_warnings():
     # the classic (v1) dashboard model and builder warn "Prefer using dashboardv2" from their class
@@ -479,21 +478,12 @@ def tokens_per_gpu(s: Scope) -> str:
     return f"sum by (job, instance, uuid) ({tokens} * on({_ON_RANK}) group_right() ({alloc} * 0 + 1))"
 
 
-def gpu_peak_flops(cfg: MonitoringConfig, s: Scope) -> str:
-    """Per GPU: its peak FLOP/s from ``cfg.gpu_peak_flops`` (the first pattern its name matches)."""
-    info = m("gpu_info")
-    node = s.gpu[1:-1]
-    prefix = node + ", " if node else ""
-    return " or ".join(f'({info}{{{prefix}name=~"{p}"}} * 0 + {num(f)})' for p, f in cfg.gpu_peak_flops)
-
-
-def rank_mfu(cfg: MonitoringConfig, s: Scope) -> str:
-    """Per rank: tokens/s x the model's FLOPs per token / the peak of the GPUs the rank uses."""
+def rank_mfu(s: Scope) -> str:
+    """Per rank: tokens/s x the model's FLOPs per token / the peak of the GPUs the rank uses (recorded by
+    the rules: the GPU families carry no job, so computing it here read every GPU of the fleet)."""
     tokens = f"rate({m('vramwatch_training_tokens_total')}{s.rank}[$__rate_interval])"
     fpt = f"{m('vramwatch_model_flops_per_token')}{s.rank}"
-    alloc = f"{m('torch_cuda_memory_allocated_bytes')}{s.device}"
-    peak = f"sum by ({_ON_RANK}) (({gpu_peak_flops(cfg, s)}) * on(job, instance, uuid) group_right() ({alloc} * 0 + 1))"
-    return f"{tokens} * on({_ON_RANK}) {fpt}\n/ on({_ON_RANK}) {peak}"
+    return f"{tokens} * on({_ON_RANK}) {fpt}\n/ on({_ON_RANK}) {promql.PEAK_FLOPS_RECORD}{s.rank}"
 
 
 def step_skew(cfg: MonitoringConfig, s: Scope) -> str:

@@ -13,7 +13,6 @@ from vramwatch.monitoring.dashboards.common import (
     m,
     memory_limits,
     memory_pressure,
-    num,
     q,
     qt,
     stall_bound,
@@ -24,6 +23,7 @@ from vramwatch.monitoring.dashboards.common import (
     units,
     xid_annotation,
 )
+from vramwatch.monitoring.promql import num
 
 UID = dashboard_ids.FLEET_UID
 TITLE = "vramwatch / Fleet overview"

@@ -9,7 +9,6 @@ from vramwatch.monitoring.dashboards.common import (
     base_dashboard,
     dashboard,
     m,
-    num,
     q,
     qt,
     right_axis,
@@ -20,6 +19,7 @@ from vramwatch.monitoring.dashboards.common import (
     units,
     xid_annotation,
 )
+from vramwatch.monitoring.promql import num
 
 UID = dashboard_ids.GPU_HEALTH_UID
 TITLE = "vramwatch / GPU health"

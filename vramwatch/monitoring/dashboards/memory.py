@@ -14,7 +14,6 @@ from vramwatch.monitoring.dashboards.common import (
     mean_step_seconds,
     memory_limits,
     memory_pressure,
-    num,
     q,
     qt,
     rank_mfu,
@@ -28,6 +27,7 @@ from vramwatch.monitoring.dashboards.common import (
     units,
 )
 from vramwatch.monitoring.dashboards.health import bound_panel
+from vramwatch.monitoring.promql import num
 
 UID = dashboard_ids.TRAINING_MEMORY_UID
 TITLE = "vramwatch / Training memory"
@@ -277,7 +277,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             "dense BF16 FLOP/s of the rank's GPUs (MonitoringConfig.gpu_peak_flops, from NVIDIA's datasheets). "
             "Empty when the job declares no FLOPs per token or the GPU is not in the table.",
             units.PercentUnit,
-            [q(rank_mfu(cfg, s), RANK)],
+            [q(rank_mfu(s), RANK)],
         )
     )
     d = d.with_panel(
