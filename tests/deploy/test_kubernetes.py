@@ -385,7 +385,7 @@ def test_every_monitoring_config_key_reaches_the_kustomize_overlay(tmp_path, crd
     import json as json_
 
     pytest.importorskip("grafana_foundation_sdk")
-    from vramwatch.monitoring import config_file
+    from vramwatch.monitoring import config_file, promql
     from vramwatch.monitoring.alerts.render import rule_file
     from vramwatch.monitoring.config import DEFAULT
     from vramwatch.monitoring.dashboards import build_all
@@ -436,4 +436,7 @@ def test_every_monitoring_config_key_reaches_the_kustomize_overlay(tmp_path, crd
     assert memory["tags"] == ["gpu", "team-ml"]
     assert any(v.get("name") == "node" and "host" in json_.dumps(v) for v in memory["templating"]["list"])
     exprs = [t.get("expr", "") for p in memory["panels"] for t in p.get("targets", [])]
-    assert any('name=~"NVIDIA L4"' in e and "121000000000000" in e for e in exprs), "gpu_peak_flops"
+    assert any(promql.PEAK_FLOPS_RECORD in e for e in exprs), "the MFU panel reads the rules' record"
+    records = {r["record"]: r["expr"] for g in rule_file(cfg)["groups"] for r in g["rules"] if "record" in r}
+    peak = records[promql.PEAK_FLOPS_RECORD]
+    assert 'name=~"NVIDIA L4"' in peak and "121000000000000" in peak, "gpu_peak_flops"

@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vramwatch.monitoring.alerts.render import dump
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig
 from vramwatch.monitoring.dashboards import build_all
 from vramwatch.monitoring.dashboards.common import JSONEncoder
+from vramwatch.monitoring.yaml_text import dump
 
 if TYPE_CHECKING:
     from grafana_foundation_sdk.models.dashboard import Dashboard
