@@ -195,18 +195,18 @@ class Prometheus(Server):
         super().start(timeout)
         return self
 
-    def _api(self, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
-        code, body = http_get(f"{self.url}/api/v1/{path}?" + urllib.parse.urlencode(params))
+    def _api(self, path: str, params: dict[str, str], timeout: float = 5.0) -> list[dict[str, Any]]:
+        code, body = http_get(f"{self.url}/api/v1/{path}?" + urllib.parse.urlencode(params), timeout)
         data = json.loads(body)
         if data.get("status") != "success":
             raise AssertionError(f"{path} {params['query']!r} failed: {data}")
         return data["data"]["result"]
 
-    def query(self, expr: str, time_: float | None = None) -> list[dict[str, Any]]:
+    def query(self, expr: str, time_: float | None = None, timeout: float = 5.0) -> list[dict[str, Any]]:
         params = {"query": expr}
         if time_ is not None:
             params["time"] = str(time_)
-        return self._api("query", params)
+        return self._api("query", params, timeout)
 
     def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict[str, Any]]:
         return self._api("query_range", {"query": expr, "start": str(start), "end": str(end), "step": str(step)})

@@ -199,8 +199,8 @@ def test_a_larger_size_adds_its_nodes_to_the_tsdb_that_promtool_writes(tmp_path)
     dump = subprocess.run([promtool, "tsdb", "dump", str(tsdb)], capture_output=True, text=True, check=True).stdout
     rows = [re.match(r'^\{__name__="([^"]+)", (.*)\} (\S+) (\d+)$', line) for line in dump.splitlines() if line]
     assert all(rows) and len(rows) == 2 * (40 * f.live() + 21 * (f.per_node() - f.live()))
-    instances = {re.search(r'instance="([^"]+)"', m.group(2)).group(1) for m in rows}  # type: ignore[union-attr]
+    instances = {re.search(r'instance="([^"]+)"', m.group(2)).group(1) for m in rows}
     assert instances == {"node-0000:9488", "node-0001:9488"}
-    record_ts = [int(m.group(4)) for m in rows if ":" in m.group(1)]  # type: ignore[union-attr]
+    record_ts = [int(m.group(4)) for m in rows if ":" in m.group(1)]
     assert record_ts and max(record_ts) == (start + 300) * 1000
     assert not list(tmp_path.glob("*.om")), "each file goes once promtool has read it"
