@@ -664,7 +664,8 @@ class History:
         (work / "state.json").write_text(json.dumps({k: getattr(self, k) for k in keys}))
 
 
-def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Path, hist: History) -> dict[str, Any]:
+def grow(series: list[Series], nodes: int, args: argparse.Namespace, work: Path, hist: History) -> dict | None:
+    """Backfill what the TSDB lacks for ``nodes``: the records the rules gained, then the new nodes."""
     if nodes < hist.nodes:
         raise SystemExit(f"fleet: the TSDB in --work holds {hist.nodes} nodes; it measures {hist.nodes} or more")
     fleet = Fleet.build(series, nodes, args.nodes_per_job, records_until=hist.end)
@@ -683,6 +684,33 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
         )
         hist.nodes = nodes
         hist.save(work)
+    return fill
+
+
+def compact(work: Path, hist: History, args: argparse.Namespace) -> dict[str, float]:
+    """Prometheus without rules over the TSDB until its compaction is done, so a copy starts compacted."""
+    cfg = prometheus_config([], args.evaluation_interval)
+    prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
+    try:
+        prom.start(timeout=900)
+        return wait_quiet(prom, args.quiet_seconds, args.compaction_timeout)
+    finally:
+        prom.stop()
+
+
+def keep_copy(work: Path, hist: History) -> Path:
+    """The TSDB as it is at this size, copied to ``work/sizes/N``: a later run measures each size there."""
+    kept = work / "sizes" / str(hist.nodes)
+    if kept.exists():
+        shutil.rmtree(kept)
+    shutil.copytree(hist.tsdb, kept / "tsdb")
+    hist.save(kept)
+    return kept
+
+
+def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Path, hist: History) -> dict[str, Any]:
+    fleet = Fleet.build(series, nodes, args.nodes_per_job, records_until=hist.end)
+    fill = grow(series, nodes, args, work, hist)
     rule_files = sorted(str(p) for p in RULES.glob("*.yml"))
     cfg = prometheus_config(rule_files, args.evaluation_interval)
     prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
@@ -874,6 +902,12 @@ def main(argv: list[str] | None = None) -> int:
         help="directory for the TSDB (kept: a later run with the same --work measures it again without "
         "backfilling, and adds nodes for larger sizes; default: a temporary one, removed)",
     )
+    p.add_argument(
+        "--backfill-only",
+        action="store_true",
+        help="fill the TSDB in --work for each size and keep a compacted copy of it in --work/sizes/N, measuring "
+        "nothing; a later run with the same --work measures each size from its copy",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet.json"))
     p.add_argument("--doc", action="store_true", help="write the table into docs/scale.md")
     p.add_argument("--doc-from", metavar="JSON", help="only write docs/scale.md's table from a recorded result")
@@ -900,11 +934,21 @@ def main(argv: list[str] | None = None) -> int:
         "dashboards": [str(p.relative_to(ROOT)) for p in sorted(DASHBOARDS.glob("*.json"))],
         "measurements": [],
     }
-    hist = History.open(work, args, sum(1 for s in series if s.kind != "record") + 1)
+    live = sum(1 for s in series if s.kind != "record") + 1
+    hist = History.open(work, args, live)
     try:
         for n in sizes:
             progress(f"fleet: --- {n} nodes ---")
-            result["measurements"].append(measure(series, n, args, work, hist))
+            kept = work / "sizes" / str(n)
+            if args.backfill_only:
+                grow(series, n, args, work, hist)
+                compact(work, hist, args)
+                progress(f"fleet: {n} nodes kept in {keep_copy(work, hist)}")
+                continue
+            if kept.exists():  # a size kept by --backfill-only
+                result["measurements"].append(measure(series, n, args, kept, History.open(kept, args, live)))
+            else:
+                result["measurements"].append(measure(series, n, args, work, hist))
             result["summary"] = summary(result["measurements"], per_job=args.nodes_per_job)
             common.write_json(args.out, result)
     finally:
