@@ -170,7 +170,6 @@ def test_every_metric_in_every_expr_is_in_the_contract():
         "gpu_memory_used_bytes",
         "torch_cuda_memory_limit_bytes",
         "vramwatch_training_step_duration_seconds",
-        "gpu_xid_errors_total",
         "gpu_last_xid_timestamp_seconds",
         "gpu_clock_throttle",
         "up",

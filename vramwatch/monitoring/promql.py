@@ -148,6 +148,8 @@ LEAK_PROJECTION_RECORD = "vramwatch:torch_cuda_memory_step_peak_allocated_bytes:
 XID_EVENTS_RECORD = "vramwatch:gpu_xid_errors:recent"
 # health group: per GPU, the job identity of the ranks that used it lately (incidents.gpu_jobs)
 GPU_JOB_RECORD = "vramwatch:gpu_job:newest"
+# health group: per GPU, the recovery action NVML asks for (only where it asks for one)
+RECOVERY_ACTION_RECORD = "vramwatch:gpu_recovery_action:pending"
 # memory group: per card or MIG instance, NVML used / total
 MEMORY_RATIO_RECORD = "vramwatch:gpu_memory_used_bytes:ratio"
 RECORDS = (
@@ -163,8 +165,18 @@ RECORDS = (
     LEAK_PROJECTION_RECORD,
     XID_EVENTS_RECORD,
     GPU_JOB_RECORD,
+    RECOVERY_ACTION_RECORD,
     MEMORY_RATIO_RECORD,
 )
+
+
+def events_since(last: str, window: str, since: str) -> str:
+    """Per series of a newest-event timestamp (``gpu_last_xid_timestamp_seconds``): about how many events came
+    in the last ``window``, which began at ``since`` (a PromQL scalar). The timestamp changes with each event:
+    its changes in the window, plus its oldest value there if that came inside the window. Events between
+    two scrapes count as one. It reads only the series of events that happened, where the pre-initialised
+    counters would be read for every GPU and Xid."""
+    return f"changes({last}[{window}]) + (min_over_time({last}[{window}]) > bool {since})"
 
 
 def step_mean(cfg: MonitoringConfig, series: Callable[[str], str]) -> str:

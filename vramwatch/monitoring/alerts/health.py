@@ -1,8 +1,7 @@
 """Device health: Xid events, NVML's recovery action, a lost GPU, ECC errors, remapped rows, throttling.
 
-Xid alerts read both Xid families: ``increase()`` of the counter (pre-initialised at 0, so the
-first event counts) or, for an Xid the watcher had not pre-initialised (its counter appears at 1,
-which ``increase()`` misses), the age of ``gpu_last_xid_timestamp_seconds``.
+Xid alerts read ``gpu_last_xid_timestamp_seconds``, which exists only for the Xids a GPU has had: a few
+series in a fleet, where the pre-initialised counters are 20 a GPU for every evaluation to read.
 
 Which Xids page follows their ``action`` label, the bucket of NVIDIA's Xid catalogue
 (:mod:`vramwatch.monitoring.xid_catalogue`): a reset, a reboot or support pages, restart_app and the
@@ -20,12 +19,14 @@ from vramwatch.monitoring.promql import (
     CRITICAL,
     GPU_JOB_RECORD,
     GPU_WHERE,
+    RECOVERY_ACTION_RECORD,
     VALUE,
     VALUE_INT,
     WARNING,
     XID_EVENTS_RECORD,
     alert,
     duration,
+    events_since,
     job_gpus,
     label,
     metric,
@@ -36,12 +37,11 @@ from vramwatch.monitoring.promql import (
 
 
 def recent_xids(cfg: MonitoringConfig) -> str:
-    """Per GPU and Xid: the events of the last ``xid_window``, where there were any. Recorded once as
-    XID_EVENTS_RECORD, so that the alerts below read both Xid families once per evaluation, not once per arm."""
-    w = duration(cfg.xid_window)
-    count = metric(cfg, "gpu_xid_errors_total")
+    """Per GPU and Xid: about how many events came in the last ``xid_window``, where any did. Recorded once
+    as XID_EVENTS_RECORD for the alerts below."""
+    seconds = num(parse_duration(cfg.xid_window))
     last = metric(cfg, "gpu_last_xid_timestamp_seconds")
-    return f"increase({count}[{w}]) > 0\nor ((time() - {last}) < {num(parse_duration(cfg.xid_window))}) * 0 + 1"
+    return f"{events_since(last, duration(cfg.xid_window), f'time() - {seconds}')}\nand time() - {last} < {seconds}"
 
 
 def xid_events(cfg: MonitoringConfig, *matchers: str) -> str:
@@ -98,9 +98,12 @@ def xid_rules(cfg: MonitoringConfig) -> list[dict]:
             "A GPU reported an Xid error that does not page.",
             f"{what} {events}: {todo}. The runbook's Xid table gives the code's meaning.",
         ),
+        # once per evaluation: the one-hot family is 7 series a GPU besides "none", and the alert reads
+        # its expression twice (incidents.with_job)
+        {"record": RECOVERY_ACTION_RECORD, "expr": metric(cfg, "gpu_recovery_action", 'action!="none"') + " == 1"},
         alert(
             "GPURecoveryAction",
-            metric(cfg, "gpu_recovery_action", 'action!="none"') + " == 1",
+            metric(cfg, RECOVERY_ACTION_RECORD),
             CRITICAL,
             "A GPU's driver asks for a recovery action (reset, reboot or drain).",
             f"{GPU_WHERE}: NVML's GPU recovery action is {label('action')}: "

@@ -31,12 +31,10 @@ TITLE = "vramwatch / Fleet overview"
 ALERTS = "ALERTS"
 
 
-def xid_count_since(s: Scope, ago: str) -> str:
-    """Per GPU and Xid: the events of the last ``ago``. The counter now less the counter then reads two
-    samples a series where increase() reads every one in the range (at All, every GPU's every Xid over
-    hours); a counter that restarted in the range (lower now) or appeared in it counts from zero."""
-    xids = f"{m('gpu_xid_errors_total')}{s.gpu}"
-    return f"({xids} - {xids} offset {ago}) >= 0 or {xids}"
+def xid_events_in_range(s: Scope) -> str:
+    """Per GPU and Xid: about how many events came in the selected time range, from the newest event's
+    timestamp (only GPUs that had an Xid have one; the counters are 20 series a GPU)."""
+    return promql.events_since(f"{m('gpu_last_xid_timestamp_seconds')}{s.gpu}", "$__range", "${__from:date:seconds}")
 
 
 def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
@@ -138,9 +136,9 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     d = d.with_panel(
         bar_panel(
             "Xid events by host",
-            "Xid events in the selected time range on each host (counted from the counters the exporter "
-            "pre-initialises for the Xids that matter; the GPU health dashboard lists every event).",
-            qt(f"sum by (instance) ({xid_count_since(s, '$__range')})", "{{instance}}"),
+            "Xid events in the selected time range on each host that had one (events between two scrapes "
+            "count as one; the GPU health dashboard lists every event).",
+            qt(f"sum by (instance) ({xid_events_in_range(s)})", "{{instance}}"),
             limits=thresholds((1, "red")),
         )
     )
