@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vramwatch.monitoring.dashboards.walk import (
@@ -81,7 +82,7 @@ class VariableQuery:
 
 
 def variable_values(
-    spec: DashboardSpec,
+    spec: DashboardSpec | Sequence[Variable],
     chosen: dict[str, list[str]],
     client: PromClient | None = None,
     tc: TimeContext | None = None,
@@ -92,12 +93,13 @@ def variable_values(
 
     All is the variable's custom all value; a variable without one (host) expands to every value its own
     query offers given the variables before it, as Grafana does (this needs ``client`` and ``tc``).
+    ``spec`` is a dashboard, or its variables alone (:func:`~vramwatch.monitoring.dashboards.walk.json_variables`).
     ``first=True`` picks each variable's first offered value instead of All, so that every query also runs
     with concrete values, as a person who picked one job would. ``queries``, when given, receives every
     variable's own query with its time: all of them run, as Grafana runs them when the dashboard opens.
     """
     values: dict[str, str] = {}
-    for v in spec.variables:
+    for v in spec.variables if isinstance(spec, DashboardSpec) else spec:
         if v.type != "query":
             continue
         picked = chosen.get(v.name)

@@ -186,6 +186,15 @@ def spec(model: Any) -> DashboardSpec:
     return DashboardSpec(model.uid, model.title, model.description or "", rows, variables, annotations)
 
 
+def json_variables(d: dict[str, Any]) -> list[Variable]:
+    """The template variables of a dashboard's JSON (a generated file, as Grafana loads it), as :func:`spec`
+    reads them from the model."""
+    return [
+        Variable(v["name"], v["type"], v["query"] if isinstance(v.get("query"), str) else "", v.get("allValue") or "")
+        for v in d.get("templating", {}).get("list", [])
+    ]
+
+
 # --- template variables ---
 
 _VAR = re.compile(r"\$(?:\{(\w+)(?::([^}]*))?\}|(\w+))")
