@@ -106,7 +106,7 @@ def variable_values(
         offered: list[str] | None = None
         if queries is not None or (picked is None and (first or not v.all_value)):
             if client is None or tc is None:
-                raise ValueError(f"variable {v.name}: its All expands to the values its query offers: pass a client")
+                raise ValueError(f"variable {v.name}: filling it runs its own query: pass a client and a time range")
             t0 = time.perf_counter()
             offered = variable_options(client, v, values, tc)
             if queries is not None:
