@@ -21,9 +21,12 @@ groups leave. Once compaction is quiet it records, per size:
 - each rule group's evaluation time, ``prometheus_rule_group_last_duration_seconds`` over
   ``--evaluations`` evaluations (median and max);
 - each dashboard panel's query time over the last 6 h (deploy/grafana/dashboards/*.json: every target of
-  every panel, the template variables at All, ``$__rate_interval`` and ``$__interval`` as Grafana sets them
-  for ``--step``), instant targets at the end; median of ``--repeats`` runs, client-side wall time, the
-  panel's time being the sum of its targets (Grafana sends them at once; on two loaded cores they queue);
+  every panel, ``$__rate_interval`` and ``$__interval`` as Grafana sets them for ``--step``), instant
+  targets at the end; median of ``--repeats`` runs, client-side wall time, the panel's time being the sum
+  of its targets (Grafana sends them at once; on two loaded cores they queue). Twice: with every variable
+  at All, and with one job chosen (``job_id``); the variables' own queries run first, in order, on this
+  Prometheus's series API as Grafana runs them when a dashboard opens (timed too: they delay the panels),
+  and a variable without a custom All (host) expands to the values its query offers;
 - the series per GPU and per rank, from the TSDB itself, and Prometheus' RSS.
 
 Sizes that do not fit the machine are extrapolated from a least-squares line through the measured ones;
@@ -53,7 +56,9 @@ from common import progress
 from harness import Prometheus, find_tool, http_get
 from harness.servers import EXPORTER_JOB
 from vramwatch.monitoring import contract, promql
-from vramwatch.monitoring.dashboards.walk import TimeContext, substitute
+from vramwatch.monitoring.dashboards.walk import TimeContext, Variable, json_variables, substitute
+from vramwatch.report import data as report_data
+from vramwatch.report.prom import PromClient
 from vramwatch.spool.schema import MEMORY_ROLES
 
 ROOT = common.ROOT
@@ -65,6 +70,8 @@ PANEL_RANGE = 6 * 3600.0
 WINDOW = 2 * 3600  # promtool's block range: files never straddle one
 RULE_TARGET_S, PANEL_TARGET_S, TARGET_NODES = 1.0, 2.0, 1000
 SELECTIONS = ("all", "job")
+CHOSEN_JOB = "job-0000"  # the job the drill-down dashboards are opened with (the first --nodes-per-job nodes)
+VARIABLES_IN_TURN = "the variables' own queries, in turn"
 TROUBLE = re.compile(r"xid|ecc|oom|retr|remapped|replay|error|fail|drop|refus|lost|restart")
 JITTER = tuple(1.0 + 0.002 * math.sin(k) for k in range(16))  # gauges wiggle, so chunks hold real XOR deltas
 
@@ -544,20 +551,29 @@ def _walk_panels(panels: list[dict]) -> Any:
         yield from _walk_panels(p.get("panels", []))
 
 
-def variable_values(selection: str, dashboards: Path = DASHBOARDS) -> dict[str, str]:
-    """The dashboards' variables: ``all`` leaves every one at All (their default: the whole fleet at once);
-    ``job`` picks one training job (``job_id``: 16 nodes, 128 GPUs by default), as one opens the drill-down
-    dashboards."""
-    out = {}
-    for path in sorted(dashboards.glob("*.json")):
-        for v in json.loads(path.read_text()).get("templating", {}).get("list", []):
-            if v.get("type") == "datasource":
-                out[v["name"]] = "prometheus"
-            else:
-                out[v["name"]] = v.get("allValue") or ".*"
-    if selection == "job":
-        out["job_id"] = "job-0000"
-    return out
+def dashboard_variables(dashboards: Path = DASHBOARDS) -> list[Variable]:
+    """The template variables, the same on every shipped dashboard (their links carry them from one to another)."""
+    per = {p.stem: json_variables(json.loads(p.read_text())) for p in sorted(dashboards.glob("*.json"))}
+    first = next(iter(per.values()))
+    odd = sorted(uid for uid, vs in per.items() if vs != first)
+    if odd:
+        raise SystemExit(f"fleet: the dashboards {odd} have other variables than {next(iter(per))}")
+    return first
+
+
+def variable_values(
+    selection: str, client: PromClient, tc: TimeContext, dashboards: Path = DASHBOARDS
+) -> tuple[dict[str, str], list[report_data.VariableQuery]]:
+    """The dashboards' variables as Grafana fills them, and each variable's own query with its time.
+
+    ``all`` leaves every one at All (their default: the whole fleet at once); ``job`` picks one training job
+    (``job_id``: ``--nodes-per-job`` nodes), as one opens the drill-down dashboards. Each variable's query runs
+    in order on ``client`` (the series API), narrowed by those before it; host's All expands to the hosts it
+    offers (the chosen job's), which is what keeps the GPU panels to the job's GPUs."""
+    chosen = {contract.JOB_ID: [CHOSEN_JOB]} if selection == "job" else {}
+    queries: list[report_data.VariableQuery] = []
+    values = report_data.variable_values(dashboard_variables(dashboards), chosen, client, tc, queries=queries)
+    return values, queries
 
 
 def time_query(prom: Prometheus, q: PanelQuery, tc: TimeContext, values: dict[str, str]) -> tuple[float, int]:
@@ -577,25 +593,46 @@ def time_query(prom: Prometheus, q: PanelQuery, tc: TimeContext, values: dict[st
     return dt, len(doc["data"]["result"])
 
 
-def panel_times(prom: Prometheus, end: float, step: float, repeats: int, selection: str) -> dict[str, dict[str, Any]]:
+def panel_times(
+    prom: Prometheus, end: float, step: float, repeats: int, selection: str
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Each panel's query time over the 6 h before ``end`` with the variables of ``selection``, and each
+    variable's own query time (median of ``repeats`` openings; ``in_turn_s``: their sum, as Grafana waits for
+    each variable before the next that it narrows)."""
     tc = TimeContext(start=end - PANEL_RANGE, end=end, step=step, scrape_interval=SCRAPE_INTERVAL)
-    values = variable_values(selection)
+    client = PromClient(prom.url, timeout=600)
+    openings = [variable_values(selection, client, tc) for _ in range(repeats)]
+    values = openings[0][0]
+    timed: dict[str, Any] = {}
+    for runs in zip(*(queries for _, queries in openings), strict=True):
+        secs = [q.seconds for q in runs]
+        timed[runs[0].name] = {
+            "selector": runs[0].selector,
+            "options": runs[0].options,
+            "median_s": statistics.median(secs),
+            "max_s": max(secs),
+        }
+    variables = {"in_turn_s": sum(v["median_s"] for v in timed.values()), "queries": timed}
+    progress(
+        f"fleet: variables ({selection}) in {variables['in_turn_s']:.2f} s, "
+        + ", ".join(f"{name} {v['options']}" for name, v in timed.items())
+    )
     panels: dict[str, dict[str, Any]] = {}
     queries = panel_queries()
     for n, q in enumerate(queries):
-        runs = []
+        runs_s = []
         series = 0
         for _ in range(repeats):
             dt, series = time_query(prom, q, tc, values)
-            runs.append(dt)
+            runs_s.append(dt)
         key = f"{q.dashboard} / {q.panel}"
         p = panels.setdefault(key, {"seconds": 0.0, "targets": []})
-        med = statistics.median(runs)
+        med = statistics.median(runs_s)
         p["seconds"] += med
-        p["targets"].append({"ref": q.ref, "expr": q.expr, "median_s": med, "max_s": max(runs), "series": series})
+        p["targets"].append({"ref": q.ref, "expr": q.expr, "median_s": med, "max_s": max(runs_s), "series": series})
         if (n + 1) % 10 == 0 or n + 1 == len(queries):
             progress(f"fleet: {n + 1}/{len(queries)} panel queries timed ({selection})")
-    return panels
+    return panels, variables
 
 
 def series_counts(prom: Prometheus, at: float, nodes: int, gpus: int, ranks: int) -> dict[str, Any]:
@@ -726,10 +763,10 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
             )
         progress(f"fleet: rule groups, {args.evaluations} evaluations each")
         rules = rule_durations(prom, args.evaluations, args.evaluation_interval)
-        panels = {}
+        panels, variables = {}, {}
         for sel in SELECTIONS:
             progress(f"fleet: dashboard panels over the 6 h before {time.ctime(hist.end)}, variables: {sel}")
-            panels[sel] = panel_times(prom, hist.end, args.step, args.repeats, sel)
+            panels[sel], variables[sel] = panel_times(prom, hist.end, args.step, args.repeats, sel)
         counts = series_counts(prom, hist.end, nodes, 8, 8)
         rss = metric_values(self_metrics(prom), "process_resident_memory_bytes").get("", 0.0)
         tsdb_bytes = sum(f.stat().st_size for f in hist.tsdb.rglob("*") if f.is_file())
@@ -745,6 +782,7 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
         "blocks": blocks,
         "rule_groups": rules,
         "panels": panels,
+        "variables": variables,
         "series": counts,
         "prometheus_rss_bytes": rss,
         "tsdb_bytes": tsdb_bytes,
@@ -767,21 +805,31 @@ def fit(xs: list[float], ys: list[float], x: float) -> float | None:
     return max(0.0, my + b * (x - mx))
 
 
-def _categories() -> list[tuple[str, str, float, Any]]:
-    """(key, label, limit, getter of seconds from one measurement's entry)."""
+def _categories() -> list[tuple[str, str, float]]:
+    """(key, label, limit) of each kind of timed thing."""
     return [
-        ("rule_groups", "rule group", RULE_TARGET_S, lambda m, n: (m["rule_groups"].get(n) or {}).get("median_s")),
-        *[(f"panels_{sel}", f"panel ({sel})", PANEL_TARGET_S, _panel_getter(sel)) for sel in SELECTIONS],
+        ("rule_groups", "rule group", RULE_TARGET_S),
+        *[(f"panels_{sel}", f"panel ({sel})", PANEL_TARGET_S) for sel in SELECTIONS],
+        *[(f"variables_{sel}", f"variables ({sel})", PANEL_TARGET_S) for sel in SELECTIONS],
     ]
 
 
-def _panel_getter(sel: str) -> Any:
-    return lambda m, n: (m["panels"][sel].get(n) or {}).get("seconds")
+def _seconds(m: dict[str, Any], key: str) -> dict[str, float]:
+    """One measurement's timed things of a category: name -> seconds (a result recorded before the variables
+    were timed has none of them)."""
+    if key == "rule_groups":
+        return {n: g["median_s"] for n, g in m["rule_groups"].items() if g.get("median_s") is not None}
+    kind, sel = key.split("_", 1)
+    if kind == "panels":
+        return {n: p["seconds"] for n, p in m["panels"].get(sel, {}).items()}
+    v = m.get("variables", {}).get(sel)
+    return {VARIABLES_IN_TURN: v["in_turn_s"]} if v else {}
 
 
 def judged(key: str, name: str) -> bool:
-    """The fleet dashboard is judged with every variable at All, the drill-down ones with one job chosen."""
-    if key == "rule_groups":
+    """The fleet dashboard is judged with every variable at All, the drill-down ones with one job chosen; the
+    variables (the same on every dashboard) both ways, as they delay every panel."""
+    if key == "rule_groups" or key.startswith("variables_"):
         return True
     fleet = name.startswith("vramwatch-fleet ")
     return key == ("panels_all" if fleet else "panels_job")
@@ -790,8 +838,9 @@ def judged(key: str, name: str) -> bool:
 def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES, per_job: int = 16) -> dict[str, Any]:
     """Per rule group and panel: seconds at each measured size, and at ``target`` (measured or from the line).
 
-    A panel with one job chosen is extrapolated along its line too: the rank families narrow to the job and
-    stay flat, but the GPU families carry no job label, so their panels read every GPU of the fleet."""
+    A panel with one job chosen is extrapolated along its line too: the rank families narrow to the job, and
+    the GPU families (which carry no job label) to the job's hosts through the host variable, so both should
+    stay flat; the line shows whether they do. The variables' queries are one entry per selection."""
     measured = {s["nodes"]: s for s in sizes}
     xs = sorted(measured)
     out: dict[str, Any] = {
@@ -801,14 +850,14 @@ def summary(sizes: list[dict[str, Any]], target: int = TARGET_NODES, per_job: in
         "nodes_per_job": per_job,
     }
     misses = []
-    for key, _label, limit, get in _categories():
-        src = "rule_groups" if key == "rule_groups" else "panels"
-        names = sorted({n for s in sizes for n in (s[src] if src == "rule_groups" else s[src][key.split("_", 1)[1]])})
+    for key, _label, limit in _categories():
+        timed = {x: _seconds(measured[x], key) for x in xs}
+        names = sorted({n for t in timed.values() for n in t})
         rows = {}
         for name in names:
-            pts = [(x, get(measured[x], name)) for x in xs if get(measured[x], name) is not None]
+            pts = [(x, timed[x][name]) for x in xs if name in timed[x]]
             if target in measured:
-                at = get(measured[target], name)
+                at = timed[target].get(name)
             else:
                 line = fit([float(x) for x, _ in pts], [y for _, y in pts], target)
                 # a cost does not fall as the fleet grows: a line tilted down by noise gives the largest size's
@@ -829,8 +878,8 @@ def render_table(result: dict[str, Any]) -> str:
     how = "measured" if s["target_measured"] else "extrapolated"
     head = "| | " + " | ".join(f"{x:,} nodes" for x in xs) + f" | {tgt:,} nodes ({how}) | target |"
     lines = [head, "|---|" + "---|" * (len(xs) + 2)]
-    for key, label, limit, _ in _categories():
-        for name, row in s[key].items():
+    for key, label, limit in _categories():
+        for name, row in s.get(key, {}).items():
             if not row["judged"]:
                 continue  # in the JSON: the drill-down dashboards with every variable at All
             cells = [_sec(row["by_nodes"].get(x)) for x in xs]
@@ -856,7 +905,10 @@ def slowest(result: dict[str, Any], miss: dict[str, Any], n: int = 2) -> list[st
     if miss["kind"] == "rule_groups":
         rules = last["rule_groups"].get(miss["name"], {}).get("rules", [])
         return [f"{_sec(r['seconds'])} {r['name']}: {' '.join(r['expr'].split())[:300]}" for r in rules[:n]]
-    sel = miss["kind"].split("_", 1)[1]
+    kind, sel = miss["kind"].split("_", 1)
+    if kind == "variables":
+        queries = sorted(last["variables"][sel]["queries"].items(), key=lambda kv: -kv[1]["median_s"])
+        return [f"{_sec(v['median_s'])} {k}: {v['options']} values of {v['selector'][:300]}" for k, v in queries[:n]]
     targets = sorted(last["panels"][sel][miss["name"]]["targets"], key=lambda t: -t["median_s"])
     return [f"{_sec(t['median_s'])} {t['ref']}: {' '.join(t['expr'].split())[:300]}" for t in targets[:n]]
 

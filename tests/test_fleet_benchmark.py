@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 
 import fleet
 import pytest
@@ -97,6 +98,15 @@ def test_the_history_moves_as_the_contract_says():
         assert buckets[-1][1] == pytest.approx(count)
 
 
+class _OneTarget:
+    """A Prometheus series API that knows one target with one job's rank and GPU, whatever is asked."""
+
+    labels = {"job": EXPORTER_JOB, "instance": "node-0000:9488", "uuid": UUID + "0", "job_id": "job-0000", "rank": "0"}
+
+    def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
+        return [self.labels]
+
+
 def test_every_panel_query_of_the_shipped_dashboards_is_run_with_its_variables_filled():
     queries = fleet.panel_queries()
     assert {q.dashboard for q in queries} == {p.stem for p in fleet.DASHBOARDS.glob("*.json")}
@@ -110,13 +120,14 @@ def test_every_panel_query_of_the_shipped_dashboards_is_run_with_its_variables_f
     assert len(queries) == shipped
     tc = TimeContext(0, fleet.PANEL_RANGE, 30)
     for sel in fleet.SELECTIONS:
-        values = fleet.variable_values(sel)
+        values, timed = fleet.variable_values(sel, _OneTarget(), tc)
+        assert [q.name for q in timed] == [v.name for v in fleet.dashboard_variables() if v.type == "query"]
         for q in queries:
             expr = substitute(q.expr, values, tc)
             assert not variable_names(expr), (q.panel, expr)
-    assert 'job_id=~"job-0000"' in substitute(
-        next(q.expr for q in queries if "$job_id" in q.expr), fleet.variable_values("job"), tc
-    )
+        assert values["host"] == "node-0000:9488"  # host's All: the hosts its query offers
+    job_expr = next(q.expr for q in queries if "$job_id" in q.expr)
+    assert 'job_id=~"job-0000"' in substitute(job_expr, fleet.variable_values("job", _OneTarget(), tc)[0], tc)
 
 
 def test_sizes_not_measured_are_extrapolated_and_misses_name_what_is_judged():
@@ -204,3 +215,46 @@ def test_a_larger_size_adds_its_nodes_to_the_tsdb_that_promtool_writes(tmp_path)
     record_ts = [int(m.group(4)) for m in rows if ":" in m.group(1)]
     assert record_ts and max(record_ts) == (start + 300) * 1000
     assert not list(tmp_path.glob("*.om")), "each file goes once promtool has read it"
+
+
+def _fleet_node() -> list[fleet.Series]:
+    """What the dashboards' variables and one GPU panel read: the target's build info, its ranks, its GPUs."""
+    out = [S("vramwatch_build_info", {"version": "1"}, 1.0, "const")]
+    for r in range(2):
+        rank = {"rank": str(r), "local_rank": str(r), "job_id": "j", "hostname": "sim", "world_size": "2"}
+        out.append(S("vramwatch_rank_info", rank, 1.0, "const"))
+        gpu = {"gpu": str(r), "uuid": UUID + str(r)}
+        out.append(S("gpu_info", {**gpu, "hostname": "sim", "name": "NVIDIA H100 80GB HBM3"}, 1.0, "const"))
+        out.append(S("gpu_power_watts", gpu, 500.0, "gauge"))
+    return out
+
+
+def test_a_chosen_job_reads_the_gpus_of_its_nodes_alone_and_its_variables_are_timed(tmp_path):
+    """Two jobs of two nodes each in a real Prometheus: with the job selection, host expands to the first job's
+    nodes through the series API, and a GPU panel reads their GPUs alone; at All, every node's."""
+    if find_tool("promtool") is None or find_tool("prometheus") is None:
+        pytest.skip("prometheus and promtool not installed (make tools)")
+    end = time.time() - 60
+    f = fleet.Fleet.build(_fleet_node(), nodes=4, per_job=2)
+    tsdb = tmp_path / "tsdb"
+    fleet.backfill(f, range(4), end - 600, end, tsdb, tmp_path, 1e9, jobs=2)
+    prom = fleet.FleetPrometheus(tmp_path, config=fleet.prometheus_config([], 15.0), tsdb=tsdb, lifecycle=False)
+    prom.start(timeout=60)
+    try:
+        measured = {sel: fleet.panel_times(prom, end, 30.0, 1, sel) for sel in fleet.SELECTIONS}
+    finally:
+        prom.stop()
+    power = "vramwatch-gpu-health / Power against utilisation"
+    for sel, nodes in (("all", 4), ("job", 2)):
+        panels, variables = measured[sel]
+        queries = variables["queries"]
+        assert queries["host"]["options"] == nodes, queries["host"]  # job-0000 runs on node 0 and 1
+        assert queries["gpu"]["options"] == 2 * nodes
+        assert queries["job_id"]["options"] == 2  # job_id comes before host: both jobs are offered
+        assert variables["in_turn_s"] == pytest.approx(sum(q["median_s"] for q in queries.values()))
+        assert all(q["median_s"] > 0 for q in queries.values())
+        (a,) = [t for t in panels[power]["targets"] if t["ref"] == "A"]
+        assert a["series"] == 2 * nodes, (sel, a)  # each node's two GPUs
+    job = measured["job"][1]["queries"]
+    assert 'job_id=~"job-0000"' in job["host"]["selector"]
+    assert job["gpu"]["selector"].count("node-000") == 2  # narrowed to the two hosts host expanded to

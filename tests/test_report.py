@@ -218,7 +218,7 @@ def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
     tc = TimeContext(start=1_800_000_000, end=1_800_000_600, step=60, scrape_interval=15)
     checked = 0
     for d in SPECS:
-        values = variable_values(d, {})
+        values = variable_values(d, {}, client, tc)
         for p in d.panels:
             res = run_panel(client, p, values, tc)
             assert res.series_count == 2 * len(p.targets) and not res.errors, p.title
@@ -258,6 +258,8 @@ def test_every_chart_draws_exactly_what_prometheus_returned(fake_prom):
     ran = [e for e in FakeProm.seen if e != "vector(1)"]
     assert ran and not [e for e in ran if "$" in e]
     assert any('job=~".*"' in e for e in ran) and any("[75s]" in e for e in ran)  # rate interval 60 + 15
+    # host has no custom All: it expands to the hosts its own query offers (the fake's one), as Grafana does
+    assert any('instance=~"node-a:9400"' in e for e in ran) and not any('instance=~".*"' in e for e in ran)
 
 
 def _drawn_values(p, res):
@@ -281,7 +283,7 @@ def test_memory_by_role_is_drawn_stacked_as_its_caption_says(fake_prom):
     (d,) = [x for x in SPECS if x.uid == "vramwatch-training-memory"]
     (p,) = [x for x in d.panels if x.title == "Memory by role"]
     assert p.stacked and "stacked" in p.description
-    res = run_panel(client, p, variable_values(d, {}), tc)
+    res = run_panel(client, p, variable_values(d, {}, client, tc), tc)
     drawn = _lines(charts.draw(res, tc))
     (*_, (r, s, top)) = _drawn_values(p, res)
     assert top in drawn[legend(r.target, s.labels)] and top != s.values, "the last series is not on top of the rest"
@@ -310,7 +312,7 @@ def test_every_chart_axis_is_sized_to_its_data(fake_prom):
     tc = TimeContext(start=1_800_000_000, end=1_800_000_600, step=60, scrape_interval=15)
     checked = 0
     for d in SPECS:
-        values = variable_values(d, {})
+        values = variable_values(d, {}, client, tc)
         for p in (p for p in d.panels if p.type in ("timeseries", "bargauge")):
             res = run_panel(client, p, values, tc)
             fig = charts.draw(res, tc)

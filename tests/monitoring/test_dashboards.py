@@ -151,14 +151,17 @@ DEFAULT_VARIABLES = {
     "batch_kubernetes_io_job_name": "batch_kubernetes_io_job_name",
     "training_kubeflow_org_job_name": "training_kubeflow_org_job_name",
     "job_name": "job_name",
+    "job_id": "job_id",
     "node": "node",
     "host": "instance",
     "gpu": "uuid",
-    "job_id": "job_id",
     "rank": "rank",
 }
-# vramwatch's own variables after the target's: gpu, then the ranks' job and rank
-OWN = 3
+# vramwatch's own variables; the others are the target's labels
+OWN = ("job_id", "gpu", "rank")
+# what each variable's own query leaves out of the ones before it: the GPUs are narrowed to the chosen jobs
+# through the hosts (the GPU families have no job_id), the ranks' info has no GPU
+NOT_NARROWED_BY = {"gpu": {"job_id"}, "rank": {"gpu"}}
 
 
 def _check_variables(d: dict, expected: dict[str, str]) -> None:
@@ -167,17 +170,23 @@ def _check_variables(d: dict, expected: dict[str, str]) -> None:
     assert vs[0]["type"] == "datasource" and vs[0]["query"] == "prometheus"
     for i, v in enumerate(vs[1:], start=1):
         assert v["type"] == "query" and v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
-        # All is ".*", which also matches a series without the label: an absent label narrows nothing
-        assert v["multi"] and v["includeAll"] and v["allValue"] == ".*"
+        assert v["multi"] and v["includeAll"]
+        if v["name"] == "host":
+            # no custom All: Grafana expands it to the hosts offered, the targets of the chosen jobs' ranks
+            assert "allValue" not in v, v
+        else:
+            # ".*" also matches a series without the label: an absent label narrows nothing
+            assert v["allValue"] == ".*", v["name"]
         assert v["current"]["value"] == "$__all"
         assert v["refresh"] == 2  # on time range change: new jobs appear
         assert re.fullmatch(r"label_values\(.+, \w+\)", v["query"])
         # narrowed by every variable before it, and by no later one
-        earlier = [x["name"] for x in vs[1:i]]
-        # the ranks' variables come from vramwatch_rank_info, which has no GPU
-        assert variable_names(v["query"]) == set(earlier) - ({"gpu"} if v["name"] in ("job_id", "rank") else set()), v[
-            "name"
-        ]
+        earlier = {x["name"] for x in vs[1:i]}
+        assert variable_names(v["query"]) == earlier - NOT_NARROWED_BY.get(v["name"], set()), v["name"]
+    # node and host: every target's build_info (no job_id, so job_id=~".*" keeps it), or the chosen jobs' ranks
+    for v in vs:
+        if v["name"] in ("node", "host"):
+            assert v["query"].startswith('label_values({__name__=~"vramwatch_build_info|vramwatch_rank_info", ')
     labels = {v["name"]: re.search(r", (\w+)\)$", v["query"]).group(1) for v in vs[1:]}
     assert labels == expected
     # every panel query on a target's series narrows by each target variable, on its label
@@ -185,8 +194,9 @@ def _check_variables(d: dict, expected: dict[str, str]) -> None:
         for t in p.get("targets", []):
             if "ALERTS" in t["expr"]:
                 continue
-            for var, label in list(expected.items())[:-OWN]:
-                assert f'{label}=~"${var}"' in t["expr"], (p["title"], var, t["expr"])
+            for var, label in expected.items():
+                if var not in OWN:
+                    assert f'{label}=~"${var}"' in t["expr"], (p["title"], var, t["expr"])
 
 
 def test_variables_chain_datasource_job_labels_node_host_gpu_rank(dashboards):
@@ -206,10 +216,10 @@ def test_variables_take_their_labels_from_the_config():
                 "job": "job",
                 "kube_namespace": "kube_namespace",
                 "team": "team",
+                "job_id": "job_id",
                 "node": "kubernetes_node",
                 "host": "instance",
                 "gpu": "uuid",
-                "job_id": "job_id",
                 "rank": "rank",
             },
         )
@@ -222,7 +232,9 @@ def test_firing_alerts_keep_alerts_without_the_selected_labels(dashboards):
     exprs = [t["expr"] for p in fleet["panels"] if p["title"] == "Firing alerts" for t in p["targets"]]
     assert len(exprs) == 2  # the stat and the table
     for firing in exprs:
-        for var, label in list(DEFAULT_VARIABLES.items())[: -OWN - 1]:  # the job labels and the node
+        for var, label in DEFAULT_VARIABLES.items():  # the job labels and the node
+            if var in (*OWN, "host"):
+                continue
             assert f'{label}=~"${var}|"' in firing
         assert "instance" not in firing  # alerts aggregated over a job's targets have no instance
 

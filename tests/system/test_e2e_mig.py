@@ -5,13 +5,17 @@ allocator series to its instance's memory and to the parent card with the PromQL
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
 from vramwatch.monitoring.config import DEFAULT
+from vramwatch.monitoring.dashboards import build_all
 from vramwatch.monitoring.dashboards.common import GPU, variables
-from vramwatch.monitoring.dashboards.walk import label_values_query
+from vramwatch.monitoring.dashboards.walk import TimeContext, label_values_query, spec
 from vramwatch.monitoring.mig import to_parent
+from vramwatch.report.data import run_panel, variable_values
+from vramwatch.report.prom import PromClient
 
 pytestmark = pytest.mark.e2e
 GIB = 1 << 30
@@ -61,3 +65,14 @@ def test_a_rank_on_a_mig_instance_joins_its_instance_and_its_card(exporter, prom
     selector = re.sub(r'=~"\$\w+"', '=~".*"', selector)  # every variable at All
     offered = {r["metric"][label] for r in prom.query(f"group by ({label}) ({selector})")}
     assert offered == {b.uuid, a.uuid, node.gpu(0).uuid, node.gpu(1).uuid}
+    # with the rank's job chosen, the host variable keeps its node, so the card-total line (the instance's own
+    # total, a GPU family without job_id) still shows the instance
+    now = time.time()
+    tc = TimeContext(now - 60, now, 5.0, 1.0)
+    (d,) = [spec(m) for m in build_all() if m.uid == "vramwatch-training-memory"]
+    client = PromClient(prom.url)
+    values = variable_values(d, {"job_id": [joined[0]["metric"]["job_id"]]}, client, tc)
+    assert values["host"] == re.escape(f"127.0.0.1:{exp.port}").replace("\\", "\\\\")
+    (p,) = [p for p in d.panels if p.title == "Allocated, reserved, card total and limit"]
+    card_total = {r.target.ref: r for r in run_panel(client, p, values, tc).results}["C"]
+    assert {s.labels["uuid"] for s in card_total.series} == {b.uuid}

@@ -213,7 +213,11 @@ def run(args: argparse.Namespace) -> int:
 
     rendered, charts_n, empty, failed = [], 0, 0, 0
     for i, d in enumerate(specs, start=1):
-        values = variable_values(d, chosen)
+        try:  # the host variable's All expands to the hosts it offers, as Grafana expands it
+            values = variable_values(d, chosen, client, tc)
+        except PromError as e:
+            print(f"vramwatch report: {d.uid}'s variables: {e}", file=sys.stderr)
+            return 1
         _say(args, f"[{i}/{len(specs)}] {d.title}: {len(d.panels)} panels")
         anns = [run_annotation(client, a, values, tc) for a in d.annotations]
         for a in anns:

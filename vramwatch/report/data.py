@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vramwatch.monitoring.dashboards.walk import (
@@ -69,27 +71,51 @@ def variable_options(client: PromClient, var: Variable, values: dict[str, str], 
     return sorted({s[label] for s in series if s.get(label)})
 
 
+@dataclass(frozen=True)
+class VariableQuery:
+    """One variable's own query, as it ran when the dashboard opened."""
+
+    name: str
+    selector: str  # with the variables before it substituted
+    options: int  # the values it offered
+    seconds: float
+
+
 def variable_values(
-    spec: DashboardSpec,
+    spec: DashboardSpec | Sequence[Variable],
     chosen: dict[str, list[str]],
     client: PromClient | None = None,
     tc: TimeContext | None = None,
     first: bool = False,
+    queries: list[VariableQuery] | None = None,
 ) -> dict[str, str]:
-    """Formatted values for every query variable: the chosen ones, else All.
+    """Formatted values for every query variable, in the dashboard's order: the chosen ones, else All.
 
-    ``first=True`` picks each variable's first offered value instead of All (needs a client),
-    so that every query also runs with concrete values, as a person who picked one job would.
+    All is the variable's custom all value; a variable without one (host) expands to every value its own
+    query offers given the variables before it, as Grafana does (this needs ``client`` and ``tc``).
+    ``spec`` is a dashboard, or its variables alone (:func:`~vramwatch.monitoring.dashboards.walk.json_variables`).
+    ``first=True`` picks each variable's first offered value instead of All, so that every query also runs
+    with concrete values, as a person who picked one job would. ``queries``, when given, receives every
+    variable's own query with its time: all of them run, as Grafana runs them when the dashboard opens.
     """
     values: dict[str, str] = {}
-    for v in spec.variables:
+    for v in spec.variables if isinstance(spec, DashboardSpec) else spec:
         if v.type != "query":
             continue
         picked = chosen.get(v.name)
-        if picked is None and first:
-            assert client is not None and tc is not None
-            options = variable_options(client, v, values, tc)
-            picked = options[:1] or None
+        offered: list[str] | None = None
+        if queries is not None or (picked is None and (first or not v.all_value)):
+            if client is None or tc is None:
+                raise ValueError(f"variable {v.name}: filling it runs its own query: pass a client and a time range")
+            t0 = time.perf_counter()
+            offered = variable_options(client, v, values, tc)
+            if queries is not None:
+                selector = substitute(label_values_query(v.query)[0], values, tc)
+                queries.append(VariableQuery(v.name, selector, len(offered), time.perf_counter() - t0))
+        if picked is None and first and offered:
+            picked = offered[:1]
+        elif picked is None and not v.all_value:
+            picked = offered
         values[v.name] = format_values(picked, v.all_value)
     return values
 

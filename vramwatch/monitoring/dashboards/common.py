@@ -62,9 +62,11 @@ __all__ = [
 PROM = DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 # Display names of the variables; a variable for a label not named here is titled with the label.
-# The values are regexes (multi-select, "All" = ".*"), so every matcher uses =~, and `=~".*"` also
-# matches a series without the label: a variable whose label a setup lacks offers only All and
-# narrows nothing.
+# The values are regexes (multi-select), so every matcher uses =~. The job labels, job_id, node and gpu
+# keep the custom All ".*", which also matches a series without the label: a variable whose label a
+# setup lacks offers only All and narrows nothing. The host variable (instance, on every target) has no
+# custom All: Grafana expands its All to the hosts it offers, "(a|b|c)", and it offers only the hosts of
+# the chosen job's ranks, so a GPU family (which has no job_id) is read for those hosts alone.
 TITLES = {
     "datasource": "Data source",
     "job": "Scrape job",
@@ -120,14 +122,11 @@ class Scope:
         self.rank = "{" + ", ".join([*node, job, f'rank=~"${RANK}"']) + "}"
         self.device = "{" + ", ".join([*node, f'uuid=~"${GPU}"', job, f'rank=~"${RANK}"']) + "}"
         self.alerts = ", ".join(f'{label}=~"${var}|"' for var, label in targets if var != HOST)
-        # the selector of each target variable's own query: the variables before it
-        self.before: dict[str, str] = {}
-        for i, (var, _label) in enumerate(targets):
-            self.before[var] = "{" + ", ".join(base + node[len(base) : len(base) + i]) + "}"
 
 
-def _query_variable(name: str, query: str) -> dashboard.QueryVariable:
-    return (
+def _query_variable(name: str, query: str, all_value: str | None = ALL) -> dashboard.QueryVariable:
+    """A multi-value variable with All; ``all_value`` None leaves Grafana to expand All to the values offered."""
+    v = (
         dashboard.QueryVariable(name)
         .label(TITLES.get(name, name))
         .datasource(PROM)
@@ -137,28 +136,47 @@ def _query_variable(name: str, query: str) -> dashboard.QueryVariable:
         .sort(VariableSort.NATURAL_ASC)
         .multi(True)
         .include_all(True)
-        .all_value(ALL)
         .current(VariableOption(selected=True, text="All", value="$__all"))
     )
+    return v.all_value(all_value) if all_value is not None else v
 
 
-def _label_values(selector: str, label: str) -> str:
+def _label_values(names: tuple[str, ...], matchers: list[str], label: str) -> str:
+    """``label_values(selector, label)`` over the series of ``names`` that ``matchers`` select."""
+    if len(names) == 1:
+        selector = names[0] + ("{" + ", ".join(matchers) + "}" if matchers else "")
+    else:
+        selector = "{" + ", ".join([f'__name__=~"{"|".join(names)}"', *matchers]) + "}"
     return f"label_values({selector}, {label})"
 
 
 def variables(cfg: MonitoringConfig) -> list:
-    """datasource, the target's labels (job labels, node, host), gpu, job_id, rank: each narrowed by those before it."""
+    """datasource, the job labels, job_id, node, host, gpu, rank: each narrowed by those before it.
+
+    node and host list the targets of the chosen jobs' ranks: with job_id at All (".*") the selector
+    matches every target's build_info (which has no job_id: ``=~".*"`` matches the absent label),
+    with jobs chosen only their ranks' rank_info. host expands its All to those targets (see TITLES);
+    gpu lists the cards and MIG instances of the hosts left, rank the chosen jobs' ranks on them.
+    """
     s = Scope(cfg)
-    build_info = m("vramwatch_build_info")
+    build_info, rank_info = m("vramwatch_build_info"), m("vramwatch_rank_info")
+    targets = target_variables(cfg)
+    job_labels = [(var, label) for var, label in targets if var not in ("node", HOST)]
+    narrowed = [(var, label) for var, label in targets if var in ("node", HOST)]
+    chain = [cfg.selector] if cfg.selector else []
     out: list = [dashboard.DatasourceVariable("datasource").label(TITLES["datasource"]).type("prometheus")]
-    for var, label in target_variables(cfg):
-        selector = s.before[var] if s.before[var] != "{}" else ""
-        out.append(_query_variable(var, _label_values(f"{build_info}{selector}", label)))
+    for var, label in job_labels:
+        out.append(_query_variable(var, _label_values((build_info,), chain, label)))
+        chain.append(f'{label}=~"${var}"')
+    out.append(_query_variable(JOB, _label_values((rank_info,), chain, contract.JOB_ID)))
+    chain.append(f'{contract.JOB_ID}=~"${JOB}"')
+    for var, label in narrowed:
+        query = _label_values((build_info, rank_info), chain, label)
+        out.append(_query_variable(var, query, all_value=None if var == HOST else ALL))
+        chain.append(f'{label}=~"${var}"')
     # the cards and their MIG instances: a rank on an instance carries the instance's uuid (docs/MIG.md)
-    gpus = ", ".join(x for x in (f'__name__=~"{m("gpu_info")}|{m("gpu_mig_info")}"', s.node[1:-1]) if x)
-    out.append(_query_variable(GPU, _label_values("{" + gpus + "}", "uuid")))
-    out.append(_query_variable(JOB, _label_values(f"{m('vramwatch_rank_info')}{s.node}", contract.JOB_ID)))
-    out.append(_query_variable(RANK, _label_values(f"{m('vramwatch_rank_info')}{s.job}", "rank")))
+    out.append(_query_variable(GPU, _label_values((m("gpu_info"), m("gpu_mig_info")), [s.node[1:-1]], "uuid")))
+    out.append(_query_variable(RANK, f"label_values({rank_info}{s.job}, rank)"))
     return out
 
 

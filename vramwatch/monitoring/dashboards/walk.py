@@ -186,6 +186,15 @@ def spec(model: Any) -> DashboardSpec:
     return DashboardSpec(model.uid, model.title, model.description or "", rows, variables, annotations)
 
 
+def json_variables(d: dict[str, Any]) -> list[Variable]:
+    """The template variables of a dashboard's JSON (a generated file, as Grafana loads it), as :func:`spec`
+    reads them from the model."""
+    return [
+        Variable(v["name"], v["type"], v["query"] if isinstance(v.get("query"), str) else "", v.get("allValue") or "")
+        for v in d.get("templating", {}).get("list", [])
+    ]
+
+
 # --- template variables ---
 
 _VAR = re.compile(r"\$(?:\{(\w+)(?::([^}]*))?\}|(\w+))")
@@ -199,8 +208,15 @@ def regex_escape(value: str) -> str:
 
 
 def format_values(values: list[str] | None, all_value: str) -> str:
-    """What ``=~"$var"`` becomes: the all value for All (None), else the escaped values, ``(a|b)`` for several."""
+    """What ``=~"$var"`` becomes, as Grafana's Prometheus data source interpolates a multi-value variable.
+
+    ``None`` is All with a custom all value: that value, unescaped. A list (the values picked, or every
+    value offered when All has no custom value) becomes the escaped values: ``a`` for one, ``(a|b)`` for
+    several, ``()`` for none (it matches only a series without the label).
+    """
     if values is None:
+        if not all_value:
+            raise ValueError("All without a custom all value expands to the values offered: pass them")
         return all_value
     esc = [regex_escape(v) for v in values]
     return esc[0] if len(esc) == 1 else "(" + "|".join(esc) + ")"
