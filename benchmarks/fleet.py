@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import common  # puts the repository root on sys.path too
+import yaml
 from common import progress
 
 from harness import Prometheus, find_tool, http_get
@@ -518,6 +519,29 @@ def rule_times(prom: Prometheus) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def rule_groups_alone(prom: Prometheus, repeats: int) -> dict[str, dict[str, Any]]:
+    """Each group's rules one at a time, as instant queries at the clock in a Prometheus that evaluates no rules
+    (the records the rules wrote a moment before are still within the lookback): the group's time on a core
+    of its own, where the concurrent figure shares this machine's two cores among the eight groups. Each
+    expression is wrapped in ``count()`` so that encoding a large result does not count."""
+    out = {}
+    for path in sorted(RULES.glob("*.yml")):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            rules = []
+            for rule in group["rules"]:
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    prom.query(f"count({rule['expr']})", time.time(), timeout=300)
+                    times.append(time.perf_counter() - t0)
+                rules.append({"name": rule.get("record") or rule["alert"], "seconds": statistics.median(times)})
+            out[group["name"]] = {
+                "sum_s": sum(r["seconds"] for r in rules),
+                "rules": sorted(rules, key=lambda r: -r["seconds"]),
+            }
+    return out
+
+
 def _group_name(label: str) -> str:
     return label.rsplit(";", 1)[-1]  # "file;group"
 
@@ -764,6 +788,15 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
             )
         progress(f"fleet: rule groups, {args.evaluations} evaluations each")
         rules = rule_durations(prom, args.evaluations, args.evaluation_interval)
+    finally:
+        prom.stop()
+    # the rest without rules: what a group costs alone, and the panels without the rules' load beside them
+    cfg = prometheus_config([], args.evaluation_interval)
+    prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
+    try:
+        prom.start(timeout=900)
+        progress("fleet: each rule group alone, one rule at a time")
+        alone = rule_groups_alone(prom, args.repeats)
         panels, variables = {}, {}
         for sel in SELECTIONS:
             progress(f"fleet: dashboard panels over the 6 h before {time.ctime(hist.end)}, variables: {sel}")
@@ -782,6 +815,7 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
         "history": {"start": hist.start, "panels_end": hist.end, "until": hist.until},
         "blocks": blocks,
         "rule_groups": rules,
+        "rule_groups_alone": alone,
         "panels": panels,
         "variables": variables,
         "series": counts,
@@ -810,6 +844,7 @@ def _categories() -> list[tuple[str, str, float]]:
     """(key, label, limit) of each kind of timed thing."""
     return [
         ("rule_groups", "rule group", RULE_TARGET_S),
+        ("rule_groups_alone", "rule group alone", RULE_TARGET_S),
         *[(f"panels_{sel}", f"panel ({sel})", PANEL_TARGET_S) for sel in SELECTIONS],
         *[(f"variables_{sel}", f"variables ({sel})", PANEL_TARGET_S) for sel in SELECTIONS],
     ]
@@ -820,6 +855,8 @@ def _seconds(m: dict[str, Any], key: str) -> dict[str, float]:
     were timed has none of them)."""
     if key == "rule_groups":
         return {n: g["median_s"] for n, g in m["rule_groups"].items() if g.get("median_s") is not None}
+    if key == "rule_groups_alone":  # absent from a result recorded before it was measured
+        return {n: g["sum_s"] for n, g in m.get("rule_groups_alone", {}).items()}
     kind, sel = key.split("_", 1)
     if kind == "panels":
         return {n: p["seconds"] for n, p in m["panels"].get(sel, {}).items()}
@@ -830,7 +867,7 @@ def _seconds(m: dict[str, Any], key: str) -> dict[str, float]:
 def judged(key: str, name: str) -> bool:
     """The fleet dashboard is judged with every variable at All, the drill-down ones with one job chosen; the
     variables (the same on every dashboard) both ways, as they delay every panel."""
-    if key == "rule_groups" or key.startswith("variables_"):
+    if key.startswith(("rule_groups", "variables_")):
         return True
     fleet = name.startswith("vramwatch-fleet ")
     return key == ("panels_all" if fleet else "panels_job")
@@ -906,6 +943,9 @@ def slowest(result: dict[str, Any], miss: dict[str, Any], n: int = 2) -> list[st
     if miss["kind"] == "rule_groups":
         rules = last["rule_groups"].get(miss["name"], {}).get("rules", [])
         return [f"{_sec(r['seconds'])} {r['name']}: {' '.join(r['expr'].split())[:300]}" for r in rules[:n]]
+    if miss["kind"] == "rule_groups_alone":
+        rules = last["rule_groups_alone"].get(miss["name"], {}).get("rules", [])
+        return [f"{_sec(r['seconds'])} {r['name']}" for r in rules[:n]]
     kind, sel = miss["kind"].split("_", 1)
     if kind == "variables":
         queries = sorted(last["variables"][sel]["queries"].items(), key=lambda kv: -kv[1]["median_s"])

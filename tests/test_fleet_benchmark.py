@@ -242,8 +242,16 @@ def test_a_chosen_job_reads_the_gpus_of_its_nodes_alone_and_its_variables_are_ti
     prom.start(timeout=60)
     try:
         measured = {sel: fleet.panel_times(prom, end, 30.0, 1, sel) for sel in fleet.SELECTIONS}
+        alone = fleet.rule_groups_alone(prom, 1)
     finally:
         prom.stop()
+    # every shipped rule, each group's in turn (a rule Prometheus refused would have raised)
+    shipped = {
+        g["name"]: g["rules"] for p in fleet.RULES.glob("*.yml") for g in yaml.safe_load(p.read_text())["groups"]
+    }
+    assert {g: len(a["rules"]) for g, a in alone.items()} == {g: len(r) for g, r in shipped.items()}
+    for a in alone.values():
+        assert a["sum_s"] == pytest.approx(sum(r["seconds"] for r in a["rules"])) and a["sum_s"] > 0
     power = "vramwatch-gpu-health / Power against utilisation"
     for sel, nodes in (("all", 4), ("job", 2)):
         panels, variables = measured[sel]
