@@ -746,7 +746,8 @@ def run_trainer_segments(
     gate = _callback_gate(TrainerCallback)
     running = contextlib.ExitStack()
     segments: list[dict[str, Any]] = []
-    seen: dict[str, Any] = {"kind": "A", "port": None, "server_pid": None, "server": {}}  # the kind now; the last server
+    # the kind running now; the last B segment's server (port, pid, what its records carry)
+    seen: dict[str, Any] = {"kind": "A", "port": None, "server_pid": None, "server": {}}
     tokens: dict[str, Any] = {}
 
     def switch(kind: str, args: Any, state: Any, control: Any, kw: dict[str, Any]) -> dict[str, Any]:
