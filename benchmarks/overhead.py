@@ -1493,11 +1493,12 @@ def ratio_figures(ratios: list[float]) -> dict[str, Any]:
 def segment_figures(sequences: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """What the segments' order gives beyond summarize(), from each process's segments in time order.
 
-    - ``pairs``: B/A of each pair of neighbouring segments (as summarize's ratios), with intervals.
+    - ``pair_ratios``: B/A of each pair of neighbouring segments (summarize's ratios), with intervals.
     - ``adjacent_null``: neighbouring segments of the same kind (the A A and B B that the abba order puts at
-      every pair boundary), ``aa`` and ``bb``: the same distance apart as a pair's halves, each oriented
-      later/earlier and earlier/later in turn (as the pairs' B is after and before its A in turn), so a
-      steady drift cancels as it does in the pairs. ``aa`` is the A/A null of the figure.
+      every pair boundary), ``aa`` and ``bb``: the same distance apart as a pair's halves, each kind's
+      oriented later/earlier and earlier/later in turn (as the pairs' B is after and before its A in turn),
+      so a steady drift spreads them both ways instead of shifting them all (with an odd count, one more
+      way than the other). ``aa`` is the A/A null of the figure.
     - ``bracketed``: each B over the geometric mean of the nearest A before and after it.
     - ``resolution``: what the pairs can resolve: the sign-test interval of the median B/A, the overhead
       above which they rule out (its high end - 1), and whether the interval is narrower than 0.5 % (so it
@@ -1525,7 +1526,7 @@ def segment_figures(sequences: list[list[dict[str, Any]]]) -> dict[str, Any]:
                 bracket.append(t[i] / math.sqrt(before * after))
     p = ratio_figures(pairs)
     ci = p["sign_test_95"]
-    resolution: dict[str, Any] = {"interval": "sign_test_95 of pairs", "low": ci["low"], "high": ci["high"]}
+    resolution: dict[str, Any] = {"interval": "sign_test_95 of pair_ratios", "low": ci["low"], "high": ci["high"]}
     if ci["high"] is not None:
         resolution.update(
             rules_out_overhead_above=ci["high"] - 1.0,
@@ -1534,7 +1535,7 @@ def segment_figures(sequences: list[list[dict[str, Any]]]) -> dict[str, Any]:
         )
     return {
         "order": ["".join(s["kind"] for s in seq) for seq in sequences],
-        "pairs": p,
+        "pair_ratios": p,
         "adjacent_null": {"aa": ratio_figures(same["A"]), "bb": ratio_figures(same["B"])},
         "bracketed": ratio_figures(bracket),
         "resolution": resolution,
