@@ -798,13 +798,13 @@ def run_trainer_segments(
                         self.warmup_steps = self.n
                         self.enter(0, args, state, control, kw)
                     else:
-                        self.open()
+                        self.open(state)
                 return
             self.seg["step_s"].append(now - self.last)
             self.last = now
             if now - self.start < spec["run_s"]:
                 return
-            self.close()
+            self.close(state)
             nxt = self.i + 1
             if nxt % 2 == 0:  # a pair is in
                 self.pair_s.append(time.perf_counter() - self.pair_t0)
@@ -840,21 +840,23 @@ def run_trainer_segments(
             self.t0 = time.perf_counter()
             self.need_s = spec["warmup_s"]
 
-        def open(self) -> None:
+        def open(self, state: Any) -> None:
             sync()
             self.start = self.last = time.perf_counter()
             seg = self.seg
             seg.update(settle_steps=self.n, settle_s=self.start - self.t0, wall0=time.time())
+            seg["tokens0"] = state.num_input_tokens_seen
             seg["threads0"] = common.thread_cpu_seconds("vramwatch")
             seg["server0"] = common.proc_cpu_seconds(seg["server_pid"]) if seg.get("server_pid") else None
             self.timing = True
 
-        def close(self) -> None:
+        def close(self, state: Any) -> None:
             sync()
             end = time.perf_counter()
             seg, steps = self.seg, self.seg.pop("step_s")
             wall = end - self.start
             seg.update(
+                tokens_counted=state.num_input_tokens_seen - seg.pop("tokens0"),  # by the Trainer, in the window
                 steps=len(steps),
                 wall_s=wall,
                 step_time_s=wall / len(steps),

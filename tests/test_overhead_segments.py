@@ -119,7 +119,7 @@ def test_a_segments_run_without_vramwatch_and_b_segments_with_it(trainer_segment
     for s in a:
         p = s["probe"]
         assert p["vramwatch_threads"] == [] and not p["vramwatch_started"], s
-        assert not s["trainer_counts_tokens"]
+        assert not s["trainer_counts_tokens"] and s["tokens_counted"] == 0
         if s["segment"] > 0:  # after a B segment: its server is gone and its port refuses
             assert p["server_port_answers"] is False and p["server_alive"] is False, s
     assert segs[0]["vramwatch_loaded"] is False, "the first A segment runs before vramwatch is imported"
@@ -127,6 +127,7 @@ def test_a_segments_run_without_vramwatch_and_b_segments_with_it(trainer_segment
         p = s["probe"]
         assert "vramwatch-sampler" in p["vramwatch_threads"] and p["vramwatch_started"], s
         assert p["server_port_answers"] and p["server_alive"] and p["server_port"] == s["server_port"]
+        assert s["tokens_counted"] == s["steps"] * 2 * 16, "batch 2 x 16 tokens a step (tiny)"
         assert s["trainer_counts_tokens"] and s["scrape_url"].endswith(f":{s['server_port']}/metrics")
         assert s["server_up"] if s["switched"] else "server_up" not in s
         assert "vramwatch-sampler" in s["vramwatch_threads_cpu_s"]
