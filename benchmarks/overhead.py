@@ -14,7 +14,8 @@ times N steps by wall clock ended by one synchronize, and reports the mean
 step time (the ratio basis) and the median per-step time. B runs start
 vramwatch at default settings (plus their own port and spool, and linger=0 so
 their server leaves with them) and are scraped at 1 Hz by a separate process;
-A runs are not scraped (nothing listens there). See benchmarks/README.md.
+A runs are not scraped (nothing listens there). The segment designs (launch_bound, trainer_segments)
+run several A B pairs inside one fresh process instead: see child_segments. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -1607,6 +1608,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "ratios are with/without of adjacent runs; the null is each baseline over the next baseline.",
             "launch_bound runs its pairs as segments of a few processes (A: vramwatch not running, B: started "
             "fresh); launch_bound_fresh runs every A and B in a process of its own.",
+            "trainer_segments: one Trainer run cut into A and B segments (order abba by default); A: vramwatch "
+            "stopped, its server gone, its callback relayed no event; B: started, the callback relayed every event.",
             "pinned_core: the training thread (and the threads torch starts from it) alone on that CPU; the "
             "harness, vramwatch's sampler thread and its server on the others.",
         ],
