@@ -678,7 +678,7 @@ def _callback_gate(base: type) -> Any:
     """A Trainer callback that relays every event (``on_*``) to ``gate.inner`` while ``gate.on``, and
     does nothing otherwise: the user's callback, switched on and off between segments."""
 
-    class Gate(base):  # type: ignore[misc, valid-type]
+    class Gate(base):
         def __init__(self) -> None:
             self.inner: Any = None
             self.on = False
