@@ -879,13 +879,21 @@ def run_trainer_segments(
     clock = SegmentClock()
     trainer, info = _trainer_for(spec, dev, [gate, clock], tokens_in_a)
     t0 = time.perf_counter()
+    failure = None
     try:
         trainer.train()
+    except Exception:  # keep the whole pairs measured before it (minutes of GPU time)
+        whole = len(segments) - len(segments) % 2
+        if whole < 2:
+            raise
+        del segments[whole:]
+        failure = traceback.format_exc()
     finally:
         running.close()
     if len(segments) < 2:
         raise RuntimeError(f"the Trainer stopped before a pair of segments was in ({len(segments)} segments)")
     return {
+        "failure": failure,
         "model": info,
         "segments": segments,
         "warmup_steps": clock.warmup_steps,
@@ -1368,9 +1376,12 @@ def run_segment_pairs(
             + ", ".join(f"{a['step_time_s'] * 1000:.3f}/{b['step_time_s'] * 1000:.3f} ms" for a, b in pairs)
             + f" ({res['process_s']:.1f} s; ~{left:.0f} s left)"
         )
-        if res.get("truncated"):  # the process itself stopped at the deadline
+        if res.get("failure"):
+            errors += 1
+            common.progress(f"{tag} process {len(processes)} failed after {done} pairs (kept):\n{res['failure']}")
+        if res.get("truncated"):  # the process itself stopped at the deadline, or failed
             truncated = True
-            common.progress(f"{tag}: deadline reached inside the process after {done} of {args.pairs} pairs")
+            common.progress(f"{tag}: the process stopped after {done} of {args.pairs} pairs")
             break
     return {"runs": runs, "truncated": truncated, "errors": errors, "processes": processes, "sequences": sequences}
 
