@@ -101,7 +101,8 @@ TRAINER_ARGS="--run-seconds 2 --warmup-seconds 0.5 --tf-batch 8"
 GPM_ARGS="--pairs 8 --segment-seconds 4 --slow-interval 1"
 # issue 46.2 in one process: 24 pairs of 4 s segments (~54 steps of ~74 ms on an H100), a 1 s settle at every
 # boundary, order A B B A; a pair ~10.5 s, so ~4.5 min with the imports, the model and a 2 s first warm-up.
-# SEG_DEADLINE (320 s) stops it after the last pair that fits, so the phase ends within 6 minutes.
+# SEG_DEADLINE (320 s) stops it after the last pair that fits, so the phase ends within 6 minutes. SEG_EXTRA adds
+# arguments (--sham: an A/A run through the same design; --trainer-tokens-in-a: the Trainer counts tokens in A too).
 SEG_ARGS="--pairs ${SEG_PAIRS:-24} --segment-seconds 4 --segment-warmup-seconds 1 --warmup-seconds 2 --tf-batch 8"
 SEG_DEADLINE="${SEG_DEADLINE:-320}"
 if [ "$MODE" = quick ]; then WALK_ARGS="--device cuda --params 150,8000 --segments 1000"; GPM_ARGS="--pairs 2 --segment-seconds 2"; fi
@@ -112,6 +113,7 @@ if [ "$MODE" = smoke ]; then
   SEG_ARGS="--pairs 2 --pairs-per-process 2 --segment-seconds 0.3 --segment-warmup-seconds 0.1 --warmup-seconds 0.1"
 fi
 [ "$MODE" = quick ] && SEG_ARGS="--pairs 4 --segment-seconds 2 --segment-warmup-seconds 0.5 --warmup-seconds 1 --tf-batch 8"
+SEG_ARGS="$SEG_ARGS ${SEG_EXTRA:-}"
 CMD_WALKS="$PY benchmarks/roles_walk.py $WALK_ARGS --out $OUT/walks.json"
 
 if [ "$PLAN" = 1 ]; then

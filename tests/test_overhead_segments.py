@@ -136,16 +136,21 @@ def test_a_segments_run_without_vramwatch_and_b_segments_with_it(trainer_segment
     assert b[0]["server_pid"] == b[1]["server_pid"] != b[2]["server_pid"]
 
 
-def test_run_gpu_part6_runs_the_segments_under_its_own_deadline(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), SEG_DEADLINE="300")
+def _plan_part6(**env: str) -> str:
     p = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--plan", "--full", "part6"],
         capture_output=True,
         text=True,
-        env=env,
+        env=dict(os.environ, **env),
         timeout=30,
     )
     assert p.returncode == 0, p.stderr
     (line,) = [x for x in p.stdout.splitlines() if x.startswith("overhead:")]
+    return line.rstrip()
+
+
+def test_run_gpu_part6_runs_the_segments_under_its_own_deadline(tmp_path):
+    line = _plan_part6(OUT=str(tmp_path), SEG_DEADLINE="300")
     assert "--workloads trainer_segments" in line and "<min(left, 300)>" in line
     assert line.endswith("--pairs 24 --segment-seconds 4 --segment-warmup-seconds 1 --warmup-seconds 2 --tf-batch 8")
+    assert _plan_part6(OUT=str(tmp_path), SEG_EXTRA="--sham").endswith("--tf-batch 8 --sham")
