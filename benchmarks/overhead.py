@@ -14,17 +14,22 @@ times N steps by wall clock ended by one synchronize, and reports the mean
 step time (the ratio basis) and the median per-step time. B runs start
 vramwatch at default settings (plus their own port and spool, and linger=0 so
 their server leaves with them) and are scraped at 1 Hz by a separate process;
-A runs are not scraped (nothing listens there). See benchmarks/README.md.
+A runs are not scraped (nothing listens there). The segment designs (launch_bound, trainer_segments)
+run several A B pairs inside one fresh process instead: see child_segments. See benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -33,13 +38,22 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-WORKLOADS = ("direct", "launch_bound", "launch_bound_fresh", "transformer", "transformer_full", "trainer")
+WORKLOADS = (
+    "direct",
+    "launch_bound",
+    "launch_bound_fresh",
+    "transformer",
+    "transformer_full",
+    "trainer",
+    "trainer_segments",
+)
 PAIR_KEYS = (
     "median_ratio",
     "min_ratio",
@@ -211,14 +225,11 @@ def build_transformer(sz: dict, dev: Any, model_impl: str = "auto") -> tuple[Any
     }
 
 
-def run_trainer(spec: dict[str, Any], dev: Any, watched: bool) -> dict[str, Any]:
-    """GPT-2 trained by transformers' Trainer for a timed window; with ``watched``, vramwatch's Trainer
-    callback (watch(), tokens from ``include_num_input_tokens_seen``, the heartbeat, the logged loss).
-
-    Steps are timed by a callback of the benchmark's own (on_step_end): after warm-up one synchronize opens
-    the window, and the first step end past ``run_s`` closes it with another and stops training."""
+def _trainer_for(spec: dict[str, Any], dev: Any, callbacks: list[Any], count_tokens: bool) -> tuple[Any, dict]:
+    """transformers' Trainer over GPT-2 of ``spec``'s shape (random weights, random tokens, never-ending data):
+    the trainer and a description of the model and loop. ``count_tokens``: include_num_input_tokens_seen."""
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     sz = spec["sizes"]
     model, impl = gpt2_model(sz, dev, "hf")
@@ -233,6 +244,43 @@ def run_trainer(spec: dict[str, Any], dev: Any, watched: bool) -> dict[str, Any]
             ids = rows[i % len(rows)]
             return {"input_ids": ids, "labels": ids}
 
+    targs = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="vwbench-trainer-"),
+        per_device_train_batch_size=batch,
+        max_steps=10**6,
+        learning_rate=1e-4,
+        optim="adamw_torch",
+        bf16=dev.type == "cuda",
+        use_cpu=dev.type != "cuda",
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        include_num_input_tokens_seen=bool(count_tokens),
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=callbacks)
+    info = {
+        "model": impl,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "batch": batch,
+        "seq": seq,
+        "precision": "bf16 mixed (Trainer bf16=True)" if dev.type == "cuda" else "fp32",
+        "optimizer": "AdamW (adamw_torch)",
+        "loop": f"transformers.Trainer {__import__('transformers').__version__}",
+    }
+    return trainer, info
+
+
+def run_trainer(spec: dict[str, Any], dev: Any, watched: bool) -> dict[str, Any]:
+    """GPT-2 trained by transformers' Trainer for a timed window; with ``watched``, vramwatch's Trainer
+    callback (watch(), tokens from ``include_num_input_tokens_seen``, the heartbeat, the logged loss).
+
+    Steps are timed by a callback of the benchmark's own (on_step_end): after warm-up one synchronize opens
+    the window, and the first step end past ``run_s`` closes it with another and stops training."""
+    import torch
+    from transformers import TrainerCallback
+
     sync = torch.cuda.synchronize if dev.type == "cuda" else _noop
     marks: dict[str, Any] = {"steps": []}
 
@@ -241,6 +289,9 @@ def run_trainer(spec: dict[str, Any], dev: Any, watched: bool) -> dict[str, Any]
             self.t0 = time.perf_counter()
             self.n = 0
             self.last = 0.0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.t0 = time.perf_counter()  # the warm-up counts from the start of training, not the build
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.n += 1
@@ -266,22 +317,7 @@ def run_trainer(spec: dict[str, Any], dev: Any, watched: bool) -> dict[str, Any]
         from vramwatch.integrations.hf import VramwatchCallback
 
         callbacks.insert(0, VramwatchCallback())
-    targs = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="vwbench-trainer-"),
-        per_device_train_batch_size=batch,
-        max_steps=10**6,
-        learning_rate=1e-4,
-        optim="adamw_torch",
-        bf16=dev.type == "cuda",
-        use_cpu=dev.type != "cuda",
-        logging_steps=10,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        include_num_input_tokens_seen=bool(count_tokens),
-    )
-    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=callbacks)
+    trainer, info = _trainer_for(spec, dev, callbacks, bool(count_tokens))
     t0 = time.perf_counter()
     trainer.train()
     if "end" not in marks:
@@ -297,15 +333,7 @@ def run_trainer(spec: dict[str, Any], dev: Any, watched: bool) -> dict[str, Any]
         "window": [marks["wall0"], marks["wall1"]],
         "warmup_s": marks["start"] - t0,
         "trainer_counts_tokens": bool(count_tokens),
-        "model": {
-            "model": impl,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "batch": batch,
-            "seq": seq,
-            "precision": "bf16 mixed (Trainer bf16=True)" if dev.type == "cuda" else "fp32",
-            "optimizer": "AdamW (adamw_torch)",
-            "loop": f"transformers.Trainer {__import__('transformers').__version__}",
-        },
+        "model": info,
     }
     if watched:
         delta = common.cpu_delta(marks["threads0"], marks["threads1"])
@@ -589,11 +617,23 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def segment_kinds(pairs: int, order: str) -> list[str]:
+    """The kinds of ``pairs`` pairs of segments, in time order. ``ab``: A B A B ...; ``abba``: A B B A A B B A
+    ..., the order inside a pair alternating, so a drift over a few segments adds to half the pairs' ratios
+    and takes from the other half (spread, not bias), and vramwatch starts every other pair, not every pair."""
+    if order == "ab":
+        return ["A", "B"] * pairs
+    if order == "abba":
+        return [k for i in range(pairs) for k in (("A", "B") if i % 2 == 0 else ("B", "A"))]
+    raise ValueError(f"segment order {order!r}: give ab or abba")
+
+
 def child_segments(spec: dict[str, Any]) -> dict[str, Any]:
     """Several A B pairs in one process: the model is built once, then segments alternate A (vramwatch not
     running: never imported in the first, stopped and its server gone in the others) and B (vramwatch
     started fresh, as a fresh-process B run starts it). What differs between processes (where memory
-    lands, the state of the host) is shared by both halves of a pair instead of adding to its ratio."""
+    lands, the state of the host) is shared by both halves of a pair instead of adding to its ratio.
+    The trainer workload trains without a break instead (run_trainer_segments)."""
     torch, dev = _torch_for(spec)
     pin = spec.get("pin_core")
     others = set(os.sched_getaffinity(0)) if pin is not None else None
@@ -602,36 +642,273 @@ def child_segments(spec: dict[str, Any]) -> dict[str, Any]:
     tp = time.perf_counter()
     if dev.type == "cuda":
         torch.cuda.init()
+    kinds = segment_kinds(spec["pairs_in_process"], spec.get("segment_order", "ab"))
+    out["order"] = "".join(kinds)
+    if spec["workload"] == "trainer":
+        out.update(run_trainer_segments(spec, dev, kinds, pin, others))
+        _device_facts(torch, dev, out)
+        return out
     step_fn, winfo = build_launch_bound(spec["sizes"], dev)
     out["model"] = winfo
     out["build_s"] = time.perf_counter() - tp
     sync = torch.cuda.synchronize if dev.type == "cuda" else _noop
     segments: list[dict[str, Any]] = []
     out["segments"] = segments
-    for i in range(spec["pairs_in_process"]):
-        for kind in ("A", "B"):
-            seg: dict[str, Any] = {
-                "kind": kind,
-                "workload": spec["workload"],
-                "pair_in_process": i,
-                "pid": os.getpid(),
-                "pinned_core": pin,
-                "model": winfo,
-                "vramwatch_loaded": "vramwatch" in sys.modules,
-            }
-            if kind == "A" or spec.get("vramwatch") is None:  # None: --sham, B segments left alone too
-                seg.update(_measure(step_fn, sync, spec, spec["run_s"], None, watched=False))
-                seg["vramwatch_threads"] = sorted(common.thread_cpu_seconds("vramwatch"))
-            else:
-                seg.update(_b_segment(spec, step_fn, sync, pin, others))
-            segments.append(seg)
+    for i, kind in enumerate(kinds):
+        seg: dict[str, Any] = {
+            "kind": kind,
+            "workload": spec["workload"],
+            "pair_in_process": i // 2,
+            "pid": os.getpid(),
+            "pinned_core": pin,
+            "model": winfo,
+            "vramwatch_loaded": "vramwatch" in sys.modules,
+        }
+        if kind == "A" or spec.get("vramwatch") is None:  # None: --sham, B segments left alone too
+            seg.update(_measure(step_fn, sync, spec, spec["run_s"], None, watched=False))
+            seg["vramwatch_threads"] = sorted(common.thread_cpu_seconds("vramwatch"))
+        else:
+            seg.update(_b_segment(spec, step_fn, sync, pin, others))
+        segments.append(seg)
     _device_facts(torch, dev, out)
     return out
 
 
-def _b_segment(
-    spec: dict[str, Any], step_fn: Any, sync: Any, pin: int | None, others: set[int] | None
+def _callback_gate(base: type) -> Any:
+    """A Trainer callback that relays every event (``on_*``) to ``gate.inner`` while ``gate.on``, and
+    does nothing otherwise: the user's callback, switched on and off between segments."""
+
+    class Gate(base):
+        def __init__(self) -> None:
+            self.inner: Any = None
+            self.on = False
+
+    def relay(event: str) -> Any:
+        def method(self: Any, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            if self.on and self.inner is not None:
+                return getattr(self.inner, event)(args, state, control, **kw)
+            return None
+
+        return method
+
+    for event in [n for n in dir(base) if n.startswith("on_")]:
+        setattr(Gate, event, relay(event))
+    return Gate()
+
+
+def probe_vramwatch(port: int | None, server_pid: int | None) -> dict[str, Any]:
+    """What of vramwatch is alive in and beside this process now: its threads, whether the (last) B
+    segment's server port accepts a connection, whether that server process runs, whether a handle is
+    started. Read off the clock, at a segment's end."""
+    answers = None
+    if port is not None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                answers = True
+        except OSError:
+            answers = False
+    vw = sys.modules.get("vramwatch")
+    return {
+        "vramwatch_threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("vramwatch")),
+        "server_port": port,
+        "server_port_answers": answers,
+        "server_pid": server_pid,
+        "server_alive": common.pid_alive(server_pid) if server_pid else None,
+        "vramwatch_started": vw is not None and vw.current() is not None,
+    }
+
+
+def run_trainer_segments(
+    spec: dict[str, Any], dev: Any, kinds: list[str], pin: int | None, others: set[int] | None
 ) -> dict[str, Any]:
+    """The trainer workload as segments of one run: a Trainer trains without a break while a callback of
+    the benchmark's own (on_step_end) cuts the steps into segments of ``kinds``.
+
+    After the warm-up (``first_warmup_s``, at least ``warmup_steps``), every segment: switch vramwatch on or
+    off if its kind differs from the last one's, let ``warmup_s`` of steps pass untimed (at least
+    ``warmup_steps``; the settle, at every boundary, switched or not), synchronize, time steps until the
+    first step end past ``run_s``, synchronize: the segment's step time is that wall time over its steps.
+    Then probe_vramwatch (off the clock). Whole pairs only: training stops after the last pair, or
+    after a pair when the slowest pair so far would end past ``deadline_wall``.
+
+    B: vramwatch started fresh (its own server, the scraper on it), VramwatchCallback relayed every Trainer
+    event, its on_train_begin called at the switch (watch() of the Trainer's model and optimizer, the
+    token count's start) and the Trainer counting tokens. A: the callback gets no event, vramwatch is
+    stopped and its server gone, and the Trainer's token count is off (unless ``trainer_tokens_in_a``):
+    what the callback's tokens cost the Trainer is counted to vramwatch, as in the fresh-process pairs.
+    ``vramwatch`` None (--sham): B segments run as A ones."""
+    import torch
+    from transformers import TrainerCallback
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else _noop
+    live = spec.get("vramwatch") is not None
+    tokens_in_a = bool(spec.get("trainer_tokens_in_a"))
+    deadline = spec.get("deadline_wall") or float("inf")
+    gate = _callback_gate(TrainerCallback)
+    running = contextlib.ExitStack()
+    segments: list[dict[str, Any]] = []
+    # the kind running now; the last B segment's server (port, pid, what its records carry)
+    seen: dict[str, Any] = {"kind": "A", "port": None, "server_pid": None, "server": {}}
+    tokens: dict[str, Any] = {}
+
+    def switch(kind: str, args: Any, state: Any, control: Any, kw: dict[str, Any]) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        if kind == "B":
+            _, info = running.enter_context(_vramwatch_running(spec, pin, others))
+            seen.update(port=info["server_port"], server_pid=info.get("server_pid"))
+            seen["server"] = {k: info.get(k) for k in ("scrape_url", "server_port", "server_pid")}
+            if gate.inner is None:
+                from vramwatch.integrations.hf import VramwatchCallback
+
+                gate.inner = VramwatchCallback()
+            if not tokens_in_a:
+                args.include_num_input_tokens_seen = tokens["on"]
+            gate.inner.on_train_begin(args, state, control, **kw)  # as the Trainer calls it: watch(), tokens
+            gate.on = True
+        else:
+            gate.on = False
+            gate.inner.on_train_end(args, state, control, **kw)  # leaves the exporter: it did not start it
+            running.close()  # vramwatch.stop(), its server gone
+            if not tokens_in_a:
+                args.include_num_input_tokens_seen = tokens["off"]
+        seen["kind"] = kind
+        return info
+
+    class SegmentClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.i = -1  # the segment now; -1: the warm-up
+            self.timing = False
+            self.n = 0
+            self.t0 = self.start = self.last = self.pair_t0 = 0.0
+            self.need_s = spec.get("first_warmup_s", spec["warmup_s"])
+            self.seg: dict[str, Any] = {}
+            self.pair_s: list[float] = []
+            self.warmup_steps = 0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.t0 = time.perf_counter()
+            on = args.include_num_input_tokens_seen  # the TrainingArguments normalise a bool ("all"/"no")
+            tokens.update(on=on if tokens_in_a else ("all" if isinstance(on, str) else True), off=on)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            now = time.perf_counter()
+            self.n += 1
+            if not self.timing:
+                if self.n >= spec["warmup_steps"] and now - self.t0 >= self.need_s:
+                    if self.i < 0:
+                        self.warmup_steps = self.n
+                        self.enter(0, args, state, control, kw)
+                    else:
+                        self.open(state)
+                return
+            self.seg["step_s"].append(now - self.last)
+            self.last = now
+            if now - self.start < spec["run_s"]:
+                return
+            self.close(state)
+            nxt = self.i + 1
+            if nxt % 2 == 0:  # a pair is in
+                self.pair_s.append(time.perf_counter() - self.pair_t0)
+                if nxt == len(kinds) or time.time() + max(self.pair_s) > deadline:
+                    control.should_training_stop = True
+                    return
+            self.enter(nxt, args, state, control, kw)
+
+        def enter(self, i: int, args: Any, state: Any, control: Any, kw: dict[str, Any]) -> None:
+            kind = kinds[i]
+            t = time.perf_counter()
+            if i % 2 == 0:
+                self.pair_t0 = t
+            switched = live and kind != seen["kind"]
+            info = switch(kind, args, state, control, kw) if switched else {}
+            if live and kind == "B" and not switched:  # the server of the B segment before it goes on
+                info = dict(seen["server"])
+            self.seg = {
+                "kind": kind,
+                "workload": spec["workload"],
+                "segment": i,
+                "pair_in_process": i // 2,
+                "pid": os.getpid(),
+                "pinned_core": pin,
+                "switched": switched,
+                "switch_s": time.perf_counter() - t,
+                "vramwatch_loaded": "vramwatch" in sys.modules,
+                "trainer_counts_tokens": args.include_num_input_tokens_seen not in ("no", False, None),
+                "step_s": [],
+                **info,
+            }
+            self.i, self.n, self.timing = i, 0, False
+            self.t0 = time.perf_counter()
+            self.need_s = spec["warmup_s"]
+
+        def open(self, state: Any) -> None:
+            sync()
+            self.start = self.last = time.perf_counter()
+            seg = self.seg
+            seg.update(settle_steps=self.n, settle_s=self.start - self.t0, wall0=time.time())
+            seg["tokens0"] = state.num_input_tokens_seen
+            seg["threads0"] = common.thread_cpu_seconds("vramwatch")
+            seg["server0"] = common.proc_cpu_seconds(seg["server_pid"]) if seg.get("server_pid") else None
+            self.timing = True
+
+        def close(self, state: Any) -> None:
+            sync()
+            end = time.perf_counter()
+            seg, steps = self.seg, self.seg.pop("step_s")
+            wall = end - self.start
+            seg.update(
+                tokens_counted=state.num_input_tokens_seen - seg.pop("tokens0"),  # by the Trainer, in the window
+                steps=len(steps),
+                wall_s=wall,
+                step_time_s=wall / len(steps),
+                median_step_s=statistics.median(steps),
+                window=[seg.pop("wall0"), time.time()],
+            )
+            threads0, server0 = seg.pop("threads0"), seg.pop("server0")
+            if seg["kind"] == "B" and live:
+                delta = common.cpu_delta(threads0, common.thread_cpu_seconds("vramwatch"))
+                seg["vramwatch_threads_cpu_s"] = delta
+                seg["vramwatch_cpu_share"] = sum(delta.values()) / wall
+                server1 = common.proc_cpu_seconds(seg["server_pid"]) if seg.get("server_pid") else None
+                if server0 is not None and server1 is not None:
+                    seg["server_cpu_share"] = (server1 - server0) / wall
+            seg["probe"] = probe_vramwatch(seen["port"], seen["server_pid"])
+            segments.append(seg)
+            self.timing = False
+
+    clock = SegmentClock()
+    trainer, info = _trainer_for(spec, dev, [gate, clock], tokens_in_a)
+    t0 = time.perf_counter()
+    failure = None
+    try:
+        trainer.train()
+    except Exception:  # keep the whole pairs measured before it (minutes of GPU time)
+        whole = len(segments) - len(segments) % 2
+        if whole < 2:
+            raise
+        del segments[whole:]
+        failure = traceback.format_exc()
+    finally:
+        running.close()
+    if len(segments) < 2:
+        raise RuntimeError(f"the Trainer stopped before a pair of segments was in ({len(segments)} segments)")
+    return {
+        "failure": failure,
+        "model": info,
+        "segments": segments,
+        "warmup_steps": clock.warmup_steps,
+        "train_s": time.perf_counter() - t0,
+        "pair_s": clock.pair_s,
+        "truncated": len(segments) < len(kinds),
+    }
+
+
+@contextlib.contextmanager
+def _vramwatch_running(
+    spec: dict[str, Any], pin: int | None, others: set[int] | None
+) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """vramwatch started fresh for one B segment (its own port and spool, the parent's scraper pointed at
+    it), then stopped with its server gone, so the next A segment runs without any of it."""
     external = spec.get("external_server")  # a sidecar-style server the harness runs for the whole process
     if external:
         port, spool = external["port"], external["spool_dir"]
@@ -646,6 +923,24 @@ def _b_segment(
         if not external:
             common.write_url_file(spec["scrape_url_file"], url)  # the parent's 1 Hz scraper follows it
         seg["scrape_url"] = url
+        seg["server_port"] = port
+        yield vw, seg
+    finally:
+        import vramwatch
+
+        vramwatch.stop()
+        if not external:
+            common.write_url_file(spec["scrape_url_file"], "")
+            server_pid = common.server_pid_in(spool)
+            if server_pid:  # its server would otherwise linger into the next A segment
+                common.stop_pid(server_pid)
+            shutil.rmtree(spool, ignore_errors=True)
+
+
+def _b_segment(
+    spec: dict[str, Any], step_fn: Any, sync: Any, pin: int | None, others: set[int] | None
+) -> dict[str, Any]:
+    with _vramwatch_running(spec, pin, others) as (vw, seg):
         seg.update(
             _measure(
                 _with_step(vw, step_fn, spec.get("pass_loss", True), spec.get("watch", True)),
@@ -658,16 +953,6 @@ def _b_segment(
         )
         seg["threads"] = sorted(common.thread_cpu_seconds(""))
         seg["vramwatch_loaded"] = "vramwatch" in sys.modules
-    finally:
-        import vramwatch
-
-        vramwatch.stop()
-        if not external:
-            common.write_url_file(spec["scrape_url_file"], "")
-            server_pid = common.server_pid_in(spool)
-            if server_pid:  # its server would otherwise linger into the next A segment
-                common.stop_pid(server_pid)
-            shutil.rmtree(spool, ignore_errors=True)
     return seg
 
 
@@ -792,8 +1077,11 @@ class Runner:
             shutil.rmtree(spool, ignore_errors=True)
         return res
 
-    def run_segments(self, workload: str, pairs: int, vw: dict[str, Any] | None) -> dict[str, Any]:
-        """``pairs`` A B pairs of segments in one fresh process (see child_segments)."""
+    def run_segments(
+        self, workload: str, pairs: int, vw: dict[str, Any] | None, deadline: float = float("inf")
+    ) -> dict[str, Any]:
+        """``pairs`` A B pairs of segments in one fresh process (see child_segments); the trainer workload
+        stops after the last pair that ends before ``deadline`` (time.monotonic())."""
         a = self.args
         spec, result, logf = self._spec(
             workload,
@@ -802,7 +1090,13 @@ class Runner:
             vramwatch=vw,
             spool_root=self.shm,
             scrape_url_file=self.scraper.url_file,
+            segment_order=a.segment_order or ("abba" if workload == "trainer" else "ab"),
+            first_warmup_s=a.warmup_seconds,
         )
+        if deadline != float("inf"):
+            spec["deadline_wall"] = time.time() + deadline - time.monotonic()
+        if a.segment_seconds is not None:
+            spec["run_s"] = a.segment_seconds
         if a.segment_warmup_seconds is not None:
             spec["warmup_s"] = a.segment_warmup_seconds
         server = self._external_server() if a.segment_server == "external" and vw is not None else None
@@ -812,7 +1106,7 @@ class Runner:
         t0 = time.monotonic()
         try:
             res = self._run_spec(
-                spec, result, logf, a.run_timeout + pairs * 2 * (a.run_seconds + a.warmup_seconds + 25)
+                spec, result, logf, a.run_timeout + pairs * 2 * (spec["run_s"] + a.warmup_seconds + 25)
             )
         finally:
             if server:
@@ -1036,29 +1330,36 @@ def run_pairs(
     return {"runs": runs, "truncated": truncated, "errors": errors}
 
 
-def run_segment_pairs(runner: Runner, args: argparse.Namespace, workload: str, deadline: float) -> dict[str, Any]:
-    """A B segment pairs, ``--pairs-per-process`` to a fresh process, until ``--pairs`` are in."""
+def run_segment_pairs(
+    runner: Runner, args: argparse.Namespace, workload: str, deadline: float, label: str = ""
+) -> dict[str, Any]:
+    """A B segment pairs, ``--pairs-per-process`` to a fresh process, until ``--pairs`` are in. ``label``
+    names the figure in progress lines (default: the workload); ``sequences`` keeps each process's segments
+    in time order."""
+    tag = label or workload
+    per = args.pairs_per_process or (args.pairs if workload == "trainer" else 5)  # the trainer: one run
     runs: dict[str, list[dict]] = {"without": [], "with": []}
+    sequences: list[list[dict]] = []
     processes: list[dict[str, Any]] = []
     proc_s: list[float] = []
     truncated = False
     errors = 0
     while len(runs["with"]) < args.pairs:
-        k = min(args.pairs_per_process, args.pairs - len(runs["with"]))
-        est = statistics.mean(proc_s) * k / args.pairs_per_process if proc_s else 0.0
+        k = min(per, args.pairs - len(runs["with"]))
+        est = statistics.mean(proc_s) * k / per if proc_s else 0.0
         if time.monotonic() + est > deadline:
             truncated = True
-            common.progress(f"{workload}: deadline reached after {len(runs['with'])} of {args.pairs} pairs; stopping")
+            common.progress(f"{tag}: deadline reached after {len(runs['with'])} of {args.pairs} pairs; stopping")
             break
-        res = runner.run_segments(workload, k, None if args.sham else {})
+        res = runner.run_segments(workload, k, None if args.sham else {}, deadline)
         segs = res.pop("segments", [])
         processes.append(res)
         if "error" in res:
             errors += 1
-            common.progress(f"{workload} process {len(processes)} FAILED:\n{res['error']}{res.get('log_tail', '')}")
+            common.progress(f"{tag} process {len(processes)} FAILED:\n{res['error']}{res.get('log_tail', '')}")
             if not runs["with"] or errors >= 3:
                 common.progress(
-                    f"{workload}: {'the first process' if not runs['with'] else 'three processes'} "
+                    f"{tag}: {'the first process' if not runs['with'] else 'three processes'} "
                     "failed; skipping the rest of this workload"
                 )
                 break
@@ -1066,15 +1367,23 @@ def run_segment_pairs(runner: Runner, args: argparse.Namespace, workload: str, d
         proc_s.append(res["process_s"])
         for seg in segs:
             runs["without" if seg["kind"] == "A" else "with"].append(seg)
+        sequences.append(segs)
         done = len(runs["with"])
-        left = (args.pairs - done) / args.pairs_per_process * statistics.mean(proc_s)
-        pairs = zip(segs[0::2], segs[1::2], strict=True)
+        left = (args.pairs - done) / per * statistics.mean(proc_s)
+        pairs = [sorted(p, key=lambda s: s["kind"]) for p in zip(segs[0::2], segs[1::2], strict=True)]
         common.progress(
-            f"{workload} process {len(processes)} ({done}/{args.pairs} pairs): "
+            f"{tag} process {len(processes)} ({done}/{args.pairs} pairs, A/B): "
             + ", ".join(f"{a['step_time_s'] * 1000:.3f}/{b['step_time_s'] * 1000:.3f} ms" for a, b in pairs)
             + f" ({res['process_s']:.1f} s; ~{left:.0f} s left)"
         )
-    return {"runs": runs, "truncated": truncated, "errors": errors, "processes": processes}
+        if res.get("failure"):
+            errors += 1
+            common.progress(f"{tag} process {len(processes)} failed after {done} pairs (kept):\n{res['failure']}")
+        if res.get("truncated"):  # the process itself stopped at the deadline, or failed
+            truncated = True
+            common.progress(f"{tag}: the process stopped after {done} of {args.pairs} pairs")
+            break
+    return {"runs": runs, "truncated": truncated, "errors": errors, "processes": processes, "sequences": sequences}
 
 
 def summarize(
@@ -1153,6 +1462,100 @@ def summarize(
     return out
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> dict[str, Any]:
+    """The sign test's interval for the median, free of any assumed distribution: the k-th smallest and the
+    k-th largest value, k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2, with its exact
+    coverage. No interval (None) when n is too small to reach ``confidence`` (fewer than 6 at 95 %)."""
+    n, s = len(values), sorted(values)
+    below, k = 0.0, 0  # below: P(X <= k - 1)
+    for j in range(n):
+        p = sum(math.comb(n, i) for i in range(j + 1)) / 2**n
+        if p > (1 - confidence) / 2:
+            break
+        below, k = p, j + 1
+    if k == 0:
+        return {"low": None, "high": None, "coverage": None, "n": n}
+    return {"low": s[k - 1], "high": s[n - k], "coverage": 1 - 2 * below, "n": n}
+
+
+def bootstrap_median_interval(
+    values: list[float], confidence: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> dict[str, Any]:
+    """Percentile bootstrap interval of the median (resampling the values with replacement; fixed seed)."""
+    if len(values) < 2:
+        return {"low": None, "high": None, "resamples": 0}
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = int(resamples * (1 - confidence) / 2)
+    return {"low": meds[tail], "high": meds[resamples - 1 - tail], "resamples": resamples, "seed": seed}
+
+
+def ratio_figures(ratios: list[float]) -> dict[str, Any]:
+    """Median, min..max and both 95 % intervals of the median of a list of ratios."""
+    z = common.spread(ratios)
+    return {
+        "n": len(ratios),
+        "median": z["median"],
+        "min": z["min"],
+        "max": z["max"],
+        "sign_test_95": median_interval(ratios),
+        "bootstrap_95": bootstrap_median_interval(ratios),
+        "ratios": ratios,
+    }
+
+
+def segment_figures(sequences: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """What the segments' order gives beyond summarize(), from each process's segments in time order.
+
+    - ``pair_ratios``: B/A of each pair of neighbouring segments (summarize's ratios), with intervals.
+    - ``adjacent_null``: neighbouring segments of the same kind (the A A and B B that the abba order puts at
+      every pair boundary), ``aa`` and ``bb``: the same distance apart as a pair's halves, each kind's
+      oriented later/earlier and earlier/later in turn (as the pairs' B is after and before its A in turn),
+      so a steady drift spreads them both ways instead of shifting them all (with an odd count, one more
+      way than the other). ``aa`` is the A/A null of the figure.
+    - ``bracketed``: each B over the geometric mean of the nearest A before and after it.
+    - ``resolution``: what the pairs can resolve: the sign-test interval of the median B/A, the overhead
+      above which they rule out (its high end - 1), and whether the interval is narrower than 0.5 % (so it
+      cannot hold both no overhead and xpu-timer's stated 0.5 %).
+    """
+    pairs: list[float] = []
+    same: dict[str, list[float]] = {"A": [], "B": []}
+    bracket: list[float] = []
+    for seq in sequences:
+        t = [s["step_time_s"] for s in seq]
+        k = [s["kind"] for s in seq]
+        for i in range(0, len(seq) - 1, 2):
+            a, b = (t[i], t[i + 1]) if k[i] == "A" else (t[i + 1], t[i])
+            pairs.append(b / a)
+        for i in range(len(seq) - 1):
+            if k[i] == k[i + 1]:
+                later_over_earlier = len(same[k[i]]) % 2 == 0
+                same[k[i]].append(t[i + 1] / t[i] if later_over_earlier else t[i] / t[i + 1])
+        for i, kind in enumerate(k):
+            if kind != "B":
+                continue
+            before = next((t[j] for j in range(i - 1, -1, -1) if k[j] == "A"), None)
+            after = next((t[j] for j in range(i + 1, len(k)) if k[j] == "A"), None)
+            if before and after:
+                bracket.append(t[i] / math.sqrt(before * after))
+    p = ratio_figures(pairs)
+    ci = p["sign_test_95"]
+    resolution: dict[str, Any] = {"interval": "sign_test_95 of pair_ratios", "low": ci["low"], "high": ci["high"]}
+    if ci["high"] is not None:
+        resolution.update(
+            rules_out_overhead_above=ci["high"] - 1.0,
+            width=ci["high"] - ci["low"],
+            narrower_than_half_percent=ci["high"] - ci["low"] < 0.005,
+        )
+    return {
+        "order": ["".join(s["kind"] for s in seq) for seq in sequences],
+        "pair_ratios": p,
+        "adjacent_null": {"aa": ratio_figures(same["A"]), "bb": ratio_figures(same["B"])},
+        "bracketed": ratio_figures(bracket),
+        "resolution": resolution,
+    }
+
+
 def _prewarm(args: argparse.Namespace, wanted: list[str]) -> None:
     """Pay the imports once here; every forked run inherits them. Touches no CUDA and no vramwatch.
 
@@ -1163,7 +1566,7 @@ def _prewarm(args: argparse.Namespace, wanted: list[str]) -> None:
     import torch
 
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its first construction imports torch._dynamo
-    if "trainer" in wanted:
+    if "trainer" in wanted or "trainer_segments" in wanted:
         from transformers import Trainer  # noqa: F401 - the Trainer's imports (accelerate, datasets) too
 
         if torch.cuda.is_initialized():  # an import reached CUDA: a forked run could not use it
@@ -1216,6 +1619,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "ratios are with/without of adjacent runs; the null is each baseline over the next baseline.",
             "launch_bound runs its pairs as segments of a few processes (A: vramwatch not running, B: started "
             "fresh); launch_bound_fresh runs every A and B in a process of its own.",
+            "trainer_segments: one Trainer run cut into A and B segments (order abba by default); A: vramwatch "
+            "stopped, its server gone, its callback relayed no event; B: started, the callback relayed every event.",
             "pinned_core: the training thread (and the threads torch starts from it) alone on that CPU; the "
             "harness, vramwatch's sampler thread and its server on the others.",
         ],
@@ -1234,7 +1639,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if "launch_bound" in wanted:
             common.progress(
                 f"launch_bound: {args.pairs} pairs of {args.run_seconds:g} s segments (A B A B ...), "
-                f"{args.pairs_per_process} pairs to a process"
+                f"{args.pairs_per_process or 5} pairs to a process"
             )
             r = run_segment_pairs(runner, args, "launch_bound", deadline)
             out["launch_bound"] = summarize("launch_bound", r["runs"], "without", "with", {}, r["truncated"], [])
@@ -1288,6 +1693,40 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 "include_num_input_tokens_seen=True" + (" (in A too)" if args.trainer_tokens_in_a else " (A: off)")
             )
             save()
+        if "trainer_segments" in wanted:
+            seg_s = args.segment_seconds or args.run_seconds
+            settle = args.segment_warmup_seconds if args.segment_warmup_seconds is not None else args.warmup_seconds
+            order = args.segment_order or "abba"
+            common.progress(
+                f"trainer_segments: {args.pairs} pairs of {seg_s:g} s segments ({order}) in one Trainer run, "
+                f"{settle:g} s settle at every boundary; B: vramwatch started, VramwatchCallback relayed"
+            )
+            r = run_segment_pairs(runner, args, "trainer", deadline, label="trainer_segments")
+            res = summarize("trainer_segments", r["runs"], "without", "with", {}, r["truncated"], [])
+            res.update(
+                design=(
+                    f"in-process segments, order {order}, {seg_s:g} s each after a {settle:g} s settle; A: "
+                    "VramwatchCallback gets no event, vramwatch stopped and its server gone"
+                    + (", the Trainer counts tokens" if args.trainer_tokens_in_a else ", the Trainer's token count off")
+                    + "; B: vramwatch.start() (own server, scraped at 1 Hz), VramwatchCallback relayed every event "
+                    "(on_train_begin at the switch: watch(), tokens), the Trainer counting tokens"
+                ),
+                segment_seconds=seg_s,
+                settle_seconds=settle,
+                processes=r["processes"],
+                model=next((x.get("model") for x in r["processes"] if "model" in x), None),
+                **segment_figures(r["sequences"]),
+            )
+            out["trainer_segments"] = res
+            rz = res["resolution"]
+            if rz.get("high") is not None:
+                aa = res["adjacent_null"]["aa"]
+                common.progress(
+                    f"trainer_segments: median B/A {rz['low']:.4f}..{rz['high']:.4f} (sign test, 95 %); "
+                    f"adjacent A/A median {aa['median'] if aa['median'] is None else round(aa['median'], 4)} "
+                    f"over {aa['n']}; rules out an overhead above {rz['rules_out_overhead_above'] * 100:.2f} %"
+                )
+            save()
     finally:
         runner.close()
         out["metadata"]["elapsed_s"] = time.monotonic() - started
@@ -1300,6 +1739,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 if "error" not in x
             ),
             None,
+        )
+        first = first or next(
+            (x for x in (out.get("trainer_segments") or {}).get("processes", []) if "error" not in x), None
         )
         if first:
             out["metadata"].setdefault("torch", first.get("torch"))
@@ -1430,14 +1872,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--pairs-per-process",
         type=int,
-        default=5,
-        help="launch_bound: A B segment pairs in each fresh process (default 5)",
+        default=None,
+        help="segment designs: pairs in each fresh process (default: launch_bound 5, trainer_segments all)",
     )
     p.add_argument(
         "--segment-warmup-seconds",
         type=float,
         default=None,
-        help="launch_bound: warm-up before each segment (default: --warmup-seconds)",
+        help="segment designs: warm-up (settle) before each segment (default: --warmup-seconds)",
+    )
+    p.add_argument(
+        "--segment-seconds",
+        type=float,
+        default=None,
+        help="segment designs (launch_bound, trainer_segments): timed seconds per segment (default: --run-seconds)",
+    )
+    p.add_argument(
+        "--segment-order",
+        choices=("ab", "abba"),
+        default=None,
+        help="segment designs: A B A B (ab) or A B B A A B B A (abba: the order inside a pair alternates); "
+        "default ab for launch_bound, abba for trainer_segments",
     )
     p.add_argument(
         "--segment-server",
@@ -1464,7 +1919,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sizes = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in SIZES[size].items()}
     if args.pairs is None:
         args.pairs = 4 if args.quick else 20
-    if args.pairs_per_process < 1:
+    if args.pairs_per_process is not None and args.pairs_per_process < 1:
         p.error(f"--pairs-per-process {args.pairs_per_process}: needs at least 1")
     args.pin = None if args.child or args.merge or args.check else resolve_pin(args.pin_core)
     if args.direct_seconds is None:

@@ -6,16 +6,18 @@
 #   OUT=/some/dir bash benchmarks/run_gpu.sh --full part2     # ~8 min: transformer pairs, scrape
 #   OUT=/some/dir bash benchmarks/run_gpu.sh --full part3     # ~2 min: fragmentation
 #   OUT=/some/dir bash benchmarks/run_gpu.sh --full part5     # ~9.5 min: issue 46: the walks, Trainer pairs, GPM
+#   OUT=/some/dir bash benchmarks/run_gpu.sh --full part6     # ~5 min: issue 46.2: 24 A/B segment pairs in one Trainer run
 #   bash benchmarks/run_gpu.sh --plan --full part1            # print the commands only
 #   OUT=/tmp/x bash benchmarks/run_gpu.sh --smoke all         # no GPU: tiny CPU/simulated runs (CI smoke test)
 #
 # Parts: tests direct launch launch_fresh transformer scrape fragmentation direct_nopin launch_short rss walks
-# trainer gpm, or the
+# trainer gpm trainer_segments, or the
 # groups part1 (tests direct launch launch_fresh), part2 (transformer scrape), part3 (fragmentation),
 # part4 (direct_nopin: the direct cost with placement left to the scheduler; launch_short: 100 pairs of
 # 1 s launch-bound segments against one sidecar server), part5 (walks: the role walk at 100k parameters and the
 # allocator snapshot at 10k segments; trainer: GPT-2 in transformers' Trainer, A/B pairs with vramwatch's
-# callback; gpm: a GPU-bound step with the GPM collector on and off), all (parts 1-3). launch_fresh
+# callback; gpm: a GPU-bound step with the GPM collector on and off), part6 (trainer_segments: the Trainer
+# workload as A/B segments of one training run, abba order, at most SEG_DEADLINE s), all (parts 1-3). launch_fresh
 # (launch-bound pairs with every run a process of its own, a cross-check) takes what part1 leaves.
 # BUDGET (seconds, default 570) bounds one invocation: each phase gets at most what is left (the
 # overhead benchmark stops starting pairs in time and keeps what it measured; the others are cut by
@@ -40,14 +42,15 @@ for a in "$@"; do
     --full) MODE=full ;;
     --smoke) MODE=smoke ;;
     --plan) PLAN=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     part1) PARTS+=(tests direct launch launch_fresh) ;;
     part2) PARTS+=(transformer scrape) ;;
     part3) PARTS+=(fragmentation) ;;
     part4) PARTS+=(direct_nopin launch_short) ;;
     part5) PARTS+=(walks trainer gpm) ;;
+    part6) PARTS+=(trainer_segments) ;;
     all) PARTS+=(tests direct launch launch_fresh transformer scrape fragmentation) ;;
-    tests|direct|launch|launch_fresh|transformer|scrape|fragmentation|direct_nopin|launch_short|rss|walks|trainer|gpm) PARTS+=("$a") ;;
+    tests|direct|launch|launch_fresh|transformer|scrape|fragmentation|direct_nopin|launch_short|rss|walks|trainer|gpm|trainer_segments) PARTS+=("$a") ;;
     *) echo "unknown argument: $a" >&2; exit 2 ;;
   esac
 done
@@ -96,12 +99,21 @@ WALK_ARGS="--device cuda --params 150,1000,8000,100000 --segments 10000"
 # pairs fit beside the walks and GPM; GPM: 8 pairs of 4 s segments, GPM read every second
 TRAINER_ARGS="--run-seconds 2 --warmup-seconds 0.5 --tf-batch 8"
 GPM_ARGS="--pairs 8 --segment-seconds 4 --slow-interval 1"
+# issue 46.2 in one process: 24 pairs of 4 s segments (~54 steps of ~74 ms on an H100), a 1 s settle at every
+# boundary, order A B B A; a pair ~10.5 s, so ~4.5 min with the imports, the model and a 2 s first warm-up.
+# SEG_DEADLINE (320 s) stops it after the last pair that fits, so the phase ends within 6 minutes. SEG_EXTRA adds
+# arguments (--sham: an A/A run through the same design; --trainer-tokens-in-a: the Trainer counts tokens in A too).
+SEG_ARGS="--pairs ${SEG_PAIRS:-24} --segment-seconds 4 --segment-warmup-seconds 1 --warmup-seconds 2 --tf-batch 8"
+SEG_DEADLINE="${SEG_DEADLINE:-320}"
 if [ "$MODE" = quick ]; then WALK_ARGS="--device cuda --params 150,8000 --segments 1000"; GPM_ARGS="--pairs 2 --segment-seconds 2"; fi
 if [ "$MODE" = smoke ]; then
   WALK_ARGS="--device cpu --params 150,2000 --segments 2000 --repeats 2"
   TRAINER_ARGS="--run-seconds 0.3 --warmup-seconds 0.05"
   GPM_ARGS="--device cpu --pairs 2 --segment-seconds 0.5 --warmup-seconds 0.1"
+  SEG_ARGS="--pairs 2 --pairs-per-process 2 --segment-seconds 0.3 --segment-warmup-seconds 0.1 --warmup-seconds 0.1"
 fi
+[ "$MODE" = quick ] && SEG_ARGS="--pairs 4 --segment-seconds 2 --segment-warmup-seconds 0.5 --warmup-seconds 1 --tf-batch 8"
+SEG_ARGS="$SEG_ARGS ${SEG_EXTRA:-}"
 CMD_WALKS="$PY benchmarks/roles_walk.py $WALK_ARGS --out $OUT/walks.json"
 
 if [ "$PLAN" = 1 ]; then
@@ -118,6 +130,7 @@ if [ "$PLAN" = 1 ]; then
   has walks && echo "walks: $CMD_WALKS"
   has trainer && echo "overhead: $(overhead_cmd trainer "$OUT/overhead-trainer.json" '<left>' "$TRAINER_ARGS")"
   has gpm && echo "gpm: $PY benchmarks/gpm_cost.py $GPM_ARGS --deadline <left> --out $OUT/gpm_cost.json"
+  has trainer_segments && echo "overhead: $(overhead_cmd trainer_segments "$OUT/overhead-trainer-segments.json" "<min(left, $SEG_DEADLINE)>" "$SEG_ARGS")"
   exit 0
 fi
 
@@ -224,6 +237,10 @@ if has gpm; then
   D=$(( $(left) - 15 )); [ "$D" -lt 20 ] && D=20
   phase gpm $((D + 30)) $PY benchmarks/gpm_cost.py $GPM_ARGS --deadline "$D" --out "$OUT/gpm_cost.json"
 fi
+if has trainer_segments; then
+  D=$(( $(left) - 20 )); [ "$D" -gt "$SEG_DEADLINE" ] && D=$SEG_DEADLINE; [ "$D" -lt 30 ] && D=30
+  phase overhead-trainer-segments $((D + 40)) $(overhead_cmd trainer_segments "$OUT/overhead-trainer-segments.json" "$D" "$SEG_ARGS")
+fi
 if [ -f "$OUT/overhead-part1.json" ] && [ -f "$OUT/overhead-part2.json" ]; then
   $PY benchmarks/overhead.py --merge "$OUT/overhead-part1.json" "$OUT/overhead-part2.json" --out "$OUT/overhead.json"
 fi
@@ -243,7 +260,7 @@ def r4(v):
 def ms(v):
     return "n/a" if v is None else f"{v * 1000:.2f} ms"
 for n in ("overhead-part1.json", "overhead-part2.json", "overhead-direct-nopin.json", "overhead-short.json",
-          "overhead-trainer.json"):
+          "overhead-trainer.json", "overhead-trainer-segments.json"):
     d = load(n)
     if not d:
         continue
@@ -256,7 +273,7 @@ for n in ("overhead-part1.json", "overhead-part2.json", "overhead-direct-nopin.j
         parts = (d.get("direct") or {}).get("sample_parts_cpu_share") or {}
         if parts:
             print("  by part (% of a core): " + ", ".join(f"{k} {v * 100:.4f}" for k, v in sorted(parts.items())))
-    for w in ("launch_bound", "launch_bound_fresh", "transformer", "transformer_full", "trainer"):
+    for w in ("launch_bound", "launch_bound_fresh", "transformer", "transformer_full", "trainer", "trainer_segments"):
         o = d.get(w)
         if o and o.get("median_ratio") is not None:
             st = o["step_times"]["without"]
@@ -264,6 +281,14 @@ for n in ("overhead-part1.json", "overhead-part2.json", "overhead-direct-nopin.j
                   f"{r4(o['null_median_ratio'])} [{r4(o['null_min_ratio'])}, {r4(o['null_max_ratio'])}], "
                   f"{o['pairs']} pairs, step {ms(sorted(st)[len(st) // 2])}, truncated={o['truncated']}, "
                   f"errors={o['errors']}")
+        if o and o.get("pair_ratios"):  # the segment design's intervals and neighbouring-segment nulls
+            pr, aa, bb, rz = o["pair_ratios"], o["adjacent_null"]["aa"], o["adjacent_null"]["bb"], o["resolution"]
+            ci = lambda f, k: f"{r4(f[k]['low'])}..{r4(f[k]['high'])}"
+            above = "n/a" if rz.get("high") is None else f"{rz['rules_out_overhead_above'] * 100:.2f}%"
+            print(f"  order {o['order']}; B/A median {r4(pr['median'])}, 95% sign test {ci(pr, 'sign_test_95')}, "
+                  f"bootstrap {ci(pr, 'bootstrap_95')}; adjacent A/A {r4(aa['median'])} [{r4(aa['min'])}, "
+                  f"{r4(aa['max'])}] n={aa['n']}, sign test {ci(aa, 'sign_test_95')}; adjacent B/B "
+                  f"{r4(bb['median'])} n={bb['n']}; bracketed {r4(o['bracketed']['median'])}; rules out above {above}")
 s = load("scrape.json")
 if s:
     for k, v in (s.get("vramwatch") or {}).items():
