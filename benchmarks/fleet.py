@@ -522,7 +522,7 @@ def rule_times(prom: Prometheus) -> dict[str, list[dict[str, Any]]]:
 def rule_groups_alone(prom: Prometheus, repeats: int) -> dict[str, dict[str, Any]]:
     """Each group's rules one at a time, as instant queries at the clock in a Prometheus that evaluates no rules
     (the records the rules wrote a moment before are still within the lookback): the group's time on a core
-    of its own, where the concurrent figure shares this machine's two cores among the eight groups. Each
+    of its own, where the concurrent figure shares this machine's two cores among all the groups. Each
     expression is wrapped in ``count()`` so that encoding a large result does not count."""
     out = {}
     for path in sorted(RULES.glob("*.yml")):

@@ -123,8 +123,8 @@ def stall_mean(cfg: MonitoringConfig) -> str:
 
 # Recorded series that rules and dashboards share (level:metric:operations). Each is computed once per
 # evaluation, so that alerts and panels over long ranges read one small series instead of the raw families.
-# progress group: per rank, vramwatch_training_step_duration_seconds' mean over straggler_window, its skew
-# against the job's median, and its mean over stall_window (the stall bound's)
+# pace group: per rank, vramwatch_training_step_duration_seconds' mean over straggler_window and its skew
+# against the job's median; progress group: its mean over stall_window (the stall bound's)
 STEP_MEAN_RECORD = "vramwatch:training_step_duration_seconds:mean"
 STEP_SKEW_RECORD = "vramwatch:training_step_duration_seconds:skew_ratio"
 STALL_MEAN_RECORD = "vramwatch:training_step_duration_seconds:stall_window_mean"
@@ -134,8 +134,8 @@ STEP_QUANTILE_RECORDS = {
     0.99: "vramwatch:training_step_duration_seconds:p99",
 }
 # progress group: per rank and GPU, the heartbeat's age where the rank is stalled past the busy floor with the
-# hang signature; per rank, own work per step (step time less collective waits) and its ratio to its job's
-# median, and the data wait per step over its job's median
+# hang signature; pace group: per rank, own work per step (step time less collective waits) and its ratio to
+# its job's median, and the data wait per step over its job's median
 BUSY_STALL_RECORD = "vramwatch:training_busy_stall:age_seconds"
 OWN_MEAN_RECORD = "vramwatch:training_own_seconds_per_step:mean"
 OWN_SKEW_RECORD = "vramwatch:training_own_seconds_per_step:skew_ratio"

@@ -296,12 +296,16 @@ def throughput_drop(cfg: MonitoringConfig) -> dict:
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
+    """The stalls: a group of their own, so that the hang page never waits behind the straggler records."""
     return [
         # first: the stall bounds below read it in the same evaluation
         {"record": STALL_MEAN_RECORD, "expr": stall_mean(cfg)},
         {"record": BUSY_STALL_RECORD, "expr": busy_stalls(cfg)},
         hang_page(cfg),
         idle_stall(cfg),
-        *stragglers(cfg),
-        throughput_drop(cfg),
     ]
+
+
+def pace_rules(cfg: MonitoringConfig) -> list[dict]:
+    """A rank slower than its job (and the records that find it), a job slower than itself."""
+    return [*stragglers(cfg), throughput_drop(cfg)]

@@ -12,16 +12,18 @@ from vramwatch.monitoring import dashboard_ids
 from vramwatch.monitoring.alerts import allocator, contention, exporter, health, incidents, memory, panels, progress
 from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, shown
 
-# (group name, module, the dashboard its alerts link to): the order of the rule file
+# (group name, its rules, the dashboard its alerts link to): the order of the rule file. Prometheus evaluates
+# the groups concurrently and a group's rules one after another, so a group's time is the sum of its rules'.
 AREAS = (
-    ("vramwatch-memory", memory, dashboard_ids.TRAINING_MEMORY_UID),
-    ("vramwatch-allocator", allocator, dashboard_ids.TRAINING_MEMORY_UID),
-    ("vramwatch-progress", progress, dashboard_ids.TRAINING_MEMORY_UID),
-    ("vramwatch-incidents", incidents, dashboard_ids.TRAINING_MEMORY_UID),
-    ("vramwatch-health", health, dashboard_ids.GPU_HEALTH_UID),
-    ("vramwatch-contention", contention, dashboard_ids.TRAINING_MEMORY_UID),
-    ("vramwatch-exporter", exporter, dashboard_ids.FLEET_UID),
-    ("vramwatch-panels", panels, dashboard_ids.TRAINING_MEMORY_UID),  # recorded series only
+    ("vramwatch-memory", memory.rules, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-allocator", allocator.rules, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-progress", progress.rules, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-pace", progress.pace_rules, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-incidents", incidents.rules, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-health", health.rules, dashboard_ids.GPU_HEALTH_UID),
+    ("vramwatch-contention", contention.rules, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-exporter", exporter.rules, dashboard_ids.FLEET_UID),
+    ("vramwatch-panels", panels.rules, dashboard_ids.TRAINING_MEMORY_UID),  # recorded series only
 )
 # alerts whose dashboard is not their area's
 DASHBOARD_OF = {"GPUForeignProcess": dashboard_ids.GPU_HEALTH_UID}
@@ -58,7 +60,7 @@ def _of_job(cfg: MonitoringConfig, rule: dict[str, Any]) -> dict[str, Any]:
 
 
 def _raw(cfg: MonitoringConfig) -> list[tuple[str, list[dict[str, Any]], str]]:
-    return [(name, [_of_job(cfg, r) for r in module.rules(cfg)], uid) for name, module, uid in AREAS]
+    return [(name, [_of_job(cfg, r) for r in rules(cfg)], uid) for name, rules, uid in AREAS]
 
 
 def all_alert_names() -> set[str]:
