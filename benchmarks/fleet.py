@@ -148,6 +148,7 @@ RECORD_SOURCES = {
     promql.MEMORY_RATIO_RECORD: "gpu_memory_used_bytes",
 }
 INSTANT_RECORDS = (
+    promql.BUDGET_RATIO_RECORD,
     promql.XID_EVENTS_RECORD,
     promql.GPU_JOB_RECORD,
     promql.RECOVERY_ACTION_RECORD,

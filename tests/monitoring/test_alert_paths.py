@@ -198,7 +198,8 @@ def test_disabled_alerts_go_and_a_group_keeps_only_its_records():
     cfg = dataclasses.replace(DEFAULT, disabled_alerts=names)
     assert [g["name"] for g in rules.groups(cfg)] == [g for g, _, _ in rules.AREAS]
     memory = next(g for g in rules.groups(cfg) if g["name"] == "vramwatch-memory")
-    assert [r.get("record") for r in memory["rules"]] == [promql.MEMORY_RATIO_RECORD]  # the dashboards read it
+    # the dashboards read the card's ratio; the records stay whichever alerts are off
+    assert [r.get("record") for r in memory["rules"]] == [promql.MEMORY_RATIO_RECORD, promql.BUDGET_RATIO_RECORD]
     assert not set(names) & set(rules.alert_names(cfg))
     assert set(rules.alert_names(DEFAULT)) - set(names) == set(rules.alert_names(cfg))
 

@@ -59,10 +59,8 @@ def test_the_issue_rule_set_is_there():
     recorded = {r["record"]: r["expr"] for g in groups() for r in g["rules"] if "record" in r}
     assert by[("GPUMemoryUsageHigh", "critical")]["expr"].startswith(f"{promql.MEMORY_RATIO_RECORD} > 0.95")
     assert "gpu_memory_used_bytes / gpu_memory_total_bytes" in recorded[promql.MEMORY_RATIO_RECORD]
-    assert (
-        "torch_cuda_memory_reserved_bytes / torch_cuda_memory_limit_bytes"
-        in by[("TorchMemoryBudgetHigh", "critical")]["expr"]
-    )
+    assert by[("TorchMemoryBudgetHigh", "critical")]["expr"].startswith(f"{promql.BUDGET_RATIO_RECORD} > 0.95")
+    assert recorded[promql.BUDGET_RATIO_RECORD] == "torch_cuda_memory_reserved_bytes / torch_cuda_memory_limit_bytes"
     assert by[("TorchMemoryLeak", "warning")]["expr"].startswith(promql.LEAK_PROJECTION_RECORD)
     assert recorded[promql.LEAK_PROJECTION_RECORD].startswith(
         "predict_linear(torch_cuda_memory_step_peak_allocated_bytes"

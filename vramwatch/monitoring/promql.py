@@ -150,8 +150,9 @@ XID_EVENTS_RECORD = "vramwatch:gpu_xid_errors:recent"
 GPU_JOB_RECORD = "vramwatch:gpu_job:newest"
 # health group: per GPU, the recovery action NVML asks for (only where it asks for one)
 RECOVERY_ACTION_RECORD = "vramwatch:gpu_recovery_action:pending"
-# memory group: per card or MIG instance, NVML used / total
+# memory group: per card or MIG instance, NVML used / total; per rank and device, reserved / its budget
 MEMORY_RATIO_RECORD = "vramwatch:gpu_memory_used_bytes:ratio"
+BUDGET_RATIO_RECORD = "vramwatch:torch_cuda_memory_reserved_bytes:limit_ratio"
 RECORDS = (
     STEP_MEAN_RECORD,
     STEP_SKEW_RECORD,
@@ -167,6 +168,7 @@ RECORDS = (
     GPU_JOB_RECORD,
     RECOVERY_ACTION_RECORD,
     MEMORY_RATIO_RECORD,
+    BUDGET_RATIO_RECORD,
 )
 
 

@@ -51,11 +51,7 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
     frag = metric(cfg, "torch_cuda_memory_fragmentation_ratio")
     reserved = metric(cfg, "torch_cuda_memory_reserved_bytes")
     limit = metric(cfg, "torch_cuda_memory_limit_bytes")
-    peak = metric(cfg, "torch_cuda_memory_step_peak_allocated_bytes")
-    leak_w = duration(cfg.leak_window)
     return [
-        # first: the leak alert reads it in the same evaluation; the dashboard's projection reads it too
-        {"record": LEAK_PROJECTION_RECORD, "expr": leak_projection(cfg)},
         alert(
             "TorchAllocatorRetries",
             f"increase({retries}[{duration(cfg.alloc_retry_window)}]) > {num(cfg.alloc_retries_max)}",
@@ -86,6 +82,17 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             "of its budget: a large request can fail although the card shows memory free.",
             cfg.fragmentation_for,
         ),
+    ]
+
+
+def leak_rules(cfg: MonitoringConfig) -> list[dict]:
+    """The leak projection over an hour of every rank's step peak: a group of its own beside the fast alerts."""
+    limit = metric(cfg, "torch_cuda_memory_limit_bytes")
+    peak = metric(cfg, "torch_cuda_memory_step_peak_allocated_bytes")
+    leak_w = duration(cfg.leak_window)
+    return [
+        # first: the leak alert reads it in the same evaluation; the dashboard's projection reads it too
+        {"record": LEAK_PROJECTION_RECORD, "expr": leak_projection(cfg)},
         alert(
             "TorchMemoryLeak",
             f"{metric(cfg, LEAK_PROJECTION_RECORD)} > {limit}\nand {peak} offset {leak_w}",

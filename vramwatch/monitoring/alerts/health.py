@@ -114,11 +114,9 @@ def xid_rules(cfg: MonitoringConfig) -> list[dict]:
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
-    ecc = metric(cfg, "gpu_ecc_errors_total", 'type="uncorrected"')
-    remapped = metric(cfg, "gpu_remapped_rows", 'kind=~"pending|failure"')
-    throttle = metric(cfg, "gpu_clock_throttle", f'reason=~"{regex(cfg.throttle_reasons)}"')
+    """What ends a GPU's job: Xid events, a recovery action, a lost GPU (incidents.GPU_CAUSES)."""
     return [
-        # first: the cause alerts (incidents.GPU_CAUSES) read it in the same evaluation
+        # first: the cause alerts read it in the same evaluation
         {"record": GPU_JOB_RECORD, "expr": incidents.gpu_jobs(cfg)},
         *xid_rules(cfg),
         alert(
@@ -130,6 +128,15 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
             "The node needs a reboot; the job on it is lost.",
             cfg.gpu_lost_for,
         ),
+    ]
+
+
+def device_rules(cfg: MonitoringConfig) -> list[dict]:
+    """What wears or slows a GPU without ending its job: ECC errors, remapped rows, throttling."""
+    ecc = metric(cfg, "gpu_ecc_errors_total", 'type="uncorrected"')
+    remapped = metric(cfg, "gpu_remapped_rows", 'kind=~"pending|failure"')
+    throttle = metric(cfg, "gpu_clock_throttle", f'reason=~"{regex(cfg.throttle_reasons)}"')
+    return [
         alert(
             "GPUEccUncorrectedErrors",
             f"increase({ecc}[{duration(cfg.ecc_window)}]) > 0",

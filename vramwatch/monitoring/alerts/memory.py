@@ -17,6 +17,7 @@ from __future__ import annotations
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.mig import memory_ratio
 from vramwatch.monitoring.promql import (
+    BUDGET_RATIO_RECORD,
     CRITICAL,
     DEVICE_WHERE,
     GPU_WHERE,
@@ -60,11 +61,13 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
                 for_,
             )
         )
+    # before the budget alerts: both levels read it, where each read both families before
+    out.append({"record": BUDGET_RATIO_RECORD, "expr": f"{reserved} / {limit}"})
     for severity, ratio, for_ in _levels(cfg):
         out.append(
             alert(
                 "TorchMemoryBudgetHigh",
-                f"{reserved} / {limit} > {num(ratio)}",
+                f"{metric(cfg, BUDGET_RATIO_RECORD)} > {num(ratio)}",
                 severity,
                 f"A rank's allocator holds more than {percent(ratio)} of its memory budget.",
                 f"{DEVICE_WHERE}: the caching allocator reserves {VALUE_PERCENT} of the rank's budget "

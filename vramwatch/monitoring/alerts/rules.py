@@ -17,10 +17,12 @@ from vramwatch.monitoring.config import DEFAULT, MonitoringConfig, shown
 AREAS = (
     ("vramwatch-memory", memory.rules, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-allocator", allocator.rules, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-leak", allocator.leak_rules, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-progress", progress.rules, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-pace", progress.pace_rules, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-incidents", incidents.rules, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-health", health.rules, dashboard_ids.GPU_HEALTH_UID),
+    ("vramwatch-device", health.device_rules, dashboard_ids.GPU_HEALTH_UID),
     ("vramwatch-contention", contention.rules, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-exporter", exporter.rules, dashboard_ids.FLEET_UID),
     ("vramwatch-panels", panels.rules, dashboard_ids.TRAINING_MEMORY_UID),  # recorded series only
