@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-window", type=float, default=60.0, help="idle seconds over which CPU shares are read")
     p.add_argument("--jobs", type=int, default=1, help="promtools backfilling at once")
     p.add_argument("--file-gb", type=float, default=2.0, help="largest OpenMetrics file to write at once")
-    p.add_argument("--quiet-seconds", type=float, default=60.0, help="compaction counts still this long: done")
+    p.add_argument("--quiet-seconds", type=float, default=90.0, help="compaction counts still this long: done")
     p.add_argument("--work", help="where the run's directory (both TSDBs, removed at the end) is made")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
