@@ -259,6 +259,7 @@ def test_the_rules_timed_are_every_shipped_rule_and_their_reach_is_read_from_the
     assert fleet_head.lookback_s("up == 0") == 0
 
 
+@pytest.mark.e2e
 def test_a_real_prometheus_scrapes_each_simulated_node_as_its_own_target(tmp_path, prometheus):
     f = fleet.Fleet.build(_with_records(), nodes=3, per_job=1, up=False)
     with fleet_head.FleetServer(f, origin=1_800_000_000.0) as server:
@@ -274,7 +275,7 @@ def test_a_real_prometheus_scrapes_each_simulated_node_as_its_own_target(tmp_pat
         assert {(r["metric"]["instance"], r["metric"]["hostname"]) for r in per_node} == {
             (f"{fleet.node_name(i)}:9488", fleet.node_name(i)) for i in range(3)
         }
-        stored = prom.query(f'{{instance="node-0001:9488", __name__!~"scrape_.*|up"}}')
+        stored = prom.query('{instance="node-0001:9488", __name__!~"scrape_.*|up"}')
         served = _identities(fleet_head.exposition(f, 1, time.time(), 0.0))
         assert sorted(sorted(r["metric"].items()) for r in stored) == sorted(
             sorted({"__name__": name, **labels}.items()) for name, labels, *_ in served
