@@ -228,6 +228,7 @@ def time_all(proms: dict[str, Prometheus], queries: list[Query], repeats: int) -
                 "median_s": statistics.median(vals),
                 "min_s": min(vals),
                 "max_s": max(vals),
+                "runs_s": vals,  # by round: both sides' n-th runs were at the same instant, a pair
                 "result_series": sorted(results[(n, side)]),
             }
         row["ratio_blocks_over_head"] = _ratio(row["blocks"]["median_s"], row["head"]["median_s"])
