@@ -278,9 +278,10 @@ class Fleet:
         """How many of a node's series are scraped ones (the rest are records)."""
         return sum(1 for k in self.kinds if k != "record")
 
-    def lines(self, node: int, k: int, t: float) -> str:
-        """Node ``node``'s samples at sample number ``k`` (time ``t``), one OpenMetrics line each."""
-        ts = f" {t:.3f}\n"
+    def lines(self, node: int, k: int, t: float, stamp: bool = True) -> str:
+        """Node ``node``'s samples at sample number ``k`` (time ``t``), one OpenMetrics line each; without
+        ``stamp``, no timestamps (a live scrape's exposition: the scraper stamps it)."""
+        ts = f" {t:.3f}\n" if stamp else "\n"
         fixed = self._fixed()[k % len(JITTER)]
         clock = repr(t - 1.0)
         out = []

@@ -1,6 +1,7 @@
 """benchmarks/fleet.py's pure parts (the fleet's identities, its OpenMetrics history, the dashboards' queries,
-the curve) and benchmarks/roles_walk.py on the CPU. The fleet run itself needs minutes and is not part of
-the suite (benchmarks/README.md)."""
+the curve), benchmarks/fleet_head.py's live expositions (parsed, served, scraped by a real Prometheus) and
+benchmarks/roles_walk.py on the CPU. The fleet runs themselves need minutes and are not part of the suite
+(benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import subprocess
 import time
 
 import fleet
+import fleet_head
 import pytest
 import roles_walk
 import yaml
 
-from harness import find_tool
+from harness import find_tool, http_get
 from harness.servers import EXPORTER_JOB
 from vramwatch.monitoring import promql
 from vramwatch.monitoring.dashboards.walk import TimeContext, substitute, variable_names
@@ -266,3 +268,79 @@ def test_a_chosen_job_reads_the_gpus_of_its_nodes_alone_and_its_variables_are_ti
     job = measured["job"][1]["queries"]
     assert 'job_id=~"job-0000"' in job["host"]["selector"]
     assert job["gpu"]["selector"].count("node-000") == 2  # narrowed to the two hosts host expanded to
+
+
+def _identities(text: str) -> list[tuple[str, dict[str, str], float, float | None]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        (s.name, dict(s.labels), s.value, s.timestamp)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    ]
+
+
+def test_each_node_serves_the_backfills_samples_of_the_moment_as_a_live_exposition():
+    f = fleet.Fleet.build(_with_records(), nodes=3, per_job=1, up=False)
+    origin, t = 1_800_000_000.0, 1_800_000_000.0 + 15 * 40 + 7
+    for node in range(3):
+        served = _identities(fleet_head.exposition(f, node, t, origin))
+        assert len(served) == f.per_node() and all(ts is None for *_, ts in served), "the scraper stamps it"
+        assert {labels["instance"] for _, labels, *_ in served} == {f"{fleet.node_name(node)}:9488"}
+        assert {labels["job"] for _, labels, *_ in served} == {EXPORTER_JOB}
+        hosts = {labels["hostname"] for _, labels, *_ in served if "hostname" in labels}
+        assert hosts == {fleet.node_name(node)}
+        # the same values the backfill writes for that sample number
+        backfilled = _parse(f.lines(node, 40, t))
+        assert [(n, lab, v) for n, lab, v, _ in backfilled] == [(n, lab, v) for n, lab, v, _ in served]
+    uuids = [
+        {labels["uuid"] for name, labels, *_ in _identities(fleet_head.exposition(f, n, t, origin)) if "uuid" in labels}
+        for n in range(3)
+    ]
+    assert not (uuids[0] & uuids[1]) and not (uuids[1] & uuids[2]), "every node has GPUs of its own"
+    later = dict(
+        ((n, tuple(sorted(lab.items()))), v)
+        for n, lab, v, _ in _identities(fleet_head.exposition(f, 0, t + 150, origin))
+    )
+    now = dict(
+        ((n, tuple(sorted(lab.items()))), v) for n, lab, v, _ in _identities(fleet_head.exposition(f, 0, t, origin))
+    )
+    count = next(k for k in now if k[0] == "vramwatch_training_step_duration_seconds_count")
+    assert later[count] == pytest.approx(now[count] + 10 * fleet.SCRAPE_INTERVAL), "counters move with the clock"
+
+
+def test_the_rules_timed_are_every_shipped_rule_and_their_reach_is_read_from_the_expression():
+    queries = fleet_head.rule_queries()
+    shipped = [
+        r for p in fleet.RULES.glob("*.yml") for g in yaml.safe_load(p.read_text())["groups"] for r in g["rules"]
+    ]
+    assert [q.expr for q in queries] == [r["expr"] for r in shipped]
+    assert len({(q.group, q.name) for q in queries}) == len(queries), "warning and critical twins stay apart"
+    assert fleet_head.lookback_s("rate(x[1h] offset 10m) / rate(x[5m:30s])") == 4200
+    assert fleet_head.lookback_s("up == 0") == 0
+
+
+@pytest.mark.e2e
+def test_a_real_prometheus_scrapes_each_simulated_node_as_its_own_target(tmp_path, prometheus):
+    f = fleet.Fleet.build(_with_records(), nodes=3, per_job=1, up=False)
+    with fleet_head.FleetServer(f, origin=1_800_000_000.0) as server:
+        assert http_get(server.url + "?node=3", 5)[0] == 404
+        code, body = http_get(server.url + "?node=2", 5)
+        assert code == 200 and b'instance="node-0002:9488"' in body
+        prom = prometheus([], config=fleet_head.head_config(server.port, 3, interval=1.0))
+        scraped = prom.wait_for(
+            f'count_over_time(up{{job="{EXPORTER_JOB}"}}[1m]) >= 2', timeout=20, check=lambda r: len(r) == 3
+        )
+        assert sorted(r["metric"]["instance"] for r in scraped) == [f"{fleet.node_name(i)}:9488" for i in range(3)]
+        per_node = prom.query(f'count by (instance, hostname) ({{job="{EXPORTER_JOB}", hostname!=""}})')
+        assert {(r["metric"]["instance"], r["metric"]["hostname"]) for r in per_node} == {
+            (f"{fleet.node_name(i)}:9488", fleet.node_name(i)) for i in range(3)
+        }
+        stored = prom.query('{instance="node-0001:9488", __name__!~"scrape_.*|up"}')
+        served = _identities(fleet_head.exposition(f, 1, time.time(), 0.0))
+        assert sorted(sorted(r["metric"].items()) for r in stored) == sorted(
+            sorted({"__name__": name, **labels}.items()) for name, labels, *_ in served
+        ), "every served series, with the labels the backfill gives it"
+        q = fleet_head.Query("g", "r", "count(torch_cuda_memory_allocated_bytes)")
+        seconds, series = fleet_head.timed(prom, q, time.time())
+        assert seconds > 0 and series == 1
