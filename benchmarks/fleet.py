@@ -973,6 +973,20 @@ def update_doc(result: dict[str, Any], path: Path = DOC) -> None:
     path.write_text(text)
 
 
+def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Results of separate runs as one: the first's metadata, every run's sizes (each size once)."""
+    merged = {**results[0], "measurements": []}
+    for r in results:
+        for m in r["measurements"]:
+            if any(x["nodes"] == m["nodes"] for x in merged["measurements"]):
+                raise SystemExit(f"fleet: {m['nodes']} nodes are measured in more than one of the results")
+            merged["measurements"].append(m)
+    merged["measurements"].sort(key=lambda m: m["nodes"])
+    merged["merged_from"] = [r["meta"] for r in results]
+    merged["summary"] = summary(merged["measurements"], per_job=merged["settings"]["nodes_per_job"])
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="125,250,500,1000", help="fleet sizes, comma-separated")
@@ -1003,16 +1017,24 @@ def main(argv: list[str] | None = None) -> int:
         help="fill the TSDB in --work for each size and keep a compacted copy of it in --work/sizes/N, measuring "
         "nothing; a later run with the same --work measures each size from its copy",
     )
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet.json"))
+    p.add_argument("--out", help="the result (default benchmarks/results/fleet.json; with --doc-from, the merged one)")
     p.add_argument("--doc", action="store_true", help="write the table into docs/scale.md")
-    p.add_argument("--doc-from", metavar="JSON", help="only write docs/scale.md's table from a recorded result")
+    p.add_argument(
+        "--doc-from",
+        metavar="JSON",
+        nargs="+",
+        help="only write docs/scale.md's table from recorded results (several: their sizes merged, e.g. sizes "
+        "measured in separate runs)",
+    )
     args = p.parse_args(argv)
     if args.doc_from:
-        recorded = common.read_json(args.doc_from)
-        recorded["summary"] = summary(recorded["measurements"], per_job=recorded["settings"]["nodes_per_job"])
+        recorded = merge_results([common.read_json(f) for f in args.doc_from])
+        if args.out:
+            common.write_json(args.out, recorded)
         update_doc(recorded)
         print(render_table(recorded))
         return 0
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "fleet.json")
     if find_tool("prometheus") is None or find_tool("promtool") is None:
         print("fleet: needs Debian's prometheus and promtool (make tools, or TEST_TOOLS_DIR)", file=sys.stderr)
         return 2

@@ -153,6 +153,14 @@ def test_sizes_not_measured_are_extrapolated_and_misses_name_what_is_judged():
     missed = {(m["kind"], m["name"]) for m in s["misses"]}
     # the fleet dashboard at All, the drill-down one with a job chosen
     assert missed == {("panels_all", "vramwatch-fleet / p")}
+    # a group alone is judged too; sizes measured in separate runs merge into one curve, each size once
+    alone = {**size(1000, 0.1), "rule_groups_alone": {"g": {"sum_s": 1.5}}}
+    run = {"meta": {"date": "x"}, "settings": {"nodes_per_job": 16}}
+    merged = fleet.merge_results([{**run, "measurements": [alone]}, {**run, "measurements": [size(100, 0.1)]}])
+    assert [m["nodes"] for m in merged["measurements"]] == [100, 1000] and merged["summary"]["target_measured"]
+    assert ("rule_groups_alone", "g") in {(m["kind"], m["name"]) for m in merged["summary"]["misses"]}
+    with pytest.raises(SystemExit, match="100 nodes"):
+        fleet.merge_results([{**run, "measurements": [size(100, 0.1)]}] * 2)
 
 
 def test_the_walks_script_measures_both_walks_on_the_cpu(tmp_path):
