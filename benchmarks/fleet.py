@@ -621,11 +621,12 @@ def time_query(prom: Prometheus, q: PanelQuery, tc: TimeContext, values: dict[st
 
 
 def panel_times(
-    prom: Prometheus, end: float, step: float, repeats: int, selection: str
+    prom: Prometheus, end: float, step: float, repeats: int, selection: str, judged_only: bool = False
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Each panel's query time over the 6 h before ``end`` with the variables of ``selection``, and each
     variable's own query time (median of ``repeats`` openings; ``in_turn_s``: their sum, as Grafana waits for
-    each variable before the next that it narrows)."""
+    each variable before the next that it narrows). ``judged_only``: only the panels judged with that
+    selection (the drill-down dashboards at All read the whole fleet and take longest)."""
     tc = TimeContext(start=end - PANEL_RANGE, end=end, step=step, scrape_interval=SCRAPE_INTERVAL)
     client = PromClient(prom.url, timeout=600)
     openings = [variable_values(selection, client, tc) for _ in range(repeats)]
@@ -645,7 +646,9 @@ def panel_times(
         + ", ".join(f"{name} {v['options']}" for name, v in timed.items())
     )
     panels: dict[str, dict[str, Any]] = {}
-    queries = panel_queries()
+    queries = [
+        q for q in panel_queries() if not judged_only or judged(f"panels_{selection}", f"{q.dashboard} / {q.panel}")
+    ]
     for n, q in enumerate(queries):
         runs_s = []
         series = 0
@@ -802,7 +805,7 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
         panels, variables = {}, {}
         for sel in SELECTIONS:
             progress(f"fleet: dashboard panels over the 6 h before {time.ctime(hist.end)}, variables: {sel}")
-            panels[sel], variables[sel] = panel_times(prom, hist.end, args.step, args.repeats, sel)
+            panels[sel], variables[sel] = panel_times(prom, hist.end, args.step, args.repeats, sel, args.judged_only)
         counts = series_counts(prom, hist.end, nodes, 8, 8)
         rss = metric_values(self_metrics(prom), "process_resident_memory_bytes").get("", 0.0)
         tsdb_bytes = sum(f.stat().st_size for f in hist.tsdb.rglob("*") if f.is_file())
@@ -1003,6 +1006,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--evaluations", type=int, default=5, help="evaluations of each rule group to record")
     p.add_argument("--step", type=float, default=30.0, help="query_range step (Grafana's for 6 h on a ~700 px panel)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each panel query (median)")
+    p.add_argument(
+        "--judged-only",
+        action="store_true",
+        help="time only the panels judged with each selection (not the drill-down dashboards at All)",
+    )
     p.add_argument("--file-gb", type=float, default=2.0, help="largest OpenMetrics file to write at once")
     p.add_argument("--quiet-seconds", type=float, default=90.0, help="compaction counts still this long: done")
     p.add_argument("--compaction-timeout", type=float, default=1800.0)

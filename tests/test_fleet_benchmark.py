@@ -253,8 +253,13 @@ def test_a_chosen_job_reads_the_gpus_of_its_nodes_alone_and_its_variables_are_ti
     try:
         measured = {sel: fleet.panel_times(prom, end, 30.0, 1, sel) for sel in fleet.SELECTIONS}
         alone = fleet.rule_groups_alone(prom, 1)
+        judged = {sel: fleet.panel_times(prom, end, 30.0, 1, sel, judged_only=True)[0] for sel in fleet.SELECTIONS}
     finally:
         prom.stop()
+    # --judged-only: the fleet dashboard at All, the drill-down ones with a job chosen, and nothing else
+    assert judged["all"] and all(k.startswith("vramwatch-fleet ") for k in judged["all"])
+    assert set(judged["all"]) | set(judged["job"]) == set(measured["all"][0])
+    assert not any(k.startswith("vramwatch-fleet ") for k in judged["job"])
     # every shipped rule, each group's in turn (a rule Prometheus refused would have raised)
     shipped = {
         g["name"]: g["rules"] for p in fleet.RULES.glob("*.yml") for g in yaml.safe_load(p.read_text())["groups"]
