@@ -558,6 +558,7 @@ class PanelQuery:
     ref: str
     expr: str
     instant: bool
+    max_points: int = 0  # the panel's "max data points" (0: none): its step is at least range / this
 
 
 def panel_queries(dashboards: Path = DASHBOARDS) -> list[PanelQuery]:
@@ -568,7 +569,16 @@ def panel_queries(dashboards: Path = DASHBOARDS) -> list[PanelQuery]:
             for t in p.get("targets", []):
                 if t.get("expr") and not t.get("hide"):
                     title = p.get("title") or f"panel {p.get('id')}"
-                    out.append(PanelQuery(path.stem, title, t.get("refId", ""), t["expr"], bool(t.get("instant"))))
+                    out.append(
+                        PanelQuery(
+                            path.stem,
+                            title,
+                            t.get("refId", ""),
+                            t["expr"],
+                            bool(t.get("instant")),
+                            p.get("maxDataPoints") or 0,
+                        )
+                    )
     return out
 
 
@@ -604,6 +614,7 @@ def variable_values(
 
 
 def time_query(prom: Prometheus, q: PanelQuery, tc: TimeContext, values: dict[str, str]) -> tuple[float, int]:
+    tc = tc.for_panel(q.max_points)
     expr = substitute(q.expr, values, tc)
     if q.instant:
         params = {"query": expr, "time": f"{tc.end:.3f}"}

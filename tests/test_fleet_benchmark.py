@@ -130,6 +130,10 @@ def test_every_panel_query_of_the_shipped_dashboards_is_run_with_its_variables_f
         assert values["host"] == "node-0000:9488"  # host's All: the hosts its query offers
     job_expr = next(q.expr for q in queries if "$job_id" in q.expr)
     assert 'job_id=~"job-0000"' in substitute(job_expr, fleet.variable_values("job", _OneTarget(), tc)[0], tc)
+    # a panel's "max data points" bounds its steps, as Grafana steps it
+    (fullest,) = [q for q in queries if q.panel == "Memory pressure, the ten fullest GPUs"]
+    assert fullest.max_points == 360 and tc.for_panel(fullest.max_points).step == 60  # 6 h / 360
+    assert tc.for_panel(0).step == 30 and tc.for_panel(360).builtins()["__rate_interval"] == "75s"
 
 
 def test_sizes_not_measured_are_extrapolated_and_misses_name_what_is_judged():

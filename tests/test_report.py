@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import html
 import json
@@ -750,3 +751,26 @@ def test_live_report_renders_in_headless_chromium(live, tmp_path):
     if os.environ.get("VRAMWATCH_UPDATE_SCREENSHOT") or not docs.exists():
         docs.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shot, docs)
+
+
+def test_a_panels_max_data_points_bound_the_steps_of_its_queries():
+    steps: list[float] = []
+
+    class Recording:
+        def query_range(self, expr: str, start: float, end: float, step: float) -> list:
+            steps.append(step)
+            return []
+
+    (d,) = [x for x in SPECS if x.uid == "vramwatch-fleet"]
+    values = variable_values(d, {"host": ["h:9488"]})
+    tc = TimeContext(start=0, end=6 * 3600, step=30, scrape_interval=15)
+    (fullest,) = [p for p in d.panels if p.title == "Memory pressure, the ten fullest GPUs"]
+    (pressure,) = [p for p in d.panels if p.title == "GPUs by memory pressure"]
+    run_panel(Recording(), fullest, values, tc)  # type: ignore[arg-type]
+    assert fullest.max_points == 360 and steps == [60]  # 6 h / 360
+    steps.clear()
+    run_panel(Recording(), dataclasses.replace(fullest, max_points=0), values, tc)  # type: ignore[arg-type]
+    assert steps == [30] and pressure.max_points == 0
+    steps.clear()  # a short range: the panel's own step
+    run_panel(Recording(), fullest, values, dataclasses.replace(tc, end=600))  # type: ignore[arg-type]
+    assert steps == [30]

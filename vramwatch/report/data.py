@@ -133,6 +133,7 @@ def run_target(client: PromClient, target: Target, values: dict[str, str], tc: T
 
 
 def run_panel(client: PromClient, panel: PanelSpec, values: dict[str, str], tc: TimeContext) -> PanelResult:
+    tc = tc.for_panel(panel.max_points)
     return PanelResult(panel, [run_target(client, t, values, tc) for t in panel.targets])
 
 

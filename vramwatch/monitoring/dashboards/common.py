@@ -291,9 +291,11 @@ def ts(
     stepped: bool = False,
     stack: bool = False,
     dashed: dict[str, str | None] | None = None,
+    max_points: int | None = None,
 ) -> timeseries.Panel:
     """A time series panel from 0 (``min_``); ``dashed`` draws queries (refId -> a fixed colour or None) as
-    dashed reference lines (a limit, a projection)."""
+    dashed reference lines (a limit, a projection); ``max_points``: Grafana's "max data points", so that its
+    queries step at least range / max_points apart (for a panel that ranks the whole fleet at every step)."""
     p = (
         _panel(timeseries.Panel(), title, description, unit, span, height)
         .legend(_legend())
@@ -302,6 +304,8 @@ def ts(
         .fill_opacity(10 if not bars else 80)
         .show_points(cm.VisibilityMode.NEVER)
     )
+    if max_points:
+        p = p.max_data_points(max_points)
     if bars:
         p = p.draw_style(cm.GraphDrawStyle.BARS)
     if stepped:

@@ -104,9 +104,11 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
     d = d.with_panel(
         ts(
             "Memory pressure, the ten fullest GPUs",
-            "NVML used / total over time; dashed: the alert thresholds.",
+            "NVML used / total over time, the ten fullest at each step (at most 360 steps, a minute apart over "
+            "6 h: every step ranks every GPU of the selection); dashed: the alert thresholds.",
             units.PercentUnit,
             [q(f"topk(10, {pressure})", "{{instance}} gpu{{gpu}}")],
+            max_points=360,
             max_=1,
             limits=memory_limits(cfg),
             span=24,

@@ -9,6 +9,7 @@ template syntax (``$job``, ``${job}``, ``$__rate_interval``, ``$__range``,
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,7 @@ class PanelSpec:
     sort_by: str = ""
     sort_desc: bool = True
     no_value: str = ""
+    max_points: int = 0  # the panel's "max data points" (0: the width's): its step is at least range / this
 
 
 @dataclass
@@ -117,6 +119,7 @@ def _panel(p: Any) -> PanelSpec:
         title=p.title or "",
         type=p.type_val,
         description=p.description or "",
+        max_points=int(getattr(p, "max_data_points", None) or 0),
         targets=[
             Target(t.ref_id or "", t.expr or "", t.legend_format or "", bool(t.instant)) for t in (p.targets or [])
         ],
@@ -239,6 +242,11 @@ class TimeContext:
     def rate_interval(self) -> float:
         # Grafana: max($__interval + scrape interval, 4 x scrape interval)
         return max(self.step + self.scrape_interval, 4 * self.scrape_interval)
+
+    def for_panel(self, max_points: int) -> TimeContext:
+        """The context of a panel with "max data points" set (0: none): Grafana steps at least range / that."""
+        least = (self.end - self.start) / max_points if max_points else 0.0
+        return dataclasses.replace(self, step=max(self.step, least))
 
     def builtins(self) -> dict[str, str]:
         return {
