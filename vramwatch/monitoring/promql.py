@@ -142,7 +142,7 @@ OWN_SKEW_RECORD = "vramwatch:training_own_seconds_per_step:skew_ratio"
 INPUT_WAIT_SKEW_RECORD = "vramwatch:training_data_wait_seconds_per_step:skew_ratio"
 # panels group: per rank, the peak dense BF16 FLOP/s of the GPU(s) it allocates on (the MFU panel's divisor)
 PEAK_FLOPS_RECORD = "vramwatch:gpu_peak_flops:per_rank"
-# allocator group: per rank, the step peak extrapolated over leak_window to leak_horizon_hours ahead
+# leak group: per rank, the step peak extrapolated over leak_window to leak_horizon_hours ahead
 LEAK_PROJECTION_RECORD = "vramwatch:torch_cuda_memory_step_peak_allocated_bytes:predict_linear"
 # health group: per GPU and Xid, the events of the last xid_window (only where there were any)
 XID_EVENTS_RECORD = "vramwatch:gpu_xid_errors:recent"
