@@ -1090,6 +1090,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
+    if not result["measurements"]:  # --backfill-only
+        return 0
     print(render_table(result))
     for m in result["summary"]["misses"]:
         print(f"fleet: over target at {TARGET_NODES} nodes: {m['kind']} {m['name']}: {_sec(m['at_target_s'])}")
