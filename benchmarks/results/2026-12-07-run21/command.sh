@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# run 21 (the command given to the GPU machine): the environment, then part 6, the Trainer workload as
+# in-process A/B segments, cut to what was left of the session's device time (SEG_DEADLINE=200).
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+mkdir -p $OUT
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv; nvidia-smi --query-compute-apps=pid,used_memory --format=csv; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; nproc; } > $OUT/environment.txt 2>&1
+cat $OUT/environment.txt
+VW_BENCH_COMMIT=426578e SEG_PAIRS=20 SEG_DEADLINE=200 OUT=$OUT BUDGET=235 bash benchmarks/run_gpu.sh --full part6 > $OUT/part6.log 2>&1; echo rc=$?
+tail -n 25 $OUT/part6.log
