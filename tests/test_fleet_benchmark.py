@@ -5,8 +5,10 @@ benchmarks/roles_walk.py on the CPU. The fleet runs themselves need minutes and 
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import shutil
 import subprocess
 import time
 
@@ -229,6 +231,15 @@ def test_a_larger_size_adds_its_nodes_to_the_tsdb_that_promtool_writes(tmp_path)
     record_ts = [int(m.group(4)) for m in rows if ":" in m.group(1)]
     assert record_ts and max(record_ts) == (start + 300) * 1000
     assert not list(tmp_path.glob("*.om")), "each file goes once promtool has read it"
+    # --backfill-only keeps each size's TSDB as a copy a later run measures (state and all), apart from the growing one
+    hist = fleet.History(tsdb, start, start + 300, start + 600, nodes=2, live_per_node=f.live(), records=["r"])
+    kept = fleet.keep_copy(tmp_path, hist)
+    again = fleet.History.open(kept, argparse.Namespace(), f.live())
+    assert kept == tmp_path / "sizes" / "2" and (again.nodes, again.records, again.tsdb) == (2, ["r"], kept / "tsdb")
+    blocks = sorted(x.name for x in tsdb.iterdir())
+    assert sorted(x.name for x in again.tsdb.iterdir()) == blocks
+    shutil.rmtree(tsdb / blocks[0])
+    assert (again.tsdb / blocks[0]).exists()
 
 
 def _fleet_node() -> list[fleet.Series]:
