@@ -339,7 +339,15 @@ def _counter_step(s: Series, all_series: list[Series]) -> float:
 
 
 def backfill(
-    fleet: Fleet, nodes: range, start: float, end: float, tsdb: Path, work: Path, group_bytes: float, jobs: int
+    fleet: Fleet,
+    nodes: range,
+    start: float,
+    end: float,
+    tsdb: Path,
+    work: Path,
+    group_bytes: float,
+    jobs: int,
+    origin: float | None = None,
 ) -> dict:
     """OpenMetrics files (2 h windows x node groups) into ``jobs`` promtools at once, the next file written
     while they read. Each file holds its series one after another (all of a series' samples together),
@@ -350,6 +358,8 @@ def backfill(
     per_node_window = fleet.per_node() * (WINDOW / SCRAPE_INTERVAL) * 190  # ~bytes a node's 2 h window writes
     group = max(1, min(len(nodes), int(group_bytes // per_node_window)))
     first = int(start // SCRAPE_INTERVAL) * SCRAPE_INTERVAL
+    # sample numbers count from the history's origin, so counters extended later carry on without a reset
+    zero = first if origin is None else int(origin // SCRAPE_INTERVAL) * SCRAPE_INTERVAL
     windows = []
     w = int(first // WINDOW) * WINDOW
     while w < end:
@@ -379,7 +389,7 @@ def backfill(
         for n, (a, b, n0, n1) in enumerate(chunks):
             path = work / f"chunk-{n:04d}.om"
             with open(path, "w", encoding="utf-8", buffering=1 << 22) as fh:
-                k0 = int(round((a - first) / SCRAPE_INTERVAL))
+                k0 = int(round((a - zero) / SCRAPE_INTERVAL))
                 count = int(math.ceil((b - a) / SCRAPE_INTERVAL - 1e-9))
                 for node in range(n0, n1):
                     rows = [fleet.lines(node, k0 + j, a + j * SCRAPE_INTERVAL).splitlines(True) for j in range(count)]
@@ -765,6 +775,22 @@ def grow(series: list[Series], nodes: int, args: argparse.Namespace, work: Path,
     return fill
 
 
+def extend(series: list[Series], args: argparse.Namespace, work: Path, hist: History) -> dict:
+    """Carry the scraped series of the nodes already there on to ``--extend-minutes`` from now, so that a kept
+    TSDB can time other rules at the clock after its history has run out. Counters carry on without a reset."""
+    until = time.time() + args.extend_minutes * 60
+    if until <= hist.until:
+        raise SystemExit(f"fleet: {work} runs to {time.ctime(hist.until)} already")
+    fleet = Fleet.build(series, hist.nodes, args.nodes_per_job, records_until=hist.end)
+    after = (int(hist.until // SCRAPE_INTERVAL) + 1) * SCRAPE_INTERVAL  # the sample after the last one there
+    fill = backfill(
+        fleet, range(hist.nodes), after, until, hist.tsdb, work, args.file_gb * 1e9, args.jobs, origin=hist.start
+    )
+    hist.until = until
+    hist.save(work)
+    return fill
+
+
 def compact(work: Path, hist: History, args: argparse.Namespace) -> dict[str, float]:
     """Prometheus without rules over the TSDB until its compaction is done, so a copy starts compacted."""
     cfg = prometheus_config([], args.evaluation_interval)
@@ -1036,6 +1062,12 @@ def main(argv: list[str] | None = None) -> int:
         help="fill the TSDB in --work for each size and keep a compacted copy of it in --work/sizes/N, measuring "
         "nothing; a later run with the same --work measures each size from its copy",
     )
+    p.add_argument(
+        "--extend-minutes",
+        type=float,
+        help="carry the scraped series of each size kept in --work/sizes/N on to this many minutes from now "
+        "(a history that ended before another set of rules could be timed), measuring nothing",
+    )
     p.add_argument("--out", help="the result (default benchmarks/results/fleet.json; with --doc-from, the merged one)")
     p.add_argument("--doc", action="store_true", help="write the table into docs/scale.md")
     p.add_argument(
@@ -1076,6 +1108,11 @@ def main(argv: list[str] | None = None) -> int:
         for n in sizes:
             progress(f"fleet: --- {n} nodes ---")
             kept = work / "sizes" / str(n)
+            if args.extend_minutes:
+                size = History.open(kept, args, live)
+                extend(series, args, kept, size)
+                compact(kept, size, args)
+                continue
             if args.backfill_only:
                 grow(series, n, args, work, hist)
                 compact(work, hist, args)
@@ -1090,7 +1127,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    if not result["measurements"]:  # --backfill-only
+    if not result["measurements"]:  # --backfill-only, --extend-minutes
         return 0
     print(render_table(result))
     for m in result["summary"]["misses"]:
