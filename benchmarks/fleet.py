@@ -142,7 +142,6 @@ RECORD_SOURCES = {
     promql.STEP_MEAN_RECORD: "vramwatch_training_step_duration_seconds_count",
     promql.STEP_SKEW_RECORD: "vramwatch_training_step_duration_seconds_count",
     promql.STALL_MEAN_RECORD: "vramwatch_training_step_duration_seconds_count",
-    **{r: "vramwatch_training_step_duration_seconds_count" for r in promql.STEP_QUANTILE_RECORDS.values()},
     promql.LEAK_PROJECTION_RECORD: "torch_cuda_memory_step_peak_allocated_bytes",
     promql.PEAK_FLOPS_RECORD: "torch_cuda_memory_allocated_bytes",
     promql.MEMORY_RATIO_RECORD: "gpu_memory_used_bytes",
@@ -155,6 +154,7 @@ INSTANT_RECORDS = (
     promql.BUSY_STALL_RECORD,
     promql.OWN_MEAN_RECORD,
     promql.OWN_SKEW_RECORD,
+    promql.INPUT_WAIT_MEAN_RECORD,
     promql.INPUT_WAIT_SKEW_RECORD,
 )
 

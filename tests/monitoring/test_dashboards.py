@@ -419,10 +419,15 @@ def _check_thresholds(cfg: MonitoringConfig) -> None:
     assert bound.startswith(f"clamp_min({cfg.stall_factor:g} * ({promql.STALL_MEAN_RECORD}{{")
     assert f"[{cfg.stall_window}]" in recorded[promql.STALL_MEAN_RECORD]
     assert bound.endswith(f"* 0 + {cfg.stall_min_seconds:g}")
-    # the step-time quantiles are recorded over the config's window
+    # the step-time quantiles: the histogram of the chosen ranks, at the panel's own rate interval (no rule
+    # records them for the whole fleet)
     step = {t["refId"]: t["expr"] for t in _panel(mem, "Step time")["targets"]}
-    assert [step["B"].split("{")[0], step["C"].split("{")[0]] == list(promql.STEP_QUANTILE_RECORDS.values())
-    assert all(f"[{cfg.step_quantile_window}]" in recorded[n] for n in promql.STEP_QUANTILE_RECORDS.values())
+    bucket = "rate(vramwatch_training_step_duration_seconds_bucket{"
+    assert step["B"].startswith(f"histogram_quantile(0.5, {bucket}") and step["C"].startswith(
+        f"histogram_quantile(0.99, {bucket}"
+    )
+    assert all(s.endswith("[$__rate_interval]))") for s in (step["B"], step["C"]))
+    assert not any("quantile" in name for name in recorded)
 
 
 def test_thresholds_are_the_monitoring_config_values():
@@ -443,7 +448,6 @@ def test_thresholds_follow_a_changed_config():
         leak_horizon_hours=2.5,
         leak_window="45m",
         stall_window="20m",
-        step_quantile_window="3m",
         selector='cluster="a"',
         dashboard_tags=("x",),
     )

@@ -332,12 +332,6 @@ class MonitoringConfig:
     )
     straggler_window: str = setting("10m", "The window of each rank's mean step time (straggler rule).", _window)
     straggler_for: str = setting("15m", "How long a rank must stay a straggler before it warns.", _for)
-    step_quantile_window: str = setting(
-        "2m",
-        "The rate window of each rank's step-time quantiles (p50, p99), recorded for the training dashboard: "
-        "at least four scrape intervals; short, so that one slow step shows in the p99.",
-        _window,
-    )
     throughput_drop_ratio: float = setting(
         0.7,
         "Job throughput: a job whose step rate over throughput_window is below this share of its own rate "

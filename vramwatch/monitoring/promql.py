@@ -128,17 +128,13 @@ def stall_mean(cfg: MonitoringConfig) -> str:
 STEP_MEAN_RECORD = "vramwatch:training_step_duration_seconds:mean"
 STEP_SKEW_RECORD = "vramwatch:training_step_duration_seconds:skew_ratio"
 STALL_MEAN_RECORD = "vramwatch:training_step_duration_seconds:stall_window_mean"
-# panels group: per rank, the step-time histogram's quantiles over step_quantile_window
-STEP_QUANTILE_RECORDS = {
-    0.5: "vramwatch:training_step_duration_seconds:p50",
-    0.99: "vramwatch:training_step_duration_seconds:p99",
-}
 # progress group: per rank and GPU, the heartbeat's age where the rank is stalled past the busy floor with the
 # hang signature; pace group: per rank, own work per step (step time less collective waits) and its ratio to
-# its job's median, and the data wait per step over its job's median
+# its job's median, and the data wait per step and its ratio to its job's median
 BUSY_STALL_RECORD = "vramwatch:training_busy_stall:age_seconds"
 OWN_MEAN_RECORD = "vramwatch:training_own_seconds_per_step:mean"
 OWN_SKEW_RECORD = "vramwatch:training_own_seconds_per_step:skew_ratio"
+INPUT_WAIT_MEAN_RECORD = "vramwatch:training_data_wait_seconds_per_step:mean"
 INPUT_WAIT_SKEW_RECORD = "vramwatch:training_data_wait_seconds_per_step:skew_ratio"
 # panels group: per rank, the peak dense BF16 FLOP/s of the GPU(s) it allocates on (the MFU panel's divisor)
 PEAK_FLOPS_RECORD = "vramwatch:gpu_peak_flops:per_rank"
@@ -160,8 +156,8 @@ RECORDS = (
     BUSY_STALL_RECORD,
     OWN_MEAN_RECORD,
     OWN_SKEW_RECORD,
+    INPUT_WAIT_MEAN_RECORD,
     INPUT_WAIT_SKEW_RECORD,
-    *STEP_QUANTILE_RECORDS.values(),
     PEAK_FLOPS_RECORD,
     LEAK_PROJECTION_RECORD,
     XID_EVENTS_RECORD,

@@ -46,11 +46,9 @@ def gpu_jobs(cfg: MonitoringConfig) -> str:
 
 def with_job(cfg: MonitoringConfig, expr: str) -> str:
     """A per-GPU expression (labelled ``uuid``) with the job identity of :func:`gpu_jobs`; a GPU no rank used
-    keeps its labels alone."""
+    keeps its labels alone (``or on(uuid)``: the record is read once)."""
     newest = metric(cfg, GPU_JOB_RECORD)
-    return (
-        f"(\n{expr}\n) * on(uuid) group_left({peers(cfg)}) ({newest} * 0 + 1)\nor (\n{expr}\n) unless on(uuid) {newest}"
-    )
+    return f"(\n{expr}\n) * on(uuid) group_left({peers(cfg)}) ({newest} * 0 + 1)\nor on(uuid) (\n{expr}\n)"
 
 
 def rank_exited(cfg: MonitoringConfig) -> str:

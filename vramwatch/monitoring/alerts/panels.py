@@ -1,20 +1,15 @@
 """Recorded series only the dashboards read: what a panel would otherwise compute from raw families at
-every step of a long range (the step-time quantiles read every bucket of every rank's histogram; the
-peak FLOP/s per rank read every GPU of the fleet once per name pattern, whatever job was chosen).
+every step of a long range (the peak FLOP/s per rank read every GPU of the fleet once per name pattern,
+whatever job was chosen).
 
-A group of their own, so that their cost never delays an alert's group."""
+A group of their own, so that their cost never delays an alert's group. The step-time quantiles are not
+recorded: every bucket of every rank at every evaluation cost a fleet's Prometheus more than any alert
+group, for a panel that reads one job's ranks when it is opened (docs/scale.md)."""
 
 from __future__ import annotations
 
 from vramwatch.monitoring.config import MonitoringConfig
-from vramwatch.monitoring.promql import PEAK_FLOPS_RECORD, STEP_QUANTILE_RECORDS, duration, go_string, metric, num
-
-
-def step_quantile(cfg: MonitoringConfig, quantile: float) -> str:
-    """Per rank: the ``quantile`` of its step times over ``step_quantile_window`` (NaN while it makes no
-    steps)."""
-    buckets = metric(cfg, "vramwatch_training_step_duration_seconds_bucket")
-    return f"histogram_quantile({quantile:g}, rate({buckets}[{duration(cfg.step_quantile_window)}]))"
+from vramwatch.monitoring.promql import PEAK_FLOPS_RECORD, go_string, metric, num
 
 
 def rank_peak_flops(cfg: MonitoringConfig) -> str:
@@ -28,5 +23,4 @@ def rank_peak_flops(cfg: MonitoringConfig) -> str:
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
-    quantiles = [{"record": name, "expr": step_quantile(cfg, q)} for q, name in STEP_QUANTILE_RECORDS.items()]
-    return [*quantiles, {"record": PEAK_FLOPS_RECORD, "expr": rank_peak_flops(cfg)}]
+    return [{"record": PEAK_FLOPS_RECORD, "expr": rank_peak_flops(cfg)}]

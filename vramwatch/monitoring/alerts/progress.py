@@ -25,6 +25,7 @@ from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
     BUSY_STALL_RECORD,
     CRITICAL,
+    INPUT_WAIT_MEAN_RECORD,
     INPUT_WAIT_SKEW_RECORD,
     OWN_MEAN_RECORD,
     OWN_SKEW_RECORD,
@@ -209,12 +210,12 @@ def own_work(cfg: MonitoringConfig) -> str:
 
 
 def input_wait(cfg: MonitoringConfig) -> str:
-    """Per rank: its data wait per step over the median of its job's ranks' (the straggler's co-signal)."""
+    """Per rank: its data wait per step over ``straggler_window`` (the straggler's co-signal, against the
+    median of its job's ranks' in INPUT_WAIT_SKEW_RECORD)."""
     w = duration(cfg.straggler_window)
     data = metric(cfg, "vramwatch_training_wait_seconds_total", 'kind="data"')
     count = metric(cfg, "vramwatch_training_step_duration_seconds_count")
-    per_step = f"(sum without(kind) (rate({data}[{w}])) / rate({count}[{w}]))"
-    return step_skew(cfg, per_step)
+    return f"sum without(kind) (rate({data}[{w}])) / rate({count}[{w}])"
 
 
 def _gpu_of_rank(cfg: MonitoringConfig) -> str:
@@ -252,7 +253,8 @@ def stragglers(cfg: MonitoringConfig) -> list[dict]:
         {"record": STEP_SKEW_RECORD, "expr": step_skew(cfg, STEP_MEAN_RECORD)},
         {"record": OWN_MEAN_RECORD, "expr": own_work(cfg)},
         {"record": OWN_SKEW_RECORD, "expr": step_skew(cfg, OWN_MEAN_RECORD)},
-        {"record": INPUT_WAIT_SKEW_RECORD, "expr": input_wait(cfg)},
+        {"record": INPUT_WAIT_MEAN_RECORD, "expr": input_wait(cfg)},
+        {"record": INPUT_WAIT_SKEW_RECORD, "expr": step_skew(cfg, INPUT_WAIT_MEAN_RECORD)},
         alert(
             "TrainingRankStraggler",
             f"({skewed})\n* ignoring(uuid) group_left(uuid) {gpu}\nor ({skewed})\nunless ignoring(uuid) {gpu}",
