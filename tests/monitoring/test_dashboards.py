@@ -416,9 +416,9 @@ def _check_thresholds(cfg: MonitoringConfig) -> None:
     )
     # the stall bound uses the alert's factor, window (its recorded mean) and minimum
     bound = {t["refId"]: t["expr"] for t in _panel(mem, "Heartbeat age")["targets"]}["B"]
-    assert bound.startswith(f"clamp_min({cfg.stall_factor:g} * ({promql.STALL_MEAN_RECORD}{{")
+    assert bound.startswith(f"clamp_min({cfg.stall_factor:g} * {promql.STALL_MEAN_RECORD}{{")
     assert f"[{cfg.stall_window}]" in recorded[promql.STALL_MEAN_RECORD]
-    assert bound.endswith(f"* 0 + {cfg.stall_min_seconds:g}")
+    assert bound.endswith(f"}}, {cfg.stall_min_seconds:g})")
     # the step-time quantiles: the histogram of the chosen ranks, at the panel's own rate interval (no rule
     # records them for the whole fleet)
     step = {t["refId"]: t["expr"] for t in _panel(mem, "Step time")["targets"]}

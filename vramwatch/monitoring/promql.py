@@ -105,20 +105,21 @@ def stall_bound(cfg: MonitoringConfig, series: Callable[[str], str], floor: floa
 
     ``stall_factor`` x the rank's mean step time over ``stall_window``, at least ``floor`` (default
     ``stall_min_seconds``, the idle stall's; the busy stall passes ``busy_stall_min_seconds``); when
-    no step completed in the whole window the mean is undefined (0/0) and the bound is the floor.
-    ``series(name)`` renders a family with its label matchers.
+    no step completed in the whole window the recorded mean is 0 (:func:`stall_mean`) and the bound is
+    the floor. ``series(name)`` renders a family with its label matchers.
     """
     low = num(cfg.stall_min_seconds if floor is None else floor)
-    last = series("vramwatch_training_last_step_timestamp_seconds")
-    return f"clamp_min({num(cfg.stall_factor)} * ({series(STALL_MEAN_RECORD)} > 0), {low})\n  or {last} * 0 + {low}"
+    return f"clamp_min({num(cfg.stall_factor)} * {series(STALL_MEAN_RECORD)}, {low})"
 
 
 def stall_mean(cfg: MonitoringConfig) -> str:
-    """Per rank: the mean step time over ``stall_window`` (NaN where no step completed in it), recorded as
-    :data:`STALL_MEAN_RECORD` for :func:`stall_bound`."""
+    """Per rank with a heartbeat: the mean step time over ``stall_window``, 0 where no step completed in it
+    (0/0), recorded as :data:`STALL_MEAN_RECORD` for :func:`stall_bound`. The fallback lives here, read once
+    per evaluation, rather than beside every bound that reads the record."""
     w = duration(cfg.stall_window)
     h = "vramwatch_training_step_duration_seconds"
-    return f"rate({metric(cfg, h + '_sum')}[{w}]) / rate({metric(cfg, h + '_count')}[{w}])"
+    last = metric(cfg, "vramwatch_training_last_step_timestamp_seconds")
+    return f"rate({metric(cfg, h + '_sum')}[{w}]) / rate({metric(cfg, h + '_count')}[{w}]) > 0\nor {last} * 0"
 
 
 # Recorded series that rules and dashboards share (level:metric:operations). Each is computed once per
@@ -129,9 +130,10 @@ STEP_MEAN_RECORD = "vramwatch:training_step_duration_seconds:mean"
 STEP_SKEW_RECORD = "vramwatch:training_step_duration_seconds:skew_ratio"
 STALL_MEAN_RECORD = "vramwatch:training_step_duration_seconds:stall_window_mean"
 # progress group: per rank and GPU, the heartbeat's age where the rank is stalled past the busy floor with the
-# hang signature; pace group: per rank, own work per step (step time less collective waits) and its ratio to
+# hang signature; device group: per GPU, the hang signature (busy at low power), only where it shows; pace group: per rank, own work per step (step time less collective waits) and its ratio to
 # its job's median, and the data wait per step and its ratio to its job's median
 BUSY_STALL_RECORD = "vramwatch:training_busy_stall:age_seconds"
+HANG_SIGNATURE_RECORD = "vramwatch:gpu_hang_signature:utilization_ratio"
 OWN_MEAN_RECORD = "vramwatch:training_own_seconds_per_step:mean"
 OWN_SKEW_RECORD = "vramwatch:training_own_seconds_per_step:skew_ratio"
 INPUT_WAIT_MEAN_RECORD = "vramwatch:training_data_wait_seconds_per_step:mean"
@@ -154,6 +156,7 @@ RECORDS = (
     STEP_SKEW_RECORD,
     STALL_MEAN_RECORD,
     BUSY_STALL_RECORD,
+    HANG_SIGNATURE_RECORD,
     OWN_MEAN_RECORD,
     OWN_SKEW_RECORD,
     INPUT_WAIT_MEAN_RECORD,

@@ -13,12 +13,13 @@ of it never pages. ``xid_critical`` / ``xid_warning`` move single codes whatever
 from __future__ import annotations
 
 from vramwatch.monitoring import xid_catalogue
-from vramwatch.monitoring.alerts import incidents
+from vramwatch.monitoring.alerts import incidents, progress
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
     CRITICAL,
     GPU_JOB_RECORD,
     GPU_WHERE,
+    HANG_SIGNATURE_RECORD,
     RECOVERY_ACTION_RECORD,
     VALUE,
     VALUE_INT,
@@ -98,8 +99,14 @@ def xid_rules(cfg: MonitoringConfig) -> list[dict]:
             "A GPU reported an Xid error that does not page.",
             f"{what} {events}: {todo}. The runbook's Xid table gives the code's meaning.",
         ),
-        # once per evaluation: the one-hot family is 7 series a GPU besides "none", and the alert reads
-        # its expression twice (incidents.with_job)
+    ]
+
+
+def recovery_rules(cfg: MonitoringConfig) -> list[dict]:
+    """NVML's recovery action: a group of its own, as the one-hot family is 7 series a GPU besides "none",
+    as many as the rest of the health group reads; recorded once, as the alert reads it twice
+    (incidents.with_job)."""
+    return [
         {"record": RECOVERY_ACTION_RECORD, "expr": metric(cfg, "gpu_recovery_action", 'action!="none"') + " == 1"},
         alert(
             "GPURecoveryAction",
@@ -114,7 +121,8 @@ def xid_rules(cfg: MonitoringConfig) -> list[dict]:
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
-    """What ends a GPU's job: Xid events, a recovery action, a lost GPU (incidents.GPU_CAUSES)."""
+    """What ends a GPU's job: Xid events, a lost GPU (incidents.GPU_CAUSES; the recovery action has a group of
+    its own), and the job of each GPU that all their alerts carry."""
     return [
         # first: the cause alerts read it in the same evaluation
         {"record": GPU_JOB_RECORD, "expr": incidents.gpu_jobs(cfg)},
@@ -132,11 +140,13 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
 
 
 def device_rules(cfg: MonitoringConfig) -> list[dict]:
-    """What wears or slows a GPU without ending its job: ECC errors, remapped rows, throttling."""
+    """What wears or slows a GPU without ending its job: ECC errors, remapped rows, throttling; and the
+    per-GPU hang signature the stall group reads."""
     ecc = metric(cfg, "gpu_ecc_errors_total", 'type="uncorrected"')
     remapped = metric(cfg, "gpu_remapped_rows", 'kind=~"pending|failure"')
     throttle = metric(cfg, "gpu_clock_throttle", f'reason=~"{regex(cfg.throttle_reasons)}"')
     return [
+        {"record": HANG_SIGNATURE_RECORD, "expr": progress.hang_signature(cfg)},
         alert(
             "GPUEccUncorrectedErrors",
             f"increase({ecc}[{duration(cfg.ecc_window)}]) > 0",

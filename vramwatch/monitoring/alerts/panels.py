@@ -1,6 +1,6 @@
 """Recorded series only the dashboards read: what a panel would otherwise compute from raw families at
-every step of a long range (the peak FLOP/s per rank read every GPU of the fleet once per name pattern,
-whatever job was chosen).
+every step of a long range (each rank's step-time skew against its job; the peak FLOP/s per rank read every
+GPU of the fleet once per name pattern, whatever job was chosen).
 
 A group of their own, so that their cost never delays an alert's group. The step-time quantiles are not
 recorded: every bucket of every rank at every evaluation cost a fleet's Prometheus more than any alert
@@ -8,6 +8,7 @@ group, for a panel that reads one job's ranks when it is opened (docs/scale.md).
 
 from __future__ import annotations
 
+from vramwatch.monitoring.alerts import progress
 from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import PEAK_FLOPS_RECORD, go_string, metric, num
 
@@ -23,4 +24,4 @@ def rank_peak_flops(cfg: MonitoringConfig) -> str:
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
-    return [{"record": PEAK_FLOPS_RECORD, "expr": rank_peak_flops(cfg)}]
+    return [progress.step_skew_record(cfg), {"record": PEAK_FLOPS_RECORD, "expr": rank_peak_flops(cfg)}]

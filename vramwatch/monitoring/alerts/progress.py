@@ -25,6 +25,7 @@ from vramwatch.monitoring.config import MonitoringConfig
 from vramwatch.monitoring.promql import (
     BUSY_STALL_RECORD,
     CRITICAL,
+    HANG_SIGNATURE_RECORD,
     INPUT_WAIT_MEAN_RECORD,
     INPUT_WAIT_SKEW_RECORD,
     OWN_MEAN_RECORD,
@@ -64,17 +65,26 @@ def stalled_ranks(cfg: MonitoringConfig, floor: float | None = None) -> str:
     return f"(time() - {hb})\n> (\n  {bound}\n)"
 
 
-def busy_stalls(cfg: MonitoringConfig) -> str:
-    """Per rank and GPU: ranks stalled past the busy floor whose GPU reads busy at low power."""
-    alloc = metric(cfg, "torch_cuda_memory_allocated_bytes")
+def hang_signature(cfg: MonitoringConfig) -> str:
+    """Per GPU: its utilisation, where it reads busy at low power (a deadlocked collective spins). Recorded as
+    HANG_SIGNATURE_RECORD by the device group, among the per-GPU rules, so that the stall group reads only the
+    few GPUs that show it."""
     util = metric(cfg, "gpu_utilization_ratio")
     power = metric(cfg, "gpu_power_watts")
     plimit = metric(cfg, "gpu_power_limit_watts")
     return (
+        f"{util} >= {num(cfg.busy_utilization_ratio)}\n"
+        f"and {power} / {plimit} <= {num(cfg.busy_power_ratio)}"
+    )
+
+
+def busy_stalls(cfg: MonitoringConfig) -> str:
+    """Per rank and GPU: ranks stalled past the busy floor whose GPU shows the hang signature."""
+    alloc = metric(cfg, "torch_cuda_memory_allocated_bytes")
+    return (
         f"(\n{_indent(stalled_ranks(cfg, cfg.busy_stall_min_seconds))}\n)\n"
         f"* ignoring({_PER_GPU_ONLY}) group_right()\n({alloc} * 0 + 1)\n"
-        f"and ignoring({_GPU_JOIN}) {util} >= {num(cfg.busy_utilization_ratio)}\n"
-        f"and ignoring({_GPU_JOIN}) {power} / {plimit} <= {num(cfg.busy_power_ratio)}"
+        f"and ignoring({_GPU_JOIN}) {metric(cfg, HANG_SIGNATURE_RECORD)}"
     )
 
 
@@ -145,13 +155,13 @@ def ranks_of_job(cfg: MonitoringConfig) -> str:
 
 def job_hangs(cfg: MonitoringConfig) -> str:
     """The hang page: per job, the number of its ranks busy-stalled (one alert per job, whatever its size);
-    a job of one rank keeps that rank's and GPU's labels (one page either way)."""
-    one = f"{BUSY_STALL_RECORD}\nand on({peers(cfg)}) {ranks_of_job(cfg)} == 1"
+    a job of one rank keeps that rank's and GPU's labels (one page either way: ``or on(job)`` adds the
+    record's series only for jobs the count left out)."""
     by = f"{peers(cfg)}, instance, rank, local_rank"
     several = (
         f"count by ({peers(cfg)}) (group by ({by}) ({BUSY_STALL_RECORD}))\nand on({peers(cfg)}) {ranks_of_job(cfg)} > 1"
     )
-    return unless_in_phase(cfg, f"{one}\nor\n{several}")
+    return unless_in_phase(cfg, f"{several}\nor on({peers(cfg)})\n{BUSY_STALL_RECORD}")
 
 
 _WHAT_TO_DO = (
@@ -243,21 +253,33 @@ def _straggler_cause(cfg: MonitoringConfig) -> str:
     )
 
 
-def stragglers(cfg: MonitoringConfig) -> list[dict]:
-    """The recording rules of step-time and own-work skew, and the straggler warning on them."""
-    mean = step_mean(cfg, lambda name: metric(cfg, name))
-    skewed = f"{OWN_SKEW_RECORD} > {num(cfg.straggler_ratio)}"
-    gpu = _gpu_of_rank(cfg)
+def pace_rules(cfg: MonitoringConfig) -> list[dict]:
+    """Per rank, over ``straggler_window``: the mean step time, own work and data wait per step. The
+    straggler group reads them (a group apart: each group's rules run one after another, the groups at once;
+    one evaluation's lag is nothing against a 10-minute mean)."""
     return [
-        {"record": STEP_MEAN_RECORD, "expr": mean},
-        {"record": STEP_SKEW_RECORD, "expr": step_skew(cfg, STEP_MEAN_RECORD)},
+        {"record": STEP_MEAN_RECORD, "expr": step_mean(cfg, lambda name: metric(cfg, name))},
         {"record": OWN_MEAN_RECORD, "expr": own_work(cfg)},
-        {"record": OWN_SKEW_RECORD, "expr": step_skew(cfg, OWN_MEAN_RECORD)},
         {"record": INPUT_WAIT_MEAN_RECORD, "expr": input_wait(cfg)},
+    ]
+
+
+def step_skew_record(cfg: MonitoringConfig) -> dict:
+    """Per rank: its mean step time over its job's median, for the dashboard's skew panel."""
+    return {"record": STEP_SKEW_RECORD, "expr": step_skew(cfg, STEP_MEAN_RECORD)}
+
+
+def straggler_rules(cfg: MonitoringConfig) -> list[dict]:
+    """A rank slower than its job (the skew records that find it, and the warning), a job slower than
+    itself."""
+    skewed = f"{OWN_SKEW_RECORD} > {num(cfg.straggler_ratio)}"
+    return [
+        {"record": OWN_SKEW_RECORD, "expr": step_skew(cfg, OWN_MEAN_RECORD)},
         {"record": INPUT_WAIT_SKEW_RECORD, "expr": step_skew(cfg, INPUT_WAIT_MEAN_RECORD)},
         alert(
             "TrainingRankStraggler",
-            f"({skewed})\n* ignoring(uuid) group_left(uuid) {gpu}\nor ({skewed})\nunless ignoring(uuid) {gpu}",
+            # a rank without a GPU keeps its labels alone (or ignoring(uuid): the record is read once)
+            f"({skewed})\n* ignoring(uuid) group_left(uuid) {_gpu_of_rank(cfg)}\nor ignoring(uuid) ({skewed})",
             WARNING,
             "One rank is slower than the rest of its job.",
             f"{RANK_WHERE}{{{{ if $labels.uuid }}}} (GPU {label('uuid')}){{{{ end }}}} does {VALUE_RATIO}x the "
@@ -269,6 +291,7 @@ def stragglers(cfg: MonitoringConfig) -> list[dict]:
             "if its hardware is at fault.",
             cfg.straggler_for,
         ),
+        throughput_drop(cfg),
     ]
 
 
@@ -298,7 +321,7 @@ def throughput_drop(cfg: MonitoringConfig) -> dict:
 
 
 def rules(cfg: MonitoringConfig) -> list[dict]:
-    """The stalls: a group of their own, so that the hang page never waits behind the straggler records."""
+    """The stalls: a group of their own, so that the hang page never waits behind the pace records."""
     return [
         # first: the stall bounds below read it in the same evaluation
         {"record": STALL_MEAN_RECORD, "expr": stall_mean(cfg)},
@@ -307,7 +330,3 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
         idle_stall(cfg),
     ]
 
-
-def pace_rules(cfg: MonitoringConfig) -> list[dict]:
-    """A rank slower than its job (and the records that find it), a job slower than itself."""
-    return [*stragglers(cfg), throughput_drop(cfg)]
