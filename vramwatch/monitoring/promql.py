@@ -124,14 +124,14 @@ def stall_mean(cfg: MonitoringConfig) -> str:
 
 # Recorded series that rules and dashboards share (level:metric:operations). Each is computed once per
 # evaluation, so that alerts and panels over long ranges read one small series instead of the raw families.
-# pace group: per rank, vramwatch_training_step_duration_seconds' mean over straggler_window and its skew
-# against the job's median; progress group: its mean over stall_window (the stall bound's)
+# Per rank: pace group: the mean step time over straggler_window, own work per step (step time less collective
+# waits) and data wait per step; stragglers group: the last two over their job's median; panels group: the
+# step time over its job's median; progress group: the mean step time over stall_window (the stall bound's),
+# and the heartbeat's age where the rank is stalled past the busy floor with the hang signature. Per GPU:
+# device group: the hang signature (busy at low power), only where it shows.
 STEP_MEAN_RECORD = "vramwatch:training_step_duration_seconds:mean"
 STEP_SKEW_RECORD = "vramwatch:training_step_duration_seconds:skew_ratio"
 STALL_MEAN_RECORD = "vramwatch:training_step_duration_seconds:stall_window_mean"
-# progress group: per rank and GPU, the heartbeat's age where the rank is stalled past the busy floor with the
-# hang signature; device group: per GPU, the hang signature (busy at low power), only where it shows; pace group: per rank, own work per step (step time less collective waits) and its ratio to
-# its job's median, and the data wait per step and its ratio to its job's median
 BUSY_STALL_RECORD = "vramwatch:training_busy_stall:age_seconds"
 HANG_SIGNATURE_RECORD = "vramwatch:gpu_hang_signature:utilization_ratio"
 OWN_MEAN_RECORD = "vramwatch:training_own_seconds_per_step:mean"
@@ -146,7 +146,7 @@ LEAK_PROJECTION_RECORD = "vramwatch:torch_cuda_memory_step_peak_allocated_bytes:
 XID_EVENTS_RECORD = "vramwatch:gpu_xid_errors:recent"
 # health group: per GPU, the job identity of the ranks that used it lately (incidents.gpu_jobs)
 GPU_JOB_RECORD = "vramwatch:gpu_job:newest"
-# health group: per GPU, the recovery action NVML asks for (only where it asks for one)
+# recovery group: per GPU, the recovery action NVML asks for (only where it asks for one)
 RECOVERY_ACTION_RECORD = "vramwatch:gpu_recovery_action:pending"
 # memory group: per card or MIG instance, NVML used / total; per rank and device, reserved / its budget
 MEMORY_RATIO_RECORD = "vramwatch:gpu_memory_used_bytes:ratio"

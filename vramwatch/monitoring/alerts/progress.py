@@ -72,10 +72,7 @@ def hang_signature(cfg: MonitoringConfig) -> str:
     util = metric(cfg, "gpu_utilization_ratio")
     power = metric(cfg, "gpu_power_watts")
     plimit = metric(cfg, "gpu_power_limit_watts")
-    return (
-        f"{util} >= {num(cfg.busy_utilization_ratio)}\n"
-        f"and {power} / {plimit} <= {num(cfg.busy_power_ratio)}"
-    )
+    return f"{util} >= {num(cfg.busy_utilization_ratio)}\nand {power} / {plimit} <= {num(cfg.busy_power_ratio)}"
 
 
 def busy_stalls(cfg: MonitoringConfig) -> str:
@@ -329,4 +326,3 @@ def rules(cfg: MonitoringConfig) -> list[dict]:
         hang_page(cfg),
         idle_stall(cfg),
     ]
-
