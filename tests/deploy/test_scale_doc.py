@@ -39,7 +39,7 @@ def _dropped(relabel: list[dict], labels: dict[str, str]) -> bool:
 def test_fleet_relabelling_keeps_what_alerts_and_the_fleet_dashboard_read():
     relabel = series_count.fleet_relabel_configs()
     assert relabel, "docs/scale.md lost its metric_relabel_configs"
-    # the panels group records only for the training dashboard (its step-time quantiles go empty, as said)
+    # the panels group records only for the dashboards
     groups = yaml.safe_load(RULES.read_text())["groups"]
     rules = _families_in(yaml.safe_dump([g for g in groups if g["name"] != "vramwatch-panels"]))
     fleet_dash = _families_in((DEPLOY / "grafana" / "dashboards" / "vramwatch-fleet.json").read_text())

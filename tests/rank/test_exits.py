@@ -20,8 +20,11 @@ from vramwatch.server.collectors import ScrapeContext
 from vramwatch.server.collectors.ranks import families
 from vramwatch.spool import read_spool
 
+# SIGINT as a job started from a terminal has it: a suite started in the background (`make test &`) passes
+# its children SIGINT ignored, which vramwatch rightly leaves alone, and the SIGINT case would then sleep on
 PRELUDE = """
 import os, signal, sys, time, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import vramwatch
 vramwatch.start(spool_dir=sys.argv[1], serve="external", simulate=True, interval=600, rank=0)
 for _ in range(7):
