@@ -124,7 +124,7 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
             f"A rank above its bound is stalled.",
             [
                 qt(f"sort_desc({heartbeat_age(s)})", ref="A"),
-                qt(f"{m(promql.STALL_MEAN_RECORD)}{s.rank}", ref="B"),
+                qt(f"{m(promql.STALL_MEAN_RECORD)}{s.rank} > 0", ref="B"),  # the record's 0: no step in the window
                 qt(stall_bound(cfg, s), ref="C"),
             ],
             columns={"A": "heartbeat age", "B": "mean step", "C": "stall bound"},
