@@ -532,13 +532,13 @@ def rule_times(prom: Prometheus) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def rule_groups_alone(prom: Prometheus, repeats: int) -> dict[str, dict[str, Any]]:
+def rule_groups_alone(prom: Prometheus, repeats: int, rules: Path = RULES) -> dict[str, dict[str, Any]]:
     """Each group's rules one at a time, as instant queries at the clock in a Prometheus that evaluates no rules
     (the records the rules wrote a moment before are still within the lookback): the group's time on a core
     of its own, where the concurrent figure shares this machine's two cores among all the groups. Each
     expression is wrapped in ``count()`` so that encoding a large result does not count."""
     out = {}
-    for path in sorted(RULES.glob("*.yml")):
+    for path in sorted(rules.glob("*.yml")):
         for group in yaml.safe_load(path.read_text())["groups"]:
             rules = []
             for rule in group["rules"]:
@@ -557,6 +557,38 @@ def rule_groups_alone(prom: Prometheus, repeats: int) -> dict[str, dict[str, Any
 
 def _group_name(label: str) -> str:
     return label.rsplit(";", 1)[-1]  # "file;group"
+
+
+def rules_alone(work: Path, hist: History, args: argparse.Namespace, rules: Path) -> dict[str, Any]:
+    """One set of rule files on the TSDB: their groups evaluating together for ``--evaluations``, then each
+    group alone in a Prometheus without rules, over the records the first one just wrote."""
+    cfg = prometheus_config(sorted(str(p) for p in rules.glob("*.yml")), args.evaluation_interval)
+    prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
+    try:
+        prom.start(timeout=900)
+        wait_quiet(prom, 10.0, args.compaction_timeout)
+        together = rule_durations(prom, args.evaluations, args.evaluation_interval)
+    finally:
+        prom.stop()
+    prom = FleetPrometheus(
+        work, config=prometheus_config([], args.evaluation_interval), tsdb=hist.tsdb, retention="30d", lifecycle=False
+    )
+    try:
+        prom.start(timeout=900)
+        alone = rule_groups_alone(prom, args.repeats, rules)
+    finally:
+        prom.stop()
+    return {"rule_groups": together, "rule_groups_alone": alone}
+
+
+def paired_rules(work: Path, hist: History, args: argparse.Namespace, baseline: Path) -> dict[str, Any]:
+    """The rules in ``baseline`` (A) against this tree's (B), in the order A B A B on the same TSDB, so that a
+    change of the rules is read as a ratio on a machine whose speed drifts between runs."""
+    runs = []
+    for i, (side, rules) in enumerate([("A", baseline), ("B", RULES)] * 2):
+        progress(f"fleet: paired rules, run {i + 1}/4 ({side}: {rules})")
+        runs.append({"side": side, **rules_alone(work, hist, args, rules)})
+    return {"baseline": str(baseline), "runs": runs}
 
 
 # --- dashboards ---
@@ -1069,6 +1101,12 @@ def main(argv: list[str] | None = None) -> int:
         help="carry the scraped series of each size kept in --work/sizes/N on to this many minutes from now "
         "(a history that ended before another set of rules could be timed), measuring nothing",
     )
+    p.add_argument(
+        "--pair-rules",
+        metavar="DIR",
+        help="only time the rule files in DIR (A, e.g. an older tree's deploy/prometheus/rules) against this "
+        "tree's (B), A B A B, on each size kept in --work/sizes/N",
+    )
     p.add_argument("--out", help="the result (default benchmarks/results/fleet.json; with --doc-from, the merged one)")
     p.add_argument("--doc", action="store_true", help="write the table into docs/scale.md")
     p.add_argument(
@@ -1109,6 +1147,11 @@ def main(argv: list[str] | None = None) -> int:
         for n in sizes:
             progress(f"fleet: --- {n} nodes ---")
             kept = work / "sizes" / str(n)
+            if args.pair_rules:
+                pairs = paired_rules(kept, History.open(kept, args, live), args, Path(args.pair_rules))
+                result["measurements"].append({"nodes": n, "paired_rules": pairs})
+                common.write_json(args.out, result)
+                continue
             if args.extend_minutes:
                 size = History.open(kept, args, live)
                 extend(series, args, kept, size)
@@ -1128,7 +1171,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    if not result["measurements"]:  # --backfill-only, --extend-minutes
+    if not result["measurements"] or args.pair_rules:  # --backfill-only, --extend-minutes, --pair-rules
         return 0
     print(render_table(result))
     for m in result["summary"]["misses"]:

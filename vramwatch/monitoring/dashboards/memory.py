@@ -219,19 +219,24 @@ def build(cfg: MonitoringConfig) -> dashboard.Dashboard:
 
     d = d.with_row(dashboard.Row("Progress"))
     step_buckets = f"rate({m('vramwatch_training_step_duration_seconds')}_bucket{s.rank}[$__rate_interval])"
+    peers = ", ".join(cfg.peer_labels)
     d = d.with_panel(
         ts(
             "Step time",
-            "Mean step time and the 50th / 99th percentile from the step-time histogram. A spike is a "
-            "signal, not always a reason to kill: runs have spiked and recovered by themselves.",
+            "Each rank's mean step time, and the 99th percentile of its job's steps (the step-time histograms "
+            "of the chosen ranks together; 'Step-time skew by rank' names a slow rank). A spike is a signal, "
+            "not always a reason to kill: runs have spiked and recovered by themselves. At most 360 points: "
+            "the percentile reads every bucket of every chosen rank at each.",
             units.Seconds,
             [
                 q(mean_step_seconds(s, "$__rate_interval"), f"mean {RANK}", "A"),
-                *(
-                    q(f"histogram_quantile({quantile:g}, {step_buckets})", f"p{num(quantile * 100)} {RANK}", ref)
-                    for quantile, ref in ((0.5, "B"), (0.99, "C"))
+                q(
+                    f"histogram_quantile(0.99, sum by ({peers}, le) ({step_buckets}))",
+                    "p99 of job {{job_id}} ({{job}})",
+                    "B",
                 ),
             ],
+            max_points=360,
         )
     )
     d = d.with_panel(
