@@ -126,9 +126,9 @@ def stall_mean(cfg: MonitoringConfig) -> str:
 # evaluation, so that alerts and panels over long ranges read one small series instead of the raw families.
 # Per rank: pace group: the mean step time over straggler_window, own work per step (step time less collective
 # waits) and data wait per step; stragglers group: the last two over their job's median; panels group: the
-# step time over its job's median; progress group: the mean step time over stall_window (the stall bound's),
-# and the heartbeat's age where the rank is stalled past the busy floor with the hang signature. Per GPU:
-# device group: the hang signature (busy at low power), only where it shows.
+# step time over its job's median; stall-window group: the mean step time over stall_window (the stall
+# bound's); progress group: the heartbeat's age where the rank is stalled past the busy floor with the hang
+# signature. Per GPU: device group: the hang signature (busy at low power), only where it shows.
 STEP_MEAN_RECORD = "vramwatch:training_step_duration_seconds:mean"
 STEP_SKEW_RECORD = "vramwatch:training_step_duration_seconds:skew_ratio"
 STALL_MEAN_RECORD = "vramwatch:training_step_duration_seconds:stall_window_mean"

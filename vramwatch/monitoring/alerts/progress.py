@@ -317,11 +317,16 @@ def throughput_drop(cfg: MonitoringConfig) -> dict:
     )
 
 
+def stall_window_rules(cfg: MonitoringConfig) -> list[dict]:
+    """Each rank's mean step time over ``stall_window``, which the stall bounds read: a group apart, as its
+    half-hour rates of two series a rank cost as much as the stall rules together."""
+    return [{"record": STALL_MEAN_RECORD, "expr": stall_mean(cfg)}]
+
+
 def rules(cfg: MonitoringConfig) -> list[dict]:
     """The stalls: a group of their own, so that the hang page never waits behind the pace records."""
     return [
-        # first: the stall bounds below read it in the same evaluation
-        {"record": STALL_MEAN_RECORD, "expr": stall_mean(cfg)},
+        # first: the alerts below read it in the same evaluation
         {"record": BUSY_STALL_RECORD, "expr": busy_stalls(cfg)},
         hang_page(cfg),
         idle_stall(cfg),

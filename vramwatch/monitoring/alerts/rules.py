@@ -20,6 +20,7 @@ AREAS = (
     ("vramwatch-memory", memory.rules, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-allocator", allocator.rules, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-leak", allocator.leak_rules, dashboard_ids.TRAINING_MEMORY_UID),
+    ("vramwatch-stall-window", progress.stall_window_rules, dashboard_ids.TRAINING_MEMORY_UID),  # records only
     ("vramwatch-progress", progress.rules, dashboard_ids.TRAINING_MEMORY_UID),
     ("vramwatch-pace", progress.pace_rules, dashboard_ids.TRAINING_MEMORY_UID),  # recorded series only
     ("vramwatch-stragglers", progress.straggler_rules, dashboard_ids.TRAINING_MEMORY_UID),
