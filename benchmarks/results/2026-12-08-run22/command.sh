@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# run 22 (the command given to the GPU machine): the environment, then part 6, the Trainer workload as
+# run 22, 2026-12-08 00:17 UTC (the command given to the GPU machine): the environment, then part 6, the Trainer workload as
 # in-process A/B segments, up to 28 pairs within SEG_DEADLINE=290 s (about 23 fit).
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p $OUT
