@@ -1,6 +1,6 @@
 """Each rule group's time alone at 1,000 nodes, on the earlier sweep's machine speed (2026-12-07-fleet-500).
 
-The shared 2-core machine ran 1.5-2x slower during these runs than during that sweep, so the paired runs are
+The shared 2-core machine ran 1.3-2.4x slower during these runs than during that sweep, so the paired runs are
 read against the groups whose rules did not change: a group's estimate is its time in a paired run at
 `size` nodes over the unchanged groups' time in the same run, times the unchanged groups' time at 1,000 nodes
 on the earlier sweep's line. Run from anywhere: python3 <this file>.
