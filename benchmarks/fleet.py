@@ -36,6 +36,7 @@ the JSON and the table say which figures were measured and which extrapolated. P
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -46,6 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -456,6 +458,19 @@ class FleetPrometheus(Prometheus):
         ]
 
 
+@contextlib.contextmanager
+def over_tsdb(work: Path, hist: History, args: argparse.Namespace, rules: Path | None = None) -> Iterator[Prometheus]:
+    """A started FleetPrometheus over the size's TSDB, evaluating the rule files in ``rules`` (None: no rules)."""
+    rule_files = sorted(str(p) for p in rules.glob("*.yml")) if rules else []
+    cfg = prometheus_config(rule_files, args.evaluation_interval)
+    prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
+    try:
+        prom.start(timeout=900)
+        yield prom
+    finally:
+        prom.stop()
+
+
 def self_metrics(prom: Prometheus) -> str:
     return http_get(prom.url + "/metrics", 10)[1].decode()
 
@@ -562,22 +577,11 @@ def _group_name(label: str) -> str:
 def rules_alone(work: Path, hist: History, args: argparse.Namespace, rules: Path) -> dict[str, Any]:
     """One set of rule files on the TSDB: their groups evaluating together for ``--evaluations``, then each
     group alone in a Prometheus without rules, over the records the first one just wrote."""
-    cfg = prometheus_config(sorted(str(p) for p in rules.glob("*.yml")), args.evaluation_interval)
-    prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
-    try:
-        prom.start(timeout=900)
+    with over_tsdb(work, hist, args, rules) as prom:
         wait_quiet(prom, 10.0, args.compaction_timeout)
         together = rule_durations(prom, args.evaluations, args.evaluation_interval)
-    finally:
-        prom.stop()
-    prom = FleetPrometheus(
-        work, config=prometheus_config([], args.evaluation_interval), tsdb=hist.tsdb, retention="30d", lifecycle=False
-    )
-    try:
-        prom.start(timeout=900)
+    with over_tsdb(work, hist, args) as prom:
         alone = rule_groups_alone(prom, args.repeats, rules)
-    finally:
-        prom.stop()
     return {"rule_groups": together, "rule_groups_alone": alone}
 
 
@@ -826,13 +830,8 @@ def extend(series: list[Series], args: argparse.Namespace, work: Path, hist: His
 
 def compact(work: Path, hist: History, args: argparse.Namespace) -> dict[str, float]:
     """Prometheus without rules over the TSDB until its compaction is done, so a copy starts compacted."""
-    cfg = prometheus_config([], args.evaluation_interval)
-    prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
-    try:
-        prom.start(timeout=900)
+    with over_tsdb(work, hist, args) as prom:
         return wait_quiet(prom, args.quiet_seconds, args.compaction_timeout)
-    finally:
-        prom.stop()
 
 
 def keep_copy(work: Path, hist: History) -> Path:
@@ -848,12 +847,8 @@ def keep_copy(work: Path, hist: History) -> Path:
 def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Path, hist: History) -> dict[str, Any]:
     fleet = Fleet.build(series, nodes, args.nodes_per_job, records_until=hist.end)
     fill = grow(series, nodes, args, work, hist)
-    rule_files = sorted(str(p) for p in RULES.glob("*.yml"))
-    cfg = prometheus_config(rule_files, args.evaluation_interval)
-    prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
-    try:
-        progress(f"fleet: Prometheus over {nodes} nodes' TSDB")
-        prom.start(timeout=900)
+    progress(f"fleet: Prometheus over {nodes} nodes' TSDB")
+    with over_tsdb(work, hist, args, RULES) as prom:
         blocks = wait_quiet(prom, args.quiet_seconds, args.compaction_timeout)
         left = hist.until - time.time()
         if left < args.evaluation_interval * (args.evaluations + 3) + 300:
@@ -863,13 +858,8 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
             )
         progress(f"fleet: rule groups, {args.evaluations} evaluations each")
         rules = rule_durations(prom, args.evaluations, args.evaluation_interval)
-    finally:
-        prom.stop()
     # the rest without rules: what a group costs alone, and the panels without the rules' load beside them
-    cfg = prometheus_config([], args.evaluation_interval)
-    prom = FleetPrometheus(work, config=cfg, tsdb=hist.tsdb, retention="30d", lifecycle=False)
-    try:
-        prom.start(timeout=900)
+    with over_tsdb(work, hist, args) as prom:
         progress("fleet: each rule group alone, one rule at a time")
         alone = rule_groups_alone(prom, args.repeats)
         panels, variables = {}, {}
@@ -880,8 +870,6 @@ def measure(series: list[Series], nodes: int, args: argparse.Namespace, work: Pa
         rss = metric_values(self_metrics(prom), "process_resident_memory_bytes").get("", 0.0)
         tsdb_bytes = sum(f.stat().st_size for f in hist.tsdb.rglob("*") if f.is_file())
         load = Path("/proc/loadavg").read_text().split()[:3]
-    finally:
-        prom.stop()
     return {
         "nodes": nodes,
         "gpus": nodes * 8,

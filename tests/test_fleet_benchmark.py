@@ -242,6 +242,42 @@ def test_a_larger_size_adds_its_nodes_to_the_tsdb_that_promtool_writes(tmp_path)
     assert (again.tsdb / blocks[0]).exists()
 
 
+def test_an_extended_history_carries_its_counters_on_without_a_reset(tmp_path):
+    """--extend-minutes: the samples after the kept history's end follow on from it, one sample apart, and the
+    counters keep the step they grew by (a reset would read as a rate spike to every rule)."""
+    promtool = find_tool("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (make tools)")
+    start = time.time() - 1200
+    series = _node_series()
+    f = fleet.Fleet.build(series, nodes=1, per_job=1)
+    tsdb = tmp_path / "tsdb"
+    fleet.backfill(f, range(1), start, start + 600, tsdb, tmp_path, 1e9, jobs=1)
+    hist = fleet.History(tsdb, start, start + 300, start + 600, nodes=1, live_per_node=f.live())
+    args = argparse.Namespace(extend_minutes=0.0, nodes_per_job=1, file_gb=1.0, jobs=1)
+    fleet.extend(series, args, tmp_path, hist)
+    assert hist.until >= start + 1200 and fleet.History.open(tmp_path, args, f.live()).until == hist.until
+    (tsdb / "wal").mkdir()  # promtool's dump reads the WAL too
+    dump = subprocess.run([promtool, "tsdb", "dump", str(tsdb)], capture_output=True, text=True, check=True).stdout
+    count = sorted(
+        (int(ts), float(v))
+        for name, labels, v, ts in re.findall(r'^\{__name__="([^"]+)", (.*)\} (\S+) (\d+)$', dump, re.M)
+        if name == "vramwatch_training_step_duration_seconds_count" and 'rank="0"' in labels
+    )
+    stamps = [ts for ts, _ in count]
+    assert stamps == list(range(stamps[0], stamps[-1] + 1, 15_000)) and stamps[-1] > (start + 600) * 1000
+    steps = {round(b[1] - a[1], 6) for a, b in zip(count, count[1:], strict=False)}
+    assert steps == {fleet.SCRAPE_INTERVAL}, steps
+
+
+def test_paired_rules_run_the_baseline_and_this_trees_rules_in_turn(tmp_path, monkeypatch):
+    order = []
+    monkeypatch.setattr(fleet, "rules_alone", lambda work, hist, args, rules: order.append(rules) or {"x": 1})
+    out = fleet.paired_rules(tmp_path, None, argparse.Namespace(), tmp_path / "old")
+    assert order == [tmp_path / "old", fleet.RULES] * 2
+    assert [r["side"] for r in out["runs"]] == ["A", "B", "A", "B"] and out["runs"][0]["x"] == 1
+
+
 def _fleet_node() -> list[fleet.Series]:
     """What the dashboards' variables and one GPU panel read: the target's build info, its ranks, its GPUs."""
     out = [S("vramwatch_build_info", {"version": "1"}, 1.0, "const")]

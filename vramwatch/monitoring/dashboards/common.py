@@ -295,7 +295,8 @@ def ts(
 ) -> timeseries.Panel:
     """A time series panel from 0 (``min_``); ``dashed`` draws queries (refId -> a fixed colour or None) as
     dashed reference lines (a limit, a projection); ``max_points``: Grafana's "max data points", so that its
-    queries step at least range / max_points apart (for a panel that ranks the whole fleet at every step)."""
+    queries step at least range / max_points apart (for a panel whose every step reads a whole selection: the
+    fleet's ranking, every bucket of a job's histograms)."""
     p = (
         _panel(timeseries.Panel(), title, description, unit, span, height)
         .legend(_legend())
